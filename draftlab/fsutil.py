@@ -1,0 +1,54 @@
+"""Crash-safe file writes: write to a temp file in the same directory, then rename.
+
+A reader (or a resumed stage) sees either the old file or the complete new one, never a
+half-written file, even after Ctrl-C or a kill.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def canonical_json(obj) -> str:
+    """The one JSON spelling used for hashing: sorted keys, no spaces, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def atomic_write_json(path: str | os.PathLike, obj, indent: int = 2) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def atomic_replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
+    """Swap a fully written temp directory into place (the old one is removed only after)."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    old = final_dir.with_name(f".{final_dir.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final_dir.exists():
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    if old.exists():
+        shutil.rmtree(old)

@@ -1,0 +1,307 @@
+"""One typed loader for params.yaml.
+
+Each stage loads only the sections it reads: `load_params(["target", "train"])`. Every key of a
+loaded section must be known, present and of the declared type, else the stage stops with a
+message naming the file, the key and the expected type. A typo such as `spec.num_step=5` must
+never be silently ignored, so unknown keys are errors with a "did you mean" hint.
+
+`dvc exp run -S key=value` writes Hydra-typed values into params.yaml (unquoted `5` is an int,
+`true` a bool, `null` None, `0.5` a float). The rules below coerce only where nothing can be
+lost (int -> float, integral float -> int, "true"/"false" -> bool, numeric string -> number) and
+reject everything else with the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import yaml
+
+from draftlab.errors import UserError
+
+PARAMS_FILE = "params.yaml"
+
+
+class ParamsError(UserError):
+    pass
+
+
+def choice(*values: str, **kw) -> Any:
+    """A str field restricted to `values` (checked by the loader)."""
+    return field(metadata={"choices": values}, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections. Field docs live in params.yaml next to the values; these classes give names and types.
+
+
+@dataclass(frozen=True)
+class TargetParams:
+    model: str  # hub id or local path of the target LLM
+    revision: str | None  # hub revision (commit/tag); None for a local path
+    dtype: str = choice("float32", "bfloat16", "float16")
+    device: str = choice("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class PromptsParams:
+    source: str  # "builtin" or a path to a .jsonl / .parquet file
+    num_prompts: int  # how many prompts the built-in generator draws
+    seed: int
+    eval_fraction: float  # share of prompts (by content hash) held out for eval/bench
+    on_bad_row: str = choice("error", "skip")
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    base_url: str  # openai backend: server URL up to /v1
+    model_name: str | None  # openai backend: served model name; None = the server's first
+    api_key_env: str  # NAME of the env var holding the API key (the key is never stored)
+    max_new_tokens: int  # tokens per answer
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int  # sampling seed; each row's seed derives from it and the row id
+    batch_size: int  # hf backend: prompts per generate() call
+    concurrency: int  # openai backend: requests in flight
+    timeout_s: float  # openai backend: seconds per request attempt
+    max_retries: int  # openai backend: retries after the first attempt
+    retry_backoff_s: float  # openai backend: first retry delay, doubled each retry
+    backend: str = choice("hf", "openai")
+    reasoning: str = choice("keep", "drop")
+
+
+@dataclass(frozen=True)
+class CaptureParams:
+    layers: Union[list[int], str]  # decoder-layer outputs, 0-based, or "default"
+
+
+@dataclass(frozen=True)
+class ExtractParams:
+    max_length: int
+    batch_size: int
+    shard_tokens: int
+    dtype: str = choice("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class StandardizeParams:
+    draft_vocab_size: int
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    seed: int
+    epochs: int
+    batch_size: int
+    max_length: int
+    lr: float
+    min_lr_ratio: float
+    warmup_ratio: float
+    weight_decay: float
+    grad_clip: float
+    ttt_steps: int
+    ttt_decay: float
+    intermediate_size: int | None
+    checkpoint_every: int
+    device: str = choice("auto", "cpu", "cuda")
+    autocast: str = choice("auto", "bfloat16", "none")
+
+
+@dataclass(frozen=True)
+class ExportParams:
+    sglang_version: str
+    formats: list[str]
+    dtype: str = choice("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    num_steps: int | None
+    topk: int | None
+    num_draft_tokens: int | None
+    algorithm: str = choice("EAGLE3", "EAGLE")
+    on_adjust: str = choice("error", "allow")
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    num_prompts: int
+    max_new_tokens: int
+    ignore_eos: bool
+    warmup: int
+    concurrency: list[int]
+    url: str
+    port: int
+    startup_timeout_s: float
+    tp_size: int
+    extra_server_args: list[str]
+    backend: str = choice("reference", "sglang", "url")
+
+
+@dataclass(frozen=True)
+class CheckParams:
+    tau_tolerance: float
+    fail_on_error: bool
+
+
+SECTIONS: dict[str, type] = {
+    "target": TargetParams,
+    "prompts": PromptsParams,
+    "synth": SynthParams,
+    "capture": CaptureParams,
+    "extract": ExtractParams,
+    "standardize": StandardizeParams,
+    "train": TrainParams,
+    "export": ExportParams,
+    "spec": SpecParams,
+    "bench": BenchParams,
+    "check": CheckParams,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "int", float: "float", str: "str", bool: "bool"}.get(tp, str(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value, tp):
+    """Return `value` as type `tp`, coercing only losslessly; raise _Mismatch otherwise."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):  # first arm that fits wins: order arms strictest first
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise _Mismatch
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, bool):
+            raise _Mismatch
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise _Mismatch
+        raise _Mismatch
+    if tp is str:
+        # A number here means Hydra parsed an unquoted value (0.5 for "0.5", 007 -> 7): converting
+        # back could silently change it, so the user must quote it.
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"unsupported field type {tp}")
+
+
+def _load_section(name: str, raw, path: str):
+    cls = SECTIONS[name]
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: section '{name}' must be a mapping of keys, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f", did you mean {name}.{close[0]}?" if close else f" (known keys: {', '.join(fields)})"
+            raise ParamsError(f"{path}: unknown key {name}.{key}{hint}")
+    values = {}
+    for fname, f in fields.items():
+        if fname not in raw:
+            raise ParamsError(f"{path}: missing key {name}.{fname} (expected {_type_name(hints[fname])})")
+        value = raw[fname]
+        try:
+            value = _coerce(value, hints[fname])
+        except _Mismatch:
+            fix = ""
+            if hints[fname] is str and isinstance(value, (int, float)):
+                fix = f"; quote it, e.g. -S '{name}.{fname}=\"{value}\"'"
+            raise ParamsError(
+                f"{path}: key {name}.{fname} must be {_type_name(hints[fname])}, "
+                f"got {value!r} ({type(value).__name__}){fix}"
+            ) from None
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ParamsError(f"{path}: key {name}.{fname} must be one of {', '.join(choices)}, got {value!r}")
+        values[fname] = value
+    return cls(**values)
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: params file not found (run from the project root)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def load_params(sections: Sequence[str], path: str | Path = PARAMS_FILE) -> types.SimpleNamespace:
+    """Load and validate `sections` of params.yaml; returns an object with one attribute per section."""
+    data = read_yaml(path)
+    for name in data:
+        if name not in SECTIONS:
+            close = difflib.get_close_matches(str(name), list(SECTIONS), n=1, cutoff=0.6)
+            hint = f", did you mean {close[0]}?" if close else ""
+            raise ParamsError(f"{path}: unknown section '{name}'{hint}")
+    out = {}
+    for name in sections:
+        if name not in SECTIONS:
+            raise KeyError(f"no params section named {name!r}")
+        if name not in data:
+            raise ParamsError(f"{path}: missing section '{name}'")
+        out[name] = _load_section(name, data[name], str(path))
+    return types.SimpleNamespace(**out)
+
+
+def as_dict(params: types.SimpleNamespace) -> dict:
+    """Plain-dict form (for manifests and the configuration hash)."""
+    return {name: dataclasses.asdict(sec) for name, sec in vars(params).items()}

@@ -1,0 +1,140 @@
+"""The prompt set: read a user's file or the built-in generator, validate, dedupe, split.
+
+Output rows (data/prompts/{train,eval}.jsonl):
+  {"id": 16 hex chars of the content hash, "messages": [{"role", "content"}, ...], "source": ...,
+   and for built-in prompts "family" and "answer" (the reference answer, for evaluation)}
+The split is decided by the content hash, not the order: reordering or appending rows never
+moves an existing prompt between train and eval.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.errors import UserError
+from draftlab.fsutil import canonical_json
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class BadRow:
+    file: str
+    line: int  # 1-based line (JSONL) or row number (Parquet)
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+@dataclass
+class PromptSet:
+    rows: list[dict]
+    bad: list[BadRow] = field(default_factory=list)
+    duplicates: int = 0
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Content hash of the normalised conversation (whitespace at the ends stripped)."""
+    norm = [{"role": m["role"], "content": m["content"].strip()} for m in messages]
+    return hashlib.sha256(canonical_json(norm).encode()).hexdigest()[:16]
+
+
+def validate_row(obj) -> tuple[list[dict] | None, str | None]:
+    """(messages, None) for a good row, (None, reason) for a bad one."""
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    has_m, has_p = "messages" in obj, "prompt" in obj
+    if has_m and has_p:
+        return None, "has both 'messages' and 'prompt'; give one"
+    if has_p:
+        p = obj["prompt"]
+        if not isinstance(p, str) or not p.strip():
+            return None, "'prompt' must be a non-empty string"
+        return [{"role": "user", "content": p}], None
+    if not has_m:
+        return None, "needs 'messages' (chat format) or 'prompt' (a string)"
+    msgs = obj["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        return None, "'messages' must be a non-empty list"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m or "content" not in m:
+            return None, f"messages[{i}] must be an object with 'role' and 'content'"
+        if m["role"] not in ROLES:
+            return None, f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}"
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            return None, f"messages[{i}].content must be a non-empty string"
+    if msgs[-1]["role"] != "user":
+        return None, "the last message must be from the user (the target answers it)"
+    return [{"role": m["role"], "content": m["content"]} for m in msgs], None
+
+
+def _read_records(path: Path):
+    """Yield (line_number, parsed object or None, parse error or None)."""
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        for i, rec in enumerate(pd.read_parquet(path).to_dict(orient="records"), start=1):
+            rec = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in rec.items() if v is not None}
+            yield i, rec, None
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield i, None, f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def read_prompt_file(path: str | Path) -> PromptSet:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"prompts.source: file {path} not found (use 'builtin' or a .jsonl/.parquet path)")
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise UserError(f"prompts.source: {path} must be a .jsonl or .parquet file")
+    out = PromptSet(rows=[])
+    seen = set()
+    for line, obj, err in _read_records(path):
+        msgs, reason = (None, err) if err else validate_row(obj)
+        if reason:
+            out.bad.append(BadRow(str(path), line, reason))
+            continue
+        pid = prompt_id(msgs)
+        if pid in seen:
+            out.duplicates += 1
+            continue
+        seen.add(pid)
+        out.rows.append({"id": pid, "messages": msgs, "source": path.name})
+    return out
+
+
+def builtin_prompts(n: int, seed: int) -> PromptSet:
+    """Problems from the embedded target's task families, disjoint from its training corpus."""
+    from draftlab import tasks
+
+    out = PromptSet(rows=[])
+    seen = set()
+    for prob in tasks.generate(n, seed=seed, split="heldout"):
+        msgs = [{"role": "user", "content": prob.prompt}]
+        pid = prompt_id(msgs)
+        if pid in seen:
+            out.duplicates += 1
+            continue
+        seen.add(pid)
+        out.rows.append({"id": pid, "messages": msgs, "source": "builtin", "family": prob.family, "answer": prob.answer})
+    return out
+
+
+def is_eval(pid: str, eval_fraction: float) -> bool:
+    """Deterministic split by content hash: the id's first 8 hex digits as a fraction of 2**32."""
+    return int(pid[:8], 16) / 2**32 < eval_fraction
+
+
+def split(rows: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    train = [r for r in rows if not is_eval(r["id"], eval_fraction)]
+    evals = [r for r in rows if is_eval(r["id"], eval_fraction)]
+    return train, evals

@@ -1,0 +1,103 @@
+"""Loading the target LLM (hub id or local path) the same way in every stage."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftlab.errors import UserError
+from draftlab.manifest import dir_hash, sha256_text
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("target.device is 'cuda' but no CUDA device is visible; set it to 'auto' or 'cpu'")
+    return device
+
+
+def _source(model: str, revision: str | None) -> dict:
+    local = Path(model)
+    if local.exists():
+        return {"pretrained_model_name_or_path": str(local)}
+    # "models/tiny-target" looks like a hub id; if its first part is a local folder the user
+    # meant a path (asking the hub would only retry for half a minute, then fail).
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model.split("/")[0]).is_dir():
+        raise UserError(f"target.model: local path {model!r} does not exist (or give a hub id like org/name)")
+    return {"pretrained_model_name_or_path": model, "revision": revision}
+
+
+def load_tokenizer(model: str, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(**_source(model, revision))
+    except OSError as e:
+        raise UserError(f"target.model {model!r}: cannot load the tokenizer ({e})") from None
+    if tok.chat_template is None:
+        raise UserError(f"target.model {model!r}: tokenizer has no chat template; a chat (instruct) model is required")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_target(tp, device: str | None = None):
+    """(model, tokenizer) for TargetParams `tp`; model in eval mode on the resolved device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = device or resolve_device(tp.device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(**_source(tp.model, tp.revision), dtype=getattr(torch, DTYPES[tp.dtype]))
+    except OSError as e:
+        raise UserError(f"target.model {tp.model!r}: cannot load the model ({e})") from None
+    model.to(device).eval()
+    return model, load_tokenizer(tp.model, tp.revision)
+
+
+def tokenizer_hash(tok) -> str:
+    """Hash of the vocabulary + special tokens: equal hashes mean identical tokenization."""
+    import json
+
+    vocab = sorted(tok.get_vocab().items())
+    return sha256_text(json.dumps([vocab, tok.all_special_tokens, type(tok).__name__]))
+
+
+def chat_template_hash(tok) -> str:
+    return sha256_text(tok.chat_template or "")
+
+
+def target_fingerprint(tp) -> dict:
+    """What identifies the target for the configuration hash: a local dir's content hash or hub id+revision."""
+    local = Path(tp.model)
+    if local.exists():
+        return {"model": tp.model, "content_sha256": dir_hash(local)}
+    return {"model": tp.model, "revision": tp.revision}
+
+
+def target_info(model, tp) -> dict:
+    """Architecture facts later stages need (export, check) without loading the model again."""
+    cfg = model.config
+    text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    return {
+        "model": tp.model,
+        "revision": tp.revision,
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "model_type": cfg.model_type,
+        "num_layers": text_cfg.num_hidden_layers,
+        "hidden_size": text_cfg.hidden_size,
+        "vocab_size": text_cfg.vocab_size,
+        "intermediate_size": getattr(text_cfg, "intermediate_size", None),
+        "num_attention_heads": text_cfg.num_attention_heads,
+        "num_key_value_heads": getattr(text_cfg, "num_key_value_heads", text_cfg.num_attention_heads),
+        "head_dim": getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads,
+        "max_position_embeddings": getattr(text_cfg, "max_position_embeddings", None),
+        "rms_norm_eps": getattr(text_cfg, "rms_norm_eps", None),
+        "rope_theta": getattr(text_cfg, "rope_theta", None) or (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta"),
+        "rope_scaling": getattr(text_cfg, "rope_scaling", None),
+        "torch_dtype": tp.dtype,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+    }

@@ -1,0 +1,138 @@
+"""Stage extract: capture the target's hidden states at the capture layers, in safetensors shards.
+
+    python -m stages.extract --synth data/synth --out data/hidden
+Reads params sections: target, capture, extract.
+Resumable: shards are written atomically one by one; a re-run keeps every shard whose header
+carries this run's config hash and computes only the missing ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from draftlab import extract as X
+from draftlab import sglang_layers
+from draftlab.cli import run_stage
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_json
+from draftlab.manifest import build_manifest, read_manifest, write_manifest
+from draftlab.params import as_dict, load_params
+from draftlab.target import chat_template_hash, load_target, resolve_device, target_fingerprint, target_info, tokenizer_hash
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        raise UserError(f"{path} not found; run the synthesize stage first (dvc repro)")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); re-run the synthesize stage") from None
+    return rows
+
+
+def shard_is_done(path: Path, config_hash: str) -> bool:
+    if not path.exists():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("config_hash") == config_hash
+    except Exception:  # a foreign or damaged file: recompute it
+        return False
+
+
+def main(synth: Path, out: Path) -> None:
+    params = load_params(["target", "capture", "extract"])
+    tp, xp = params.target, params.extract
+    device = resolve_device(tp.device)
+    model, tok = load_target(tp, device)
+    info = target_info(model, tp)
+    # Refuse a layer spec SGLang cannot serve before any compute.
+    physical = sglang_layers.physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
+    sglang_layers.validate_capture(info["architecture"], info["num_layers"], physical)
+    info["physical_layers"] = physical
+    synth_manifest = read_manifest(synth)
+    inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(tp)}
+    manifest = build_manifest("extract", as_dict(params), inputs, __file__)
+    config_hash = manifest["config_hash"]
+    dtype = getattr(torch, xp.dtype)
+    limit = min(xp.max_length, info["max_position_embeddings"] or xp.max_length)
+    meta = {
+        "config_hash": config_hash,
+        "target_model": tp.model,
+        "target_revision": str(tp.revision),
+        "architecture": info["architecture"],
+        "num_layers": str(info["num_layers"]),
+        "hidden_size": str(info["hidden_size"]),
+        "vocab_size": str(info["vocab_size"]),
+        "physical_layers": json.dumps(physical),
+        "dtype": xp.dtype,
+        "chat_template_sha256": chat_template_hash(tok),
+        "tokenizer_sha256": tokenizer_hash(tok),
+        "max_length": str(limit),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    t0, tokens_done, bytes_written, counts = time.time(), 0, 0, {}
+    for split in ("train", "eval"):
+        rows = read_rows(synth / f"{split}.jsonl")
+        rendered = [X.render(tok, r["messages"]) for r in rows]
+        for r, (ids, _) in zip(rows, rendered):
+            if len(ids) > limit:
+                raise UserError(
+                    f"{synth / (split + '.jsonl')}: row {r['id']} has {len(ids)} tokens, more than "
+                    f"extract.max_length/context {limit}; raise extract.max_length or shorten synth.max_new_tokens"
+                )
+        plan = X.plan_shards([len(ids) for ids, _ in rendered], xp.shard_tokens)
+        (out / split).mkdir(exist_ok=True)
+        for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
+            if int(old.stem.split("-")[1]) >= len(plan):
+                old.unlink()
+        counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(len(i) for i, _ in rendered)}
+        bar = tqdm(plan, desc=f"extract {split}", unit="shard")
+        for s, idx in enumerate(bar):
+            path = out / split / f"shard-{s:05d}.safetensors"
+            if shard_is_done(path, config_hash):
+                continue
+            tensors = X.extract_shard(model, [rendered[i] for i in idx], physical, xp.batch_size, dtype, device)
+            smeta = {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])}
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(tensors, str(tmp), metadata=smeta)
+            tmp.replace(path)  # atomic: a shard is either complete or absent
+            tokens_done += len(tensors["input_ids"])
+            bytes_written += path.stat().st_size
+            bar.set_postfix(tok_s=f"{tokens_done / (time.time() - t0):.0f}")
+    seconds = time.time() - t0
+    per_token = bytes_written / tokens_done if tokens_done else None
+    manifest["info"] = {
+        "target": info,
+        "chat_template_sha256": meta["chat_template_sha256"],
+        "tokenizer_sha256": meta["tokenizer_sha256"],
+        "counts": counts,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
+        "bytes_per_token": round(per_token, 1) if per_token else None,
+        "device": device,
+    }
+    write_manifest(out, manifest)
+    if tokens_done:
+        print(f"extract: {tokens_done} tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
+              f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")
+    else:
+        print(f"extract: all shards already present for config {config_hash[:12]} -> {out}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--synth", type=Path, default=Path("data/synth"))
+    ap.add_argument("--out", type=Path, default=Path("data/hidden"))
+    a = ap.parse_args()
+    run_stage(main, a.synth, a.out)

@@ -1,0 +1,115 @@
+"""Stage standardize: extraction shards -> training features, draft vocabulary, feature statistics.
+
+    python -m stages.standardize --hidden data/hidden --out data/features --metrics reports/standardize.json
+Reads params section: standardize.
+
+- aux states are concatenated in ascending physical order (what SGLang feeds the draft,
+  whatever order a config lists them in);
+- the draft vocabulary is the draft_vocab_size most frequent target tokens under the loss mask
+  of the train split (d2t/t2d, DESIGN.md section 6);
+- per-layer L2-norm statistics are recorded: the wiring check compares them with what a server
+  captures live (a shifted or unnormalised layer shows up as a norm ratio far from 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from draftlab import features as F
+from draftlab.cli import run_stage
+from draftlab.errors import UserError
+from draftlab.extract import layer_key
+from draftlab.fsutil import atomic_write_json
+from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.params import as_dict, load_params
+
+QUANTILES = (0.05, 0.5, 0.95)
+
+
+def load_shard(path: Path) -> tuple[dict, dict]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def norm_summary(norms: torch.Tensor) -> dict:
+    q = torch.quantile(norms.float()[:: max(1, len(norms) // 100_000)], torch.tensor(QUANTILES))
+    return {"mean": norms.float().mean().item(), "std": norms.float().std().item(),
+            **{f"p{int(p * 100)}": v.item() for p, v in zip(QUANTILES, q)}}
+
+
+def main(hidden: Path, out: Path, metrics: Path) -> None:
+    params = load_params(["standardize"])
+    n_vocab = params.standardize.draft_vocab_size
+    upstream = read_manifest(hidden)
+    target = upstream["info"]["target"]
+    physical = sorted(target["physical_layers"])
+    if n_vocab < 1:
+        raise UserError(f"params.yaml: standardize.draft_vocab_size must be >= 1, got {n_vocab}")
+    manifest = build_manifest("standardize", as_dict(params), {"extract": upstream["config_hash"]}, __file__)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = torch.zeros(target["vocab_size"], dtype=torch.long)
+    norms: dict[str, list[torch.Tensor]] = {str(i): [] for i in physical} | {"final": []}
+    split_tokens = {}
+    masked_ids = {"train": [], "eval": []}
+    for split in ("train", "eval"):
+        shards = sorted((hidden / split).glob("shard-*.safetensors"))
+        if not shards:
+            raise UserError(f"{hidden / split}: no shards; re-run the extract stage (dvc repro extract)")
+        (out / split).mkdir(exist_ok=True)
+        for old in (out / split).glob("shard-*.safetensors"):
+            if not (hidden / split / old.name).exists():
+                old.unlink()
+        n_tok = 0
+        for path in tqdm(shards, desc=f"standardize {split}", unit="shard"):
+            t, meta = load_shard(path)
+            if meta.get("config_hash") != upstream["config_hash"]:
+                raise UserError(f"{path}: written by another extract run than {hidden}/manifest.json; re-run extract")
+            aux = torch.cat([t[layer_key(i)] for i in physical], dim=-1)  # ascending physical order
+            arrays = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux,
+                      "final_hidden": t["final_hidden"], "seq_offsets": t["seq_offsets"]}
+            fmeta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
+                     "architecture": target["architecture"], "vocab_size": target["vocab_size"],
+                     "row_ids": json.loads(meta["row_ids"])}
+            F.write_shard(out / split / path.name, arrays, {**fmeta, "config_hash": manifest["config_hash"]})
+            masked_ids[split].append(t["input_ids"][t["loss_mask"]])
+            if split == "train":
+                counts += F.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
+                for i in physical:
+                    norms[str(i)].append(t[layer_key(i)].float().norm(dim=-1))
+                norms["final"].append(t["final_hidden"].float().norm(dim=-1))
+            n_tok += len(t["input_ids"])
+        split_tokens[split] = n_tok
+    d2t, t2d = F.build_draft_vocab(counts, n_vocab)
+    F.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
+    # Share of answer tokens the draft can propose at all: an upper bound on acceptance.
+    coverage = {s: (t2d[torch.cat(ids)].float().mean().item() if ids else None) for s, ids in masked_ids.items()}
+    stats = {
+        "physical_layers": physical,
+        "norms": {k: norm_summary(torch.cat(v)) for k, v in norms.items()},
+        "draft_vocab_size": int(len(d2t)),
+        "draft_vocab_coverage": coverage,
+        "tokens": split_tokens,
+    }
+    atomic_write_json(out / "stats.json", stats)
+    manifest["info"] = {"target": target, "chat_template_sha256": upstream["info"]["chat_template_sha256"],
+                        "tokenizer_sha256": upstream["info"]["tokenizer_sha256"], **stats}
+    write_manifest(out, manifest)
+    figures = {"draft_vocab_size": int(len(d2t)), "draft_vocab_coverage_eval": coverage["eval"],
+               "train_tokens": split_tokens["train"], "eval_tokens": split_tokens["eval"]}
+    atomic_write_json(metrics, with_lineage(figures, manifest, {"capture_physical_layers": physical, "target": target["model"]}))
+    print(f"standardize: {split_tokens} tokens, draft vocab {len(d2t)} covering "
+          f"{100 * (coverage['eval'] or 0):.1f}% of eval answer tokens -> {out}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=Path, default=Path("data/hidden"))
+    ap.add_argument("--out", type=Path, default=Path("data/features"))
+    ap.add_argument("--metrics", type=Path, default=Path("reports/standardize.json"))
+    a = ap.parse_args()
+    run_stage(main, a.hidden, a.out, a.metrics)

@@ -1,0 +1,77 @@
+"""Capture at physical index i equals transformers' output_hidden_states[i]; golden loss masks."""
+import pytest
+import torch
+
+from draftlab import extract as X
+from draftlab.micro import make_micro_model, make_micro_tokenizer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_capture_equals_output_hidden_states(arch):
+    model = make_micro_model(arch, num_layers=6)
+    ids = torch.randint(5, 200, (2, 11))
+    att = torch.ones_like(ids)
+    att[1, 8:] = 0  # right padding in the second row
+    physical = [0, 1, 3, 5, 6]  # embedding, layer outputs, and L = after the final norm
+    aux, final = X.capture(model, ids, att, physical)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
+    assert len(ref) == 7
+    for i in physical:
+        torch.testing.assert_close(aux[i], ref[i], rtol=0, atol=0)
+    torch.testing.assert_close(final, ref[-1], rtol=0, atol=0)
+
+
+def test_packed_shard_matches_unpadded_forward():
+    """Batched, padded extraction gives each row the states of its own unpadded forward."""
+    model = make_micro_model("llama", num_layers=4)
+    rows = [([5, 6, 7, 8, 9], [False] * 3 + [True] * 2), ([10, 11, 12], [False, True, True])]
+    t = X.extract_shard(model, rows, [2], batch_size=2, dtype=torch.float32, device="cpu")
+    assert t["seq_offsets"].tolist() == [0, 5, 8]
+    assert t["input_ids"].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert t["loss_mask"].tolist() == [False] * 3 + [True] * 2 + [False, True, True]
+    with torch.no_grad():
+        solo = model(input_ids=torch.tensor([[10, 11, 12]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(t["hidden.2"][5:8], solo[2][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t["final_hidden"][5:8], solo[-1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_loss_mask_golden_tokens():
+    tok = make_micro_tokenizer()
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12+5?"},
+        {"role": "assistant", "content": "<think>\n2+5=7\n</think>\n17"},
+    ]
+    ids, mask = X.render(tok, msgs)
+    tokens = tok.convert_ids_to_tokens(ids)
+    masked = [t for t, m in zip(tokens, mask) if m]
+    # Exactly the assistant content (reasoning included) plus the closing EOS.
+    assert masked == ["<think>", "Ċ", "2", "+", "5", "=", "7", "Ċ", "</think>", "Ċ", "1", "7", "<|end|>"]
+    # The boundary: the assistant header and its newline are scaffolding, not learned.
+    first = mask.index(True)
+    assert tokens[first - 2 : first] == ["<|assistant|>", "Ċ"]
+    assert not any(mask[: first])
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_loss_mask_covers_only_the_last_assistant_turn():
+    tok = make_micro_tokenizer()
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    ids, mask = X.render(tok, msgs)
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert masked == "fine<|end|>"
+
+
+def test_plan_shards_sorted_and_complete():
+    lengths = [50, 10, 30, 20, 40]
+    plan = X.plan_shards(lengths, shard_tokens=45)
+    assert sorted(i for s in plan for i in s) == list(range(5))
+    flat = [lengths[i] for s in plan for i in s]
+    assert flat == sorted(flat)
+    assert plan == X.plan_shards(lengths, shard_tokens=45)

@@ -1,0 +1,95 @@
+"""The params contract: unknown, missing and mistyped keys stop a stage with a clear message."""
+import pytest
+import yaml
+
+from draftlab.params import SECTIONS, ParamsError, load_params
+
+REPO_PARAMS = "params.yaml"
+
+
+def write(tmp_path, data):
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+@pytest.fixture
+def base():
+    return yaml.safe_load(open(REPO_PARAMS))
+
+
+def test_repo_params_load_every_section():
+    p = load_params(list(SECTIONS), REPO_PARAMS)
+    assert p.capture.layers == [1, 3, 5]
+    assert p.export.sglang_version == "0.5.14"
+
+
+def test_typo_names_key_and_suggests(tmp_path, base):
+    base["spec"]["num_step"] = 5
+    path = write(tmp_path, base)
+    with pytest.raises(ParamsError, match=r"unknown key spec\.num_step, did you mean spec\.num_steps\?") as e:
+        load_params(["spec"], path)
+    assert str(path) in str(e.value)
+
+
+def test_unknown_key_only_checked_for_loaded_sections(tmp_path, base):
+    base["spec"]["num_step"] = 5
+    path = write(tmp_path, base)
+    assert load_params(["prompts"], path).prompts.seed == base["prompts"]["seed"]
+
+
+def test_unknown_section_is_an_error(tmp_path, base):
+    base["captur"] = {"layers": [1]}
+    with pytest.raises(ParamsError, match="unknown section 'captur', did you mean capture"):
+        load_params(["prompts"], write(tmp_path, base))
+
+
+def test_missing_key_names_type(tmp_path, base):
+    del base["train"]["lr"]
+    with pytest.raises(ParamsError, match=r"missing key train\.lr \(expected float\)"):
+        load_params(["train"], write(tmp_path, base))
+
+
+def test_wrong_type_names_expected(tmp_path, base):
+    base["train"]["epochs"] = "many"
+    with pytest.raises(ParamsError, match=r"train\.epochs must be int, got 'many'"):
+        load_params(["train"], write(tmp_path, base))
+
+
+@pytest.mark.parametrize(
+    "section,key,given,expected",
+    [
+        ("train", "epochs", "3", 3),  # quoted number from a YAML edit
+        ("train", "epochs", 3.0, 3),  # integral float
+        ("train", "lr", 1, 1.0),  # Hydra types `lr=1` as int
+        ("bench", "ignore_eos", "true", True),
+        ("spec", "num_draft_tokens", None, None),  # unset is allowed where SGLang allows it
+        ("capture", "layers", "default", "default"),
+        ("capture", "layers", [2, 4], [2, 4]),
+    ],
+)
+def test_lossless_coercions(tmp_path, base, section, key, given, expected):
+    base[section][key] = given
+    got = getattr(getattr(load_params([section], write(tmp_path, base)), section), key)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "section,key,given,msg",
+    [
+        ("train", "epochs", 2.5, "must be int"),
+        ("train", "epochs", True, "must be int"),
+        ("export", "sglang_version", 0.5, "quote it"),  # Hydra turned "0.5" into a float
+        ("capture", "layers", [1, "x"], "must be list of int or str"),
+        ("spec", "on_adjust", "ignore", "must be one of error, allow"),
+    ],
+)
+def test_lossy_values_rejected(tmp_path, base, section, key, given, msg):
+    base[section][key] = given
+    with pytest.raises(ParamsError, match=msg):
+        load_params([section], write(tmp_path, base))
+
+
+def test_missing_file_says_where(tmp_path):
+    with pytest.raises(ParamsError, match="params file not found"):
+        load_params(["prompts"], tmp_path / "nope.yaml")

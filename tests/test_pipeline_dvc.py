@@ -1,0 +1,136 @@
+"""The DAG as DVC runs it, in a scratch copy of the project with a micro target.
+
+Asserts the invariants users rely on: nothing changed -> nothing runs; a param re-runs exactly
+the stages that read it and those downstream; a typo stops the stage that reads the section;
+config hashes are stable across runs and follow the params.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftlab.micro import save_micro_model
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = ["stages", "draftlab", "dvc.yaml", "params.yaml", ".dvc/config", ".dvcignore"]
+
+
+def sh(cmd, cwd, check=True):
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(cwd)})
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def ran(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def set_params(root: Path, **changes):
+    p = yaml.safe_load((root / "params.yaml").read_text())
+    for key, value in changes.items():
+        section, name = key.split("__")
+        p[section][name] = value
+    (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("project")
+    for name in COPY:
+        src, dst = ROOT / name, root / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dst)
+    save_micro_model(root / "models" / "micro", arch="llama", num_layers=6)
+    set_params(
+        root,
+        target__model="models/micro",
+        prompts__num_prompts=24,
+        prompts__eval_fraction=0.25,
+        synth__max_new_tokens=12,
+        synth__batch_size=12,
+        capture__layers=[0, 2, 4],
+        extract__shard_tokens=400,
+        standardize__draft_vocab_size=64,
+    )
+    sh(["git", "init", "-q"], root)
+    first = sh(["dvc", "repro"], root)
+    return root, first.stdout
+
+
+def stages_in_dag(root) -> set[str]:
+    return set(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])
+
+
+def config_hashes(root) -> dict:
+    out = {}
+    for m in (root / "data").glob("*/manifest.json"):
+        out[m.parent.name] = json.loads(m.read_text())["config_hash"]
+    return out
+
+
+def test_first_run_runs_every_stage(project):
+    root, out = project
+    assert ran(out) == stages_in_dag(root)
+
+
+def test_second_repro_runs_nothing_and_hashes_are_stable(project):
+    root, _ = project
+    before = config_hashes(root)
+    out = sh(["dvc", "repro"], root).stdout
+    assert ran(out) == set()
+    assert config_hashes(root) == before
+
+
+def test_capture_layers_rerun_extract_and_downstream_only(project):
+    root, _ = project
+    before = config_hashes(root)
+    set_params(root, capture__layers=[1, 2, 4])
+    out = sh(["dvc", "repro"], root).stdout
+    downstream = {"extract", "standardize", "train", "export", "bench", "check"} & stages_in_dag(root)
+    assert ran(out) == downstream
+    after = config_hashes(root)
+    assert after["prompts"] == before["prompts"] and after["synth"] == before["synth"]
+    assert after["hidden"] != before["hidden"] and after["features"] != before["features"]
+    meta = json.loads((root / "data/features/manifest.json").read_text())
+    assert meta["info"]["physical_layers"] == [2, 3, 5]
+
+
+def test_spec_change_reruns_only_bench_and_check(project):
+    root, _ = project
+    set_params(root, spec__num_steps=3, spec__num_draft_tokens=4)
+    out = sh(["dvc", "repro"], root).stdout
+    assert ran(out) == {"bench", "check"} & stages_in_dag(root)
+
+
+def test_typo_in_a_read_section_stops_the_stage(project):
+    root, _ = project
+    p = yaml.safe_load((root / "params.yaml").read_text())
+    p["capture"]["layer"] = [1]
+    (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    try:
+        r = sh(["dvc", "repro"], root, check=False)
+        assert r.returncode != 0
+        assert "unknown key capture.layer, did you mean capture.layers?" in r.stdout + r.stderr
+    finally:
+        del p["capture"]["layer"]
+        (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
+def test_unservable_layer_is_refused_before_compute(project):
+    root, _ = project
+    set_params(root, capture__layers=[2, 5])  # 5 = output of the last of 6 layers
+    try:
+        r = sh(["dvc", "repro", "extract"], root, check=False)
+        assert r.returncode != 0
+        assert "layer 5 is out of range" in r.stdout + r.stderr and "cannot be captured by SGLang" in r.stdout + r.stderr
+    finally:
+        set_params(root, capture__layers=[1, 2, 4])
