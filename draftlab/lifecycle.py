@@ -1,0 +1,189 @@
+"""Start a server process, wait until it is healthy, and always stop it: the one way we run servers.
+
+    with serve(["python", "-m", "draftlab.server", "--model-path", m, "--port", str(port)],
+               f"http://127.0.0.1:{port}", log_path="logs/server.log", startup_timeout_s=60) as srv:
+        httpx.post(srv.url + "/generate", json=...)
+
+The command is an argv list (never a shell string). It runs in its own process group, so that
+stopping it also stops the workers it spawned (SGLang starts scheduler and detokenizer
+processes), and so that Ctrl-C in the terminal reaches only us: we then stop the group
+ourselves. stdout and stderr go to one log file, which is kept. On exit of the `with` block,
+normal or not (exception, Ctrl-C, SIGTERM from `dvc` or a job scheduler), the whole group gets
+SIGTERM, then SIGKILL after a grace period.
+
+Not covered: a `kill -9` of this process cannot run any cleanup; the server then keeps running.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from draftlab.errors import UserError
+
+POLL_S = 0.25  # seconds between /health probes while starting
+PROBE_TIMEOUT_S = 5.0  # one /health request; a loaded server answers in milliseconds
+GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL; SGLang frees GPU memory within a few
+LOG_TAIL_LINES = 40  # server log lines shown when it fails to start
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (the OS picks it; another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            tail = deque(f, maxlen=lines)
+    except OSError:
+        return "(no log)"
+    text = b"".join(tail).decode("utf-8", "replace").rstrip()
+    return text or "(log is empty)"
+
+
+@dataclass
+class Server:
+    """A started server: base URL (no trailing slash), process, log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def wait_healthy(srv: Server, timeout_s: float) -> None:
+    """Poll GET {url}/health until it returns 200; fail early if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:  # trust_env: no proxy for loopback
+        while True:
+            code = srv.process.poll()
+            if code is not None:
+                raise UserError(
+                    f"server exited with code {code} while starting: {srv.process.args!r}\n"
+                    f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}"
+                )
+            try:
+                r = client.get(srv.url + "/health")
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}"
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"server not healthy after {timeout_s:g} s ({srv.url}/health: {last}): {srv.process.args!r}\n"
+                    f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}"
+                )
+            time.sleep(POLL_S)
+
+
+def stop(srv: Server, grace_s: float = GRACE_S) -> None:
+    """SIGTERM the server's process group, SIGKILL it after `grace_s`; safe to call twice."""
+    pgid = srv.process.pid  # leader of its own group: group id == its pid
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    try:
+        srv.process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # Children may outlive the leader; wait for the rest of the group within the same grace.
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        srv.process.wait(timeout=grace_s)
+
+
+@contextlib.contextmanager
+def serve(
+    argv: list[str],
+    url: str,
+    log_path: str | os.PathLike,
+    startup_timeout_s: float = 600.0,
+    env: dict | None = None,
+    grace_s: float = GRACE_S,
+):
+    """Run `argv` as a server reachable at `url`; yields a Server once /health returns 200."""
+    if isinstance(argv, str) or not argv:
+        raise TypeError("argv must be a non-empty list of arguments, not a shell string")
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log, _sigterm_as_exit():
+        try:
+            proc = subprocess.Popen(
+                [str(a) for a in argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group (and session): killpg reaches its children
+            )
+        except OSError as e:
+            raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
+        srv = Server(url.rstrip("/"), proc, log_path)
+        try:
+            wait_healthy(srv, startup_timeout_s)
+            yield srv
+        finally:
+            stop(srv, grace_s)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a process of the group runs (a zombie runs nothing: dead, just not reaped yet)."""
+    if not os.path.isdir("/proc"):  # not Linux: ask the kernel, which counts zombies as alive
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except OSError:
+            return False
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after the command name: state ppid pgrp ...
+        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """Turn SIGTERM into SystemExit while a server runs, so `finally` stops it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,126 @@
+"""Stage synthesize: the target answers every prompt of both splits.
+
+    python -m stages.synthesize --prompts data/prompts --out data/synth
+Reads params sections: target, synth.
+Writes data/synth/{train,eval}.jsonl, errors.jsonl, manifest.json. Interrupted (Ctrl-C, kill)?
+Run it again: finished rows are kept and only the rest is generated.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+from draftlab import synth as S
+from draftlab.cli import run_stage
+from draftlab.errors import UserError
+from draftlab.manifest import MANIFEST, build_manifest, dir_hash, read_manifest, write_manifest
+from draftlab.params import as_dict, load_params
+from draftlab.target import chat_template_hash, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
+
+
+def check(sp) -> None:
+    rules = [
+        (sp.max_new_tokens >= 1, "synth.max_new_tokens must be >= 1"),
+        (sp.temperature >= 0, "synth.temperature must be >= 0 (0 = greedy)"),
+        (0 < sp.top_p <= 1, "synth.top_p must be in (0, 1]"),
+        (sp.batch_size >= 1, "synth.batch_size must be >= 1"),
+        (sp.concurrency >= 1, "synth.concurrency must be >= 1"),
+        (sp.timeout_s > 0, "synth.timeout_s must be > 0"),
+        (sp.max_retries >= 0, "synth.max_retries must be >= 0"),
+        (sp.retry_backoff_s >= 0, "synth.retry_backoff_s must be >= 0"),
+    ]
+    for ok, msg in rules:
+        if not ok:
+            raise UserError(f"params.yaml: {msg}")
+
+
+def make_backend(tp, sp):
+    if sp.backend == "hf":
+        device = resolve_device(tp.device)
+        model, tok = load_target(tp, device)
+        return S.HFBackend(model, tok, sp, device)
+    from transformers import AutoConfig
+
+    tok = load_tokenizer(tp.model, tp.revision)  # the target's own tokenizer: context check, hashes, think layout
+    try:
+        cfg = AutoConfig.from_pretrained(tp.model, revision=tp.revision).get_text_config()
+    except OSError as e:
+        raise UserError(f"target.model {tp.model!r}: cannot load its config ({e})") from None
+    context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
+    return S.OpenAIBackend(tok, sp, context, api_key=os.environ.get(sp.api_key_env) or None)
+
+
+def main(prompts_dir: Path, out: Path) -> None:
+    params = load_params(["target", "synth"])
+    tp, sp = params.target, params.synth
+    check(sp)
+    upstream = read_manifest(prompts_dir)
+    splits = {s: S.read_prompts(prompts_dir / f"{s}.jsonl") for s in S.SPLITS}
+    inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(tp)}
+    (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
+    backend = make_backend(tp, sp)
+    tok = backend.tokenizer
+    S.check_context(splits, tok, backend.context_length, sp.max_new_tokens)
+
+    sampling = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens, "seed": sp.seed}
+
+    def make_row(prompt, ans: S.Answer) -> dict:
+        row = {
+            "id": prompt["id"],
+            "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
+            "model": tp.model,
+            "revision": tp.revision,
+            "sampling": sampling,
+            "finish_reason": ans.finish_reason,
+            "completion_tokens": ans.completion_tokens,
+        }
+        if "source" in prompt:
+            row["source"] = prompt["source"]
+        return row
+
+    def progress(split, total, initial):
+        return tqdm(total=total, initial=initial, desc=f"synthesize {split}", unit="row", dynamic_ncols=True)
+
+    key = S.resume_key(dataclasses.asdict(tp), dataclasses.asdict(sp), inputs)
+    stats = S.synthesize(splits, backend, out, key, make_row, progress)
+    counts = stats["counts"]
+    n_in = sum(c["input"] for c in counts.values())
+    n_ok = sum(c["ok"] for c in counts.values())
+    n_err = len(stats["errors"])
+    if n_ok + n_err != n_in:  # every prompt is either answered or listed with its reason
+        raise RuntimeError(f"synthesize lost rows: {n_ok} ok + {n_err} errors != {n_in} prompts")
+    if n_ok == 0 and n_err:
+        raise UserError(f"all {n_err} prompts failed; see {out / 'errors.jsonl'}; first reason: {stats['errors'][0]['error']}")
+    info = {
+        "backend": sp.backend,
+        **backend.info,
+        "input": n_in,
+        "ok": n_ok,
+        "errors": n_err,
+        "counts": counts,
+        "resumed": stats["resumed"],
+        "finish_reasons": stats["finish_reasons"],
+        "completion_tokens": stats["completion_tokens"],  # generated in this run (not the resumed rows)
+        "generation_s": round(stats["generation_s"], 3),
+        "tokens_per_s": round(stats["completion_tokens"] / stats["generation_s"], 1) if stats["generation_s"] > 0 else None,
+        "tokenizer_hash": tokenizer_hash(tok),
+        "chat_template_hash": chat_template_hash(tok),
+    }
+    # The outputs' content hash is an input too: sampled answers differ between runs.
+    manifest = build_manifest("synthesize", as_dict(params), {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)
+    write_manifest(out, manifest)
+    length = stats["finish_reasons"].get("length", 0)
+    failed = f"{n_err} failed (reasons in {out / 'errors.jsonl'})" if n_err else "0 failed"
+    print(f"synthesize: {n_ok} answered, {failed}, {length} cut at synth.max_new_tokens, {info['tokens_per_s']} tokens/s -> {out}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=Path, default=Path("data/prompts"))
+    ap.add_argument("--out", type=Path, default=Path("data/synth"))
+    a = ap.parse_args()
+    run_stage(main, a.prompts, a.out)

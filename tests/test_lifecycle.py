@@ -1,0 +1,154 @@
+"""Starting and stopping servers: healthy before use, a clear error with the log, nothing left running."""
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from draftlab.errors import UserError
+from draftlab.lifecycle import free_port, serve
+
+# A stand-in server: optional start-up delay, optional child process (like SGLang's scheduler),
+# optional refusal of SIGTERM; /health answers 200 once listening.
+FAKE_SERVER = textwrap.dedent('''
+    import http.server, os, signal, subprocess, sys, time
+    port, delay, pids_file, mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    print("fake server loading, marker LOADING-7f3a", flush=True)
+    if mode == "crash":
+        print("fatal: marker CRASH-91c2", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if mode == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+    open(pids_file, "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(delay)
+    if mode == "hang":
+        time.sleep(1000)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+''')
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie waiting to be reaped (it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(")") + 2] == "Z"
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    pids = tmp_path / "pids"
+
+    def make(delay=0.0, mode="ok"):
+        port = free_port()
+        argv = [sys.executable, str(script), port, delay, pids, mode]
+        return argv, f"http://127.0.0.1:{port}", tmp_path / "logs" / "server.log"
+
+    def started_pids():
+        return [int(p) for p in pids.read_text().split()]
+
+    return make, started_pids
+
+
+def wait_dead(pids, within_s=5.0):
+    deadline = time.monotonic() + within_s
+    while not all(dead(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(dead(p) for p in pids)
+
+
+def test_waits_for_health_then_stops_the_whole_process_group(fake):
+    make, started_pids = fake
+    argv, url, log = make(delay=1.0)
+    t0 = time.monotonic()
+    with serve(argv, url, log, startup_timeout_s=30) as srv:
+        assert time.monotonic() - t0 >= 1.0  # not before the server listens
+        assert httpx.get(url + "/health").status_code == 200
+        server_pid, child_pid = started_pids()
+        assert srv.pid == server_pid and not dead(child_pid)
+    assert wait_dead([server_pid, child_pid], within_s=0.5)  # stopped before serve() returned
+    assert "LOADING-7f3a" in log.read_text()  # the log is kept
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_stops_the_group_on_exception_and_ctrl_c(fake, exc):
+    make, started_pids = fake
+    argv, url, log = make()
+    with pytest.raises(exc):
+        with serve(argv, url, log, startup_timeout_s=30):
+            raise exc()
+    assert wait_dead(started_pids(), within_s=0.5)
+
+
+def test_timeout_error_shows_log_tail_and_kills_the_group(fake):
+    make, started_pids = fake
+    argv, url, log = make(mode="hang")
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        with serve(argv, url, log, startup_timeout_s=1.5):
+            pytest.fail("yielded an unhealthy server")
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert "not healthy after 1.5 s" in str(e.value) and "LOADING-7f3a" in str(e.value) and str(log) in str(e.value)
+    assert wait_dead(started_pids(), within_s=0.5)
+
+
+def test_server_that_exits_fails_early_with_its_error(fake):
+    make, _ = fake
+    argv, url, log = make(mode="crash")
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="exited with code 3") as e:
+        with serve(argv, url, log, startup_timeout_s=60):
+            pass
+    assert time.monotonic() - t0 < 10  # did not wait for the 60 s timeout
+    assert "CRASH-91c2" in str(e.value)  # stderr reaches the log
+
+
+def test_sigkill_after_grace_when_sigterm_is_ignored(fake):
+    make, started_pids = fake
+    argv, url, log = make(mode="ignore_term")
+    with serve(argv, url, log, startup_timeout_s=30, grace_s=0.5):
+        server_pid, child_pid = started_pids()
+        t0 = time.monotonic()
+    assert wait_dead([server_pid, child_pid], within_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+
+
+def test_sigterm_to_us_still_stops_the_server(fake):
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("the test runner handles SIGTERM itself")
+    make, started_pids = fake
+    argv, url, log = make()
+    with pytest.raises(SystemExit):
+        with serve(argv, url, log, startup_timeout_s=30):
+            os.kill(os.getpid(), signal.SIGTERM)  # e.g. a job scheduler stopping the stage
+            time.sleep(5)
+    assert wait_dead(started_pids(), within_s=0.5)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handler restored
+
+
+def test_refuses_a_shell_string(tmp_path):
+    with pytest.raises(TypeError, match="shell string"):
+        with serve("python -m http.server", "http://127.0.0.1:1", tmp_path / "log"):
+            pass
+
+
+def test_free_port_is_bindable_on_loopback():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -1,0 +1,350 @@
+"""Synthesis: both backends give the same rows, runs resume without loss or duplicates,
+failures are listed with reasons, reasoning is kept or dropped, and the API key stays secret."""
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from draftlab import synth as S
+from draftlab.errors import UserError
+from draftlab.lifecycle import free_port, serve
+from draftlab.micro import make_micro_tokenizer, save_micro_model
+from draftlab.server import launch_command
+from draftlab.tasks import END_THINK, THINK
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+# Questions the test target is trained to answer with reasoning: (question, reasoning, answer).
+TAUGHT = [("Reverse abc", "c b a", "cba"), ("Sort 3 1 2", "1 < 2 < 3", "1 2 3"), ("Add 2 and 2", "2+2", "4")]
+OTHER = ["What is 7 times 6?", "Name a colour", "Count the letters in 'banana'", "Is 17 prime?", "Spell 'cat' backwards"]
+SECRET = "sk-test-9d8c7b6a5f4e3d2c"
+
+
+def reasoned(reasoning, answer):
+    return f"{THINK}\n{reasoning}\n{END_THINK}\n{answer}"
+
+
+def _load_stage():
+    spec = importlib.util.spec_from_file_location("stage_synthesize", ROOT / "stages" / "synthesize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+stage = _load_stage()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared CPUs: threads fighting over cores make micro models 10x slower
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A micro target taught to answer TAUGHT as '<think>\\nR\\n</think>\\nA' (random text otherwise)."""
+    path = tmp_path_factory.mktemp("target")
+    model = save_micro_model(path, arch="llama", seed=1)
+    tok = make_micro_tokenizer()
+    seqs = []
+    for q, r, a in TAUGHT:
+        p = S.prompt_ids(tok, [{"role": "user", "content": q}])
+        seqs.append((p, p + tok(reasoned(r, a), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+    width = max(len(f) for _, f in seqs)
+    x = torch.tensor([f + [tok.pad_token_id] * (width - len(f)) for _, f in seqs])
+    labels = torch.tensor([[-100] * len(p) + f[len(p):] + [-100] * (width - len(f)) for p, f in seqs])
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(300):  # converges in ~100 steps
+        loss = model(input_ids=x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.01:
+            break
+    model.eval()
+    for (p, _), (q, r, a) in zip(seqs, TAUGHT):
+        out = model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert tok.decode(out[0, len(p):], skip_special_tokens=True) == reasoned(r, a), "test target did not learn"
+    model.save_pretrained(path)
+    return path
+
+
+def row(text):
+    return {"id": hashlib.sha256(text.encode()).hexdigest()[:16], "messages": [{"role": "user", "content": text}], "source": "test"}
+
+
+def make_prompts(dir, train, evals):
+    dir.mkdir(parents=True, exist_ok=True)
+    for name, texts in (("train", train), ("eval", evals)):
+        (dir / f"{name}.jsonl").write_text("".join(json.dumps(row(t)) + "\n" for t in texts))
+    (dir / "manifest.json").write_text(json.dumps({"config_hash": hashlib.sha256(str((train, evals)).encode()).hexdigest()}))
+    return dir
+
+
+def write_params(dir, model, **synth):
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = {"target": {**base["target"], "model": str(model), "device": "cpu"},
+              "synth": {**base["synth"], "max_new_tokens": 24, "retry_backoff_s": 0.01, **synth}}
+    (dir / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def run_stage(tmp, monkeypatch, prompts, out, model, **synth):
+    """Run the stage in this process, from `tmp` (where its params.yaml is); returns its output."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_params(tmp, model, **synth)
+    monkeypatch.chdir(tmp)
+    stage.main(prompts, out)
+    return read_out(out)
+
+
+def read_out(out):
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").read_text().splitlines()] for s in S.SPLITS}
+    return rows, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def plain_server(target):
+    port = free_port()
+    with serve(launch_command(target, port), f"http://127.0.0.1:{port}", target / "plain.log", 120, env=ENV) as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(target):
+    port = free_port()
+    argv = launch_command(target, port, reasoning_parser="qwen3")
+    with serve(argv, f"http://127.0.0.1:{port}", target / "reasoning.log", 120, env=ENV) as srv:
+        yield srv.url
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_openai_backend_gives_the_same_rows_as_hf_for_greedy(tmp_path, monkeypatch, target, plain_server):
+    texts = [q for q, _, _ in TAUGHT] + OTHER
+    prompts = make_prompts(tmp_path / "prompts", texts[:6], texts[6:])
+    hf_rows, hf_man = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, batch_size=4)
+    oa_rows, oa_man = run_stage(tmp_path / "oa", monkeypatch, prompts, tmp_path / "oa" / "out", target,
+                                backend="openai", base_url=plain_server + "/v1", concurrency=3)
+    assert oa_rows == hf_rows
+    assert [r["id"] for r in hf_rows["train"]] == [row(t)["id"] for t in texts[:6]]  # input order
+    assert hf_rows["train"][0]["messages"] == row(texts[0])["messages"] + [{"role": "assistant", "content": reasoned(*TAUGHT[0][1:])}]
+    for man in (hf_man, oa_man):
+        assert (man["info"]["ok"], man["info"]["errors"], man["info"]["input"]) == (8, 0, 8)
+        assert man["inputs"]["prompts"] == json.loads((prompts / "manifest.json").read_text())["config_hash"]
+    assert hf_man["info"]["tokenizer_hash"] == oa_man["info"]["tokenizer_hash"]
+    assert hf_man["info"]["chat_template_hash"] == oa_man["info"]["chat_template_hash"]
+    assert oa_man["info"]["served_model"] == str(target)
+    assert not list((tmp_path / "oa" / "out").glob("*.partial")) and not (tmp_path / "oa" / "out" / S.RESUME_FILE).exists()
+
+
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_reasoning_keep_and_drop_agree_across_backends(tmp_path, monkeypatch, target, reasoning_server, mode):
+    import httpx
+
+    # The server really returns the reasoning separately (its parser strips the markers).
+    msg = httpx.post(reasoning_server + "/v1/chat/completions", timeout=60,
+                     json={"messages": row(TAUGHT[0][0])["messages"], "max_tokens": 40, "temperature": 0}).json()["choices"][0]["message"]
+    assert msg["reasoning_content"].strip() == TAUGHT[0][1] and msg["content"] == TAUGHT[0][2]
+
+    prompts = make_prompts(tmp_path / "prompts", [q for q, _, _ in TAUGHT[:2]], [TAUGHT[2][0]])
+    hf, _ = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, reasoning=mode, max_new_tokens=40)
+    oa, _ = run_stage(tmp_path / "oa", monkeypatch, prompts, tmp_path / "oa" / "out", target, reasoning=mode, max_new_tokens=40,
+                      backend="openai", base_url=reasoning_server + "/v1")
+    assert oa == hf
+    contents = [r["messages"][-1]["content"] for r in hf["train"] + hf["eval"]]
+    assert contents == [reasoned(r, a) if mode == "keep" else a for _, r, a in TAUGHT]
+
+
+def test_kill_9_mid_run_then_rerun_loses_and_duplicates_nothing(tmp_path, monkeypatch, target):
+    texts = [f"{q} (variant {i})" for i in range(8) for q in OTHER]  # 40 prompts
+    prompts = make_prompts(tmp_path / "prompts", texts[:34], texts[34:])
+    clean, _ = run_stage(tmp_path / "clean", monkeypatch, prompts, tmp_path / "clean" / "out", target, batch_size=1)
+
+    work, out = tmp_path / "work", tmp_path / "work" / "out"
+    work.mkdir()
+    write_params(work, target, batch_size=1)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.synthesize", "--prompts", str(prompts), "--out", str(out)],
+                            cwd=work, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = out / "train.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n_done = partial.read_text().count("\n")
+    assert 3 <= n_done < 34
+    with open(partial, "a") as f:
+        f.write('{"id": "torn-by-the-kill", "mess')  # a row cut off mid-write
+
+    resumed, man = run_stage(work, monkeypatch, prompts, out, target, batch_size=1)
+    assert resumed == clean  # every row once, in input order, same answers
+    assert man["info"]["counts"]["train"]["resumed"] >= n_done
+    assert not partial.exists()
+
+
+class ListBackend:
+    """Answers from a fixed function; raises KeyboardInterrupt after `stop_after` rows."""
+
+    def __init__(self, stop_after=None):
+        self.stop_after, self.seen = stop_after, []
+
+    def answer(self, rows, done):
+        for r in rows:
+            if self.stop_after is not None and len(self.seen) == self.stop_after:
+                raise KeyboardInterrupt
+            self.seen.append(r["id"])
+            done(r, S.Answer(f"answer to {r['id']}", "stop", 3), None)
+
+
+def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
+    splits = {"train": [row(f"q{i}") for i in range(6)], "eval": [row("e0"), row("e1")]}
+    make = lambda p, a: {"id": p["id"], "content": a.content, "finish_reason": a.finish_reason}
+    first = ListBackend(stop_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        S.synthesize(splits, first, tmp_path, "key-1", make)
+    second = ListBackend()
+    stats = S.synthesize(splits, second, tmp_path, "key-1", make)
+    assert not set(first.seen) & set(second.seen)
+    assert sorted(first.seen + second.seen) == sorted(r["id"] for rows in splits.values() for r in rows)
+    for split, rows in splits.items():
+        out = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert stats["counts"]["train"]["resumed"] == 4
+
+    # Partial rows from other settings are never mixed in: a new key starts over.
+    with pytest.raises(KeyboardInterrupt):
+        S.synthesize(splits, ListBackend(stop_after=2), tmp_path, "key-1", make)
+    third = ListBackend()
+    S.synthesize(splits, third, tmp_path, "key-2", make)
+    assert len(third.seen) == 8
+
+
+FAKE_OPENAI = textwrap.dedent('''
+    import http.server, json, sys, time
+    port, log = int(sys.argv[1]), sys.argv[2]
+    class H(http.server.BaseHTTPRequestHandler):
+        def reply(self, code, body):
+            data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        def do_GET(self):
+            if self.path == "/health":
+                self.reply(200, {})
+            elif self.path == "/v1/models":
+                self.reply(200, {"object": "list", "data": [{"id": "fake-model"}]})
+            else:
+                self.reply(404, {})
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = body["messages"][-1]["content"]
+            auth = self.headers.get("Authorization", "")
+            with open(log, "a") as f:
+                f.write(json.dumps({"text": text, "auth": auth, "model": body["model"]}) + "\\n")
+            if "fail" in text:   # a server error that even echoes the credentials back
+                return self.reply(500, f"internal error handling request with {auth}".encode())
+            if "reject" in text:
+                return self.reply(400, {"error": {"message": "unsupported"}})
+            if "slow" in text:
+                time.sleep(3)
+            self.reply(200, {"choices": [{"message": {"role": "assistant", "content": "ok: " + text},
+                                          "finish_reason": "stop"}], "usage": {"completion_tokens": 3}})
+        def log_message(self, *a):
+            pass
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+''')
+
+
+@pytest.fixture
+def failing_run(tmp_path, monkeypatch, target, capsys):
+    script = tmp_path / "fake_openai.py"
+    script.write_text(FAKE_OPENAI)
+    requests_log = tmp_path / "server_requests.jsonl"
+    train = ["good one", "please fail", "good two", "reject this", "too slow"]
+    prompts = make_prompts(tmp_path / "prompts", train, ["good three", "fail again"])
+    monkeypatch.setenv("DRAFTLAB_TEST_KEY", SECRET)
+    port = free_port()
+    with serve([sys.executable, script, port, requests_log], f"http://127.0.0.1:{port}", tmp_path / "fake.log", 30):
+        rows, man = run_stage(tmp_path / "run", monkeypatch, prompts, tmp_path / "run" / "out", target, backend="openai",
+                              base_url=f"http://127.0.0.1:{port}/v1", api_key_env="DRAFTLAB_TEST_KEY",
+                              max_retries=2, timeout_s=0.5, concurrency=4)
+    captured = capsys.readouterr()
+    requests = [json.loads(x) for x in requests_log.read_text().splitlines()]
+    return tmp_path, rows, man, requests, captured.out + captured.err
+
+
+def test_failed_requests_go_to_errors_jsonl_with_reasons(failing_run):
+    tmp, rows, man, requests, _ = failing_run
+    errors = {e["id"]: e for e in map(json.loads, (tmp / "run" / "out" / "errors.jsonl").read_text().splitlines())}
+    by_text = {t: row(t)["id"] for t in ["please fail", "reject this", "too slow", "fail again"]}
+    assert set(errors) == set(by_text.values())
+    assert errors[by_text["please fail"]]["error"].startswith("HTTP 500") and "after 3 attempts" in errors[by_text["please fail"]]["error"]
+    assert errors[by_text["reject this"]]["error"].startswith("HTTP 400") and "after 1 attempt)" in errors[by_text["reject this"]]["error"]
+    assert "timeout_s=0.5" in errors[by_text["too slow"]]["error"]
+    assert errors[by_text["fail again"]]["split"] == "eval"
+    attempts = {t: sum(r["text"] == t for r in requests) for t in by_text}
+    assert attempts == {"please fail": 3, "reject this": 1, "too slow": 3, "fail again": 3}  # 4xx is not retried
+    assert [r["messages"][-1]["content"] for r in rows["train"]] == ["ok: good one", "ok: good two"]
+    info = man["info"]
+    assert info["ok"] + info["errors"] == info["input"] == 7 and info["errors"] == 4
+    assert {r["model"] for r in requests} == {"fake-model"}  # asked the server's /v1/models
+
+
+def test_api_key_is_sent_but_never_written(failing_run):
+    tmp, _, _, requests, console = failing_run
+    assert {r["auth"] for r in requests} == {f"Bearer {SECRET}"}
+    for path in (tmp / "run").rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_text(errors="replace"), path
+    assert SECRET not in console
+    assert "***" in (tmp / "run" / "out" / "errors.jsonl").read_text()  # the echoed key was masked
+
+
+def test_unreachable_server_fails_every_row_and_the_stage(tmp_path, monkeypatch, target):
+    prompts = make_prompts(tmp_path / "prompts", ["a", "b"], ["c"])
+    with pytest.raises(UserError, match="all 3 prompts failed") as e:
+        run_stage(tmp_path / "run", monkeypatch, prompts, tmp_path / "run" / "out", target, backend="openai",
+                  base_url=f"http://127.0.0.1:{free_port()}/v1", model_name="m", max_retries=1)
+    assert "ConnectError" in str(e.value)
+    assert len((tmp_path / "run" / "out" / "errors.jsonl").read_text().splitlines()) == 3
+    assert not (tmp_path / "run" / "out" / "manifest.json").exists()
+
+
+def test_prompt_too_long_for_the_context_names_the_row(tmp_path, monkeypatch, target):
+    long = "x" * 600  # one token per byte: over the micro target's 512-token context
+    prompts = make_prompts(tmp_path / "prompts", ["short", long], ["fine"])
+    with pytest.raises(UserError, match=f"row {row(long)['id']} \\(train\\)") as e:
+        run_stage(tmp_path / "run", monkeypatch, prompts, tmp_path / "run" / "out", target)
+    assert row("short")["id"] not in str(e.value) and "synth.max_new_tokens" in str(e.value)
+
+
+def test_think_layout_comes_from_the_chat_template():
+    layout = S.think_layout(make_micro_tokenizer())
+    assert layout == ("<think>\n", "\n</think>\n")
+    # Newer SGLang keeps the newlines around the reasoning, older ones strip them: same content.
+    for reasoning, answer in (("\nR\n", "A"), ("R\n", "A"), ("R", " A")):
+        assert S.rebuild_content(reasoning, answer, layout, "stop") == "<think>\nR\n</think>\nA"
+    assert S.rebuild_content("\nhalf a thought", "", layout, "length") == "<think>\nhalf a thought"
+    assert S.rebuild_content(None, "inline", layout, "stop") == "inline"
+    assert S.answer_only("<think>\nR\n</think>\nA") == "A"
+    assert S.answer_only("<think>\ncut off") == "" and S.answer_only("no reasoning") == "no reasoning"
