@@ -1,0 +1,391 @@
+"""What SGLang will really run for a speculative-decoding request (DESIGN.md section 8).
+
+SGLang rewrites some speculative flags at start-up, often with one WARNING line that scrolls
+past, and crashes on others. `resolve()` replays those rules offline, in SGLang's order, so the
+bench stage knows the effective flags before it launches anything and can record both:
+
+    res = resolve(SpecFlags("EAGLE3", num_steps=1, topk=1, num_draft_tokens=16),
+                  target_architecture="LlamaForCausalLM", sglang_version="0.5.14")
+    res.effective.num_draft_tokens   # 2
+    res.enforce("error")             # UserError: rule chain_draft_tokens: SGLang would run 2 ...
+
+Each rule is a `Rule`: its name, the condition, SGLang's effect, SGLang's own message where it
+prints one (the bench also finds these lines in the server log), the fix, and where in SGLang's
+source it was read. Finding kinds:
+  adjusted  SGLang silently runs something other than what was asked: refused unless
+            spec.on_adjust is "allow" (then reported loudly)
+  default   SGLang fills a value that was left unset: recorded, never refused
+  error     SGLang refuses to start, crashes, or runs a broken setup: always refused
+
+Sources (sgl-project/sglang): the EAGLE rules live in `ServerArgs._handle_speculative_decoding`
+(python/sglang/srt/server_args.py) in 0.5.x releases and in `_handle_eagle_family`
+(python/sglang/srt/speculative/spec_info.py) on main; the rules below read the same in both
+places, except the list of attention backends of rule paged_tree_backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from draftlab.errors import UserError
+from draftlab.sglang_layers import parse_version
+
+ALGORITHMS = ("EAGLE3", "EAGLE")
+SPEC_MAX_RUNNING_REQUESTS = 48  # SGLang's cap on running requests when speculating
+# Attention backends that implement topk > 1 trees on pages > 1 token (newest list; older
+# releases allowed ["flashinfer"] then ["flashinfer", "fa3"]).
+PAGE_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
+# Defaults when num_steps is unset: (num_steps, topk, num_draft_tokens), from
+# `auto_choose_speculative_params` / `_auto_choose_speculative_params`.
+DEFAULTS_CHANGED_IN = (0, 5, 8)
+WIDE_DEFAULT = (5, 4, 8)
+CHAIN_DEFAULT = (3, 1, 4)
+WIDE_ARCHS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")  # (5, 4, 8) in every release
+# Before 0.5.8 every other architecture got (5, 4, 8) except these (SGLang PR #9470 added gpt-oss).
+CHAIN_ARCHS_BEFORE_0_5_8 = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
+ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+@dataclass(frozen=True)
+class SpecFlags:
+    """SGLang launch flags that decide speculative decoding; None = not passed (SGLang decides)."""
+
+    algorithm: str | None = "EAGLE3"  # --speculative-algorithm; None = no speculation (a baseline server)
+    num_steps: int | None = None  # --speculative-num-steps: draft forward passes per verify (tree depth)
+    topk: int | None = None  # --speculative-eagle-topk: branching per step; 1 = chain
+    num_draft_tokens: int | None = None  # --speculative-num-draft-tokens: tokens verified per step, root included
+    max_running_requests: int | None = None  # --max-running-requests
+    page_size: int | None = None  # --page-size: tokens per KV-cache page (SGLang's default is 1)
+    attention_backend: str | None = None  # --attention-backend; None = SGLang picks from the GPU
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What else SGLang looks at: the models, its version, its environment; and the benchmark."""
+
+    target_architecture: str  # target config.json architectures[0], e.g. "LlamaForCausalLM"
+    sglang_version: str  # e.g. "0.5.14"
+    draft_architecture: str | None = None  # draft config.json architectures[0]; None = not checked
+    draft_context_length: int | None = None  # draft max_position_embeddings; None = not checked
+    target_context_length: int | None = None  # the target's context length (or --context-length)
+    allow_longer_context: bool = False  # SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the server's env
+    max_concurrency: int | None = None  # most requests the benchmark keeps in flight
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str  # the Rule's name
+    kind: str  # "adjusted" | "default" | "error"
+    what: str  # what SGLang will do with this request
+    sglang_message: str | None  # SGLang's own words, when it prints any
+    fix: str | None
+
+    def __str__(self) -> str:
+        said = f" ({self.sglang_message})" if self.sglang_message else ""
+        fix = f"; {self.fix}" if self.fix else ""
+        return f"rule {self.rule}: {self.what}{said}{fix}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    condition: str
+    effect: str
+    sglang_message: str | None  # SGLang's text (a prefix where the rest varies)
+    log_pattern: str | None  # regex that finds this rule's line in the server log
+    fix: str
+    source: str
+    # check(state, setup) -> (kind, what, fix) or None; it may update `state` as SGLang does
+    check: Callable[[dict, Setup], tuple[str, str, str] | None]
+
+    def apply(self, state: dict, setup: Setup) -> Finding | None:
+        hit = self.check(state, setup)
+        if hit is None:
+            return None
+        kind, what, fix = hit
+        return Finding(self.name, kind, what, self.sglang_message, fix)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules, one function each, applied in SGLang's order. Each returns (kind, what, fix) or None.
+
+
+def _eagle_with_eagle3_draft(s, setup):
+    draft = setup.draft_architecture or ""
+    if s["algorithm"] == "EAGLE" and draft.endswith("Eagle3"):
+        what = f"the draft is {draft} but SGLang runs it as EAGLE: fc is skipped and acceptance collapses (tau near 1)"
+        return "error", what, "set spec.algorithm: EAGLE3"
+
+
+def _max_running_requests_default(s, setup):
+    if s["max_running_requests"] is None:
+        s["max_running_requests"] = SPEC_MAX_RUNNING_REQUESTS
+        what = f"SGLang caps running requests (and CUDA-graph batch sizes) at {SPEC_MAX_RUNNING_REQUESTS}"
+        return "default", what, "set bench.max_running_requests to choose the cap"
+
+
+def _defaults_need_num_steps(s, setup):
+    if s["num_steps"] is None and (s["topk"] is not None or s["num_draft_tokens"] is not None):
+        what = "SGLang stops at start-up with a bare AssertionError (topk and num_draft_tokens must be unset when num_steps is)"
+        return "error", what, "set spec.num_steps too, or unset spec.topk and spec.num_draft_tokens to take SGLang's defaults"
+
+
+def _defaults_by_architecture(s, setup):
+    if s["num_steps"] is None and s["topk"] is None and s["num_draft_tokens"] is None:
+        steps, topk, tokens = default_spec_params(setup.target_architecture, setup.sglang_version)
+        s.update(num_steps=steps, topk=topk, num_draft_tokens=tokens)
+        what = f"SGLang {setup.sglang_version} picks num_steps={steps}, topk={topk}, num_draft_tokens={tokens} for {setup.target_architecture}"
+        return "default", what, f"set spec.num_steps: {steps}, spec.topk: {topk}, spec.num_draft_tokens: {tokens} to pin them"
+
+
+def _topk_unset(s, setup):
+    if s["num_steps"] is not None and s["topk"] is None:
+        return "error", "SGLang crashes at start-up with a TypeError (it compares the unset topk with 1)", "set spec.topk (1 = chain)"
+
+
+def _trtllm_mha_topk(s, setup):
+    if s["attention_backend"] == "trtllm_mha" and s["topk"] is not None and s["topk"] > 1:
+        return "error", "SGLang refuses to start (ValueError)", "set spec.topk: 1 or another bench.attention_backend"
+
+
+def _chain_draft_tokens(s, setup):
+    steps, asked = s["num_steps"], s["num_draft_tokens"]
+    if s["topk"] == 1 and steps is not None and asked != steps + 1:
+        s["num_draft_tokens"] = steps + 1
+        fix = f"set spec.num_draft_tokens: {steps + 1}"
+        if asked is None:
+            return "default", f"SGLang runs {steps + 1} draft tokens", fix
+        return "adjusted", f"SGLang would run {steps + 1} draft tokens", fix
+
+
+def _paged_tree_backend(s, setup):
+    topk, pages, backend = s["topk"], s["page_size"] or 1, s["attention_backend"]
+    if topk is None or topk <= 1 or pages <= 1 or backend in PAGE_TREE_BACKENDS:
+        return None
+    fix = f"set bench.page_size: 1 or bench.attention_backend to one of {', '.join(PAGE_TREE_BACKENDS)} (or spec.topk: 1)"
+    if backend is None:
+        # SGLang picks the backend from the GPU (fa3 on Hopper, flashinfer elsewhere for most
+        # models: both fine); MLA models get backends it refuses. Recorded, not refused.
+        what = (f"topk={topk} with page_size={pages} needs a {'/'.join(PAGE_TREE_BACKENDS)} attention backend; "
+                "SGLang picks one from the GPU and refuses any other (ValueError)")
+        return "default", what, fix
+    return "error", f"SGLang refuses topk={topk} with page_size={pages} on attention backend {backend} (ValueError)", fix
+
+
+def _tree_draft_tokens_unset(s, setup):
+    steps, topk = s["num_steps"], s["topk"]
+    if topk is not None and topk > 1 and steps is not None and s["num_draft_tokens"] is None:
+        what = "SGLang leaves speculative_num_draft_tokens unset for a tree (no default, no check) and fails when it builds the draft tree"
+        return "error", what, f"set spec.num_draft_tokens (2 .. {tree_candidates(steps, topk) + 1})"
+
+
+def _tree_draft_tokens_exceed(s, setup):
+    steps, topk, tokens = s["num_steps"], s["topk"], s["num_draft_tokens"]
+    if steps is None or topk is None or topk <= 1 or tokens is None:
+        return None
+    most = tree_candidates(steps, topk) + 1
+    if tokens > most:
+        what = (f"the draft tree has only {most - 1} candidate tokens for {tokens - 1} verify slots; "
+                "SGLang does not check this and its top-k selection fails when decoding starts")
+        return "error", what, f"set spec.num_draft_tokens: {most} or less"
+
+
+def _draft_context_shorter(s, setup):
+    draft, target = setup.draft_context_length, setup.target_context_length
+    if draft is None or target is None or draft >= target:
+        return None
+    fix = f"export the draft with max_position_embeddings >= {target}"
+    if setup.allow_longer_context:
+        what = f"SGLang overrides the draft's max_position_embeddings {draft} -> {target} ({ALLOW_LONGER_CONTEXT_ENV}=1)"
+        return "adjusted", what, fix
+    what = f"SGLang refuses to start: the draft's context {draft} < the target's {target} (ValueError)"
+    return "error", what, f"{fix} (or set {ALLOW_LONGER_CONTEXT_ENV}=1 to let SGLang override it)"
+
+
+def _concurrency_above_running(s, setup):
+    cap, want = s["max_running_requests"], setup.max_concurrency
+    if cap is not None and want is not None and want > cap:
+        what = f"SGLang runs at most {cap} requests at once; with {want} in flight the rest queue, so that point of the sweep measures queueing"
+        return "adjusted", what, f"set bench.max_running_requests: {want} or keep bench.concurrency <= {cap}"
+
+
+_ARGS = ("python/sglang/srt/server_args.py ServerArgs._handle_speculative_decoding (0.5.x); "
+         "python/sglang/srt/speculative/spec_info.py _handle_eagle_family (main)")
+
+RULES: tuple[Rule, ...] = (
+    Rule("eagle_with_eagle3_draft",
+         condition="spec.algorithm is EAGLE and the draft is an EAGLE-3 checkpoint (architectures ends with Eagle3)",
+         effect="runs without error but skips fc; acceptance collapses. EAGLE3 is never inferred from the checkpoint",
+         sglang_message=None, log_pattern=None, fix="set spec.algorithm: EAGLE3",
+         source="DESIGN.md section 4 (read from SGLang's EAGLE worker and LlamaForCausalLMEagle3)",
+         check=_eagle_with_eagle3_draft),
+    Rule("max_running_requests_default",
+         condition="max_running_requests unset",
+         effect=f"max_running_requests := {SPEC_MAX_RUNNING_REQUESTS}, which also caps the CUDA-graph batch sizes",
+         sglang_message=f"Max running requests is reset to {SPEC_MAX_RUNNING_REQUESTS} for speculative decoding",
+         log_pattern=r"Max running requests is reset to \d+ for speculative decoding",
+         fix="set bench.max_running_requests", source=_ARGS, check=_max_running_requests_default),
+    Rule("defaults_need_num_steps",
+         condition="num_steps unset but topk or num_draft_tokens set",
+         effect="start-up stops: assert speculative_eagle_topk is None and speculative_num_draft_tokens is None",
+         sglang_message=None, log_pattern=None, fix="set spec.num_steps", source=_ARGS, check=_defaults_need_num_steps),
+    Rule("defaults_by_architecture",
+         condition="num_steps, topk and num_draft_tokens all unset",
+         effect="(num_steps, topk, num_draft_tokens) from the TARGET architecture: LlamaForCausalLM and Grok (5,4,8), "
+                "others (3,1,4) since 0.5.8; up to 0.5.7 DeepSeek-V2/V3 and gpt-oss (3,1,4), others (5,4,8)",
+         sglang_message=None, log_pattern=None, fix="set spec.num_steps, spec.topk, spec.num_draft_tokens",
+         source="python/sglang/srt/server_args.py auto_choose_speculative_params (0.5.x); "
+                "python/sglang/srt/speculative/spec_info.py _auto_choose_speculative_params (main)",
+         check=_defaults_by_architecture),
+    Rule("topk_unset",
+         condition="num_steps set, topk unset",
+         effect="crashes with a Python TypeError ('>' between None and int)",
+         sglang_message=None, log_pattern=None, fix="set spec.topk", source=_ARGS, check=_topk_unset),
+    Rule("trtllm_mha_topk",
+         condition="attention backend trtllm_mha and topk > 1",
+         effect="ValueError at start-up",
+         sglang_message="trtllm_mha backend only supports topk = 1 for speculative decoding.",
+         log_pattern=r"trtllm_mha backend only supports topk = 1 for speculative decoding",
+         fix="set spec.topk: 1 or another bench.attention_backend", source=_ARGS, check=_trtllm_mha_topk),
+    Rule("chain_draft_tokens",
+         condition="topk == 1 and num_draft_tokens != num_steps + 1 (unset included)",
+         effect="num_draft_tokens := num_steps + 1 (WARNING, once)",
+         sglang_message="speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1",
+         log_pattern=r"speculative_num_draft_tokens is adjusted to speculative_num_steps \+ 1 when speculative_eagle_topk == 1",
+         fix="set spec.num_draft_tokens: num_steps + 1", source=_ARGS, check=_chain_draft_tokens),
+    Rule("paged_tree_backend",
+         condition=f"topk > 1, page_size > 1, attention backend not {'/'.join(PAGE_TREE_BACKENDS)}",
+         effect="ValueError at start-up",
+         sglang_message="speculative_eagle_topk > 1 with page_size > 1 is",  # "unstable ..." or "only supported on ...", by release
+         log_pattern=r"speculative_eagle_topk > 1 with page_size > 1 is",
+         fix="set bench.page_size: 1 or a supported bench.attention_backend", source=_ARGS, check=_paged_tree_backend),
+    Rule("tree_draft_tokens_unset",
+         condition="topk > 1 and num_draft_tokens unset (num_steps set)",
+         effect="SGLang keeps None (no default, no check); the draft-tree code then fails",
+         sglang_message=None, log_pattern=None, fix="set spec.num_draft_tokens",
+         source=_ARGS + " (no branch sets it)", check=_tree_draft_tokens_unset),
+    Rule("tree_draft_tokens_exceed",
+         condition="topk > 1 and num_draft_tokens - 1 > topk + (num_steps - 1) * topk**2",
+         effect="no server check; torch.topk over the candidate scores fails when decoding starts",
+         sglang_message=None, log_pattern=None, fix="lower spec.num_draft_tokens",
+         source="python/sglang/srt/speculative/eagle_utils.py organize_draft_results (torch.topk(score_list, num_draft_token - 1))",
+         check=_tree_draft_tokens_exceed),
+    Rule("draft_context_shorter",
+         condition="draft max_position_embeddings < target context length",
+         effect=f"ValueError unless {ALLOW_LONGER_CONTEXT_ENV}=1; with it, SGLang overrides the draft's max_position_embeddings",
+         sglang_message="Target model's context_length (T) is greater than the derived context_length (D)",
+         log_pattern=r"Target model's context_length \(\d+\) is greater than the derived context_length \(\d+\)",
+         fix="export the draft with max_position_embeddings >= the target's context",
+         source="python/sglang/srt/configs/model_config.py ModelConfig._derive_context_length", check=_draft_context_shorter),
+    Rule("concurrency_above_running",
+         condition="bench concurrency > effective max_running_requests (the project's rule, not SGLang's)",
+         effect="requests beyond the cap wait in SGLang's queue; the sweep point measures queueing",
+         sglang_message=None, log_pattern=None, fix="raise bench.max_running_requests or lower bench.concurrency",
+         source="this project: bench", check=_concurrency_above_running),
+)
+RULES_BY_NAME = {r.name: r for r in RULES}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def default_spec_params(target_architecture: str, sglang_version: str) -> tuple[int, int, int]:
+    """SGLang's (num_steps, topk, num_draft_tokens) when none is given, from the TARGET architecture."""
+    if target_architecture in WIDE_ARCHS:
+        return WIDE_DEFAULT
+    if parse_version(sglang_version) >= DEFAULTS_CHANGED_IN:
+        return CHAIN_DEFAULT
+    return CHAIN_DEFAULT if target_architecture in CHAIN_ARCHS_BEFORE_0_5_8 else WIDE_DEFAULT
+
+
+def tree_candidates(num_steps: int, topk: int) -> int:
+    """Draft tokens an EAGLE tree scores: topk at step 1, topk*topk at each later step."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+@dataclass(frozen=True)
+class Resolution:
+    requested: SpecFlags
+    effective: SpecFlags
+    findings: tuple[Finding, ...]
+    target_architecture: str
+    sglang_version: str
+
+    def of_kind(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def errors(self) -> list[Finding]:
+        return self.of_kind("error")
+
+    @property
+    def adjustments(self) -> list[Finding]:
+        return self.of_kind("adjusted")
+
+    def changed(self) -> dict[str, tuple]:
+        """{flag: (requested, effective)} for every flag SGLang sets differently from the request."""
+        req, eff = dataclasses.asdict(self.requested), dataclasses.asdict(self.effective)
+        return {k: (req[k], eff[k]) for k in req if req[k] != eff[k]}
+
+    def as_dict(self) -> dict:
+        """Plain form for metrics files and manifests."""
+        return {
+            "requested": dataclasses.asdict(self.requested),
+            "effective": dataclasses.asdict(self.effective),
+            "findings": [dataclasses.asdict(f) for f in self.findings],
+            "target_architecture": self.target_architecture,
+            "sglang_version": self.sglang_version,
+        }
+
+    def enforce(self, on_adjust: str = "error") -> "Resolution":
+        """Raise UserError for errors always, and for adjustments unless on_adjust == "allow"."""
+        if on_adjust not in ("error", "allow"):
+            raise ValueError(f"on_adjust must be 'error' or 'allow', got {on_adjust!r}")
+        blocking = self.errors + (self.adjustments if on_adjust == "error" else [])
+        if not blocking:
+            return self
+        lines = [f"  {f}" for f in blocking]
+        tail = ""
+        if on_adjust == "error" and self.adjustments:
+            tail = "\n(or set spec.on_adjust: allow to run what SGLang runs; the report then lists requested and effective flags)"
+        raise UserError(f"SGLang {self.sglang_version} would not run the speculative flags as requested:\n" + "\n".join(lines) + tail)
+
+
+def resolve(requested: SpecFlags, target_architecture: str, sglang_version: str, *, draft_architecture: str | None = None,
+            draft_context_length: int | None = None, target_context_length: int | None = None,
+            allow_longer_context: bool | None = None, max_concurrency: int | None = None) -> Resolution:
+    """Apply every rule to `requested`; never raises for a bad combination (see Resolution.enforce).
+
+    allow_longer_context None = read SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN from this
+    process's environment (the server inherits it).
+    """
+    if requested.algorithm not in ALGORITHMS:
+        raise UserError(f"spec.algorithm must be one of {', '.join(ALGORITHMS)}, got {requested.algorithm!r}")
+    parse_version(sglang_version)  # a bad version string fails here, naming the key
+    if allow_longer_context is None:
+        allow_longer_context = os.environ.get(ALLOW_LONGER_CONTEXT_ENV, "").strip().lower() in ("1", "true")
+    setup = Setup(target_architecture, sglang_version, draft_architecture, draft_context_length,
+                  target_context_length, allow_longer_context, max_concurrency)
+    state = dataclasses.asdict(requested)
+    findings = tuple(f for f in (rule.apply(state, setup) for rule in RULES) if f is not None)
+    return Resolution(requested, SpecFlags(**state), findings, target_architecture, sglang_version)
+
+
+def effective_flags(requested: SpecFlags, target_architecture: str, sglang_version: str, on_adjust: str = "error", **setup) -> Resolution:
+    """resolve() then enforce(on_adjust): what SGLang will run, or a UserError naming rule and fix."""
+    return resolve(requested, target_architecture, sglang_version, **setup).enforce(on_adjust)
+
+
+def requested_from_params(spec, bench) -> SpecFlags:
+    """SpecFlags from the loaded `spec` and `bench` params sections."""
+    return SpecFlags(
+        algorithm=spec.algorithm,
+        num_steps=spec.num_steps,
+        topk=spec.topk,
+        num_draft_tokens=spec.num_draft_tokens,
+        max_running_requests=bench.max_running_requests,
+        page_size=bench.page_size,
+        attention_backend=bench.attention_backend,
+    )
