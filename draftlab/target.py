@@ -9,13 +9,30 @@ from draftlab.manifest import dir_hash, sha256_text
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def cpu_threads() -> int:
+    """Torch threads for CPU work: DRAFTLAB_THREADS, else half the cores (1 on a 2-core machine).
+
+    Measured on a 2-core machine with other work running: greedy generation of the tiny target
+    ran at 1588 tok/s with 1 thread and 94 tok/s with 2 (OpenMP threads spin against each other
+    and everything else). One thread per two cores keeps that cliff away.
+    """
+    import os
+
+    env = os.environ.get("DRAFTLAB_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def resolve_device(device: str) -> str:
     import torch
 
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("target.device is 'cuda' but no CUDA device is visible; set it to 'auto' or 'cpu'")
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads())
     return device
 
 

@@ -1,0 +1,120 @@
+"""Randomly initialised micro models, built in memory, for tests that must not need a real model.
+
+make_micro_model() gives a transformers causal LM in eval mode (float32) in milliseconds;
+save_micro_model() writes it with a small byte-level tokenizer that has the same special tokens
+(same ids) and chat template as the shipped target models/tiny-target, so pipeline code that
+loads a directory with AutoModelForCausalLM / AutoTokenizer behaves the same on both, offline.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from draftlab.tasks import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, THINK_TOKENS
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_micro_model(
+    arch: str = "llama",
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    vocab_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+) -> PreTrainedModel:
+    """A random `arch` causal LM; same seed and sizes give the same weights."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+    )
+    # fork_rng: building a test model must not shift the caller's random stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def make_micro_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer with one token per byte (no merges): special tokens at ids 0..6,
+    then printable ASCII and whitespace, then other bytes while they fit in vocab_size."""
+    table = _bytes_to_unicode()
+    first = [ord(c) for c in "\t\n\r"] + list(range(32, 127))
+    rest = [b for b in range(256) if b not in first]
+    specials = SPECIAL_TOKENS + THINK_TOKENS
+    n_bytes = vocab_size - len(specials)
+    if n_bytes < len(first):
+        raise ValueError(f"vocab_size must be >= {len(specials) + len(first)}, got {vocab_size}")
+    chars = [table[b] for b in (first + rest)[:n_bytes]]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def save_micro_model(dir: str | os.PathLike, arch: str = "llama", **kw) -> PreTrainedModel:
+    """Write a micro model plus its tokenizer to `dir` (loadable offline); returns the model."""
+    model = make_micro_model(arch, **kw)
+    tokenizer = make_micro_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(dir)
+    save_tokenizer(tokenizer, dir)
+    return model
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, dir: str | os.PathLike) -> None:
+    """save_pretrained, with the chat template inside tokenizer_config.json (where transformers 4
+    and 5 both look) and a tokenizer class name that both know."""
+    tokenizer.save_pretrained(dir, save_jinja_files=False)
+    path, jinja = Path(dir) / "tokenizer_config.json", Path(dir) / "chat_template.jinja"
+    config = json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if jinja.exists():  # a transformers version that ignored save_jinja_files=False
+        config["chat_template"] = jinja.read_text()
+        jinja.unlink()
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of ByteLevel tokenizers."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
