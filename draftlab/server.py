@@ -118,6 +118,92 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class SpecEngine(Engine):
+    """EAGLE-3 speculative decoding (draftlab.spec_engine) behind the same interface.
+
+    The draft is loaded from the EXPORTED directory with the project's loader, and the target
+    layers it is fed are the ones SGLang `sglang_version` would capture for that config: a
+    miswired export misbehaves here exactly as it would in SGLang.
+    """
+
+    def __init__(self, model, tokenizer, device, context_length, draft_path: str, num_steps: int, topk: int,
+                 num_draft_tokens: int, sglang_version: str):
+        super().__init__(model, tokenizer, device, context_length)
+        from draftlab.export import load_exported
+        from draftlab.sglang_layers import captured_physical
+
+        embed = model.get_input_embeddings().weight
+        self.draft, config = load_exported(draft_path, embed=embed, dtype=embed.dtype)
+        self.draft.to(device)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        self.physical = captured_physical(model.config.architectures[0], cfg.num_hidden_layers, ids, sglang_version)
+        want = self.draft.fc.weight.shape[1] // cfg.hidden_size
+        if len(self.physical) != want:  # SGLang fails on the fc width at the first request
+            raise UserError(f"{draft_path}: fc takes {want} target layers but SGLang {sglang_version} would capture "
+                            f"{len(self.physical)} (physical {self.physical}) for eagle_config ids {ids}")
+        self.flags = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": num_steps,
+                      "speculative_eagle_topk": topk, "speculative_num_draft_tokens": num_draft_tokens}
+        self.totals = {"completion_tokens": 0, "verify_ct": 0}
+
+    def info(self) -> dict:
+        from draftlab.metrics import pooled_tau
+
+        t = self.totals
+        avg = pooled_tau([t["completion_tokens"]], [t["verify_ct"]]) if t["verify_ct"] else None
+        return {"context_length": self.context_length, **self.flags, "capture_physical_layers": self.physical,
+                "avg_spec_accept_length": avg}
+
+    @torch.inference_mode()
+    def generate(self, input_ids: list[int], sp: SamplingParams) -> Completion:
+        from draftlab import spec_engine
+
+        if len(input_ids) >= self.context_length:
+            raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens).")
+        if sp.stop:
+            raise ValueError("stop strings are not supported with speculative decoding by the reference server")
+        # Drafts run up to num_steps positions past the output: keep them inside the context.
+        max_new = min(sp.max_new_tokens, self.context_length - len(input_ids) - self.flags["speculative_num_steps"] - 1)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(2**62, ())))
+        stop_ids = set(sp.stop_token_ids) | self.eos_ids
+        r = spec_engine.generate(
+            self.model, self.draft, input_ids, num_steps=self.flags["speculative_num_steps"],
+            topk=self.flags["speculative_eagle_topk"], num_draft_tokens=self.flags["speculative_num_draft_tokens"],
+            max_new_tokens=max(1, max_new), temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+            eos_token_id=stop_ids, ignore_eos=sp.ignore_eos, physical_layers=self.physical, generator=gen,
+        )
+        self.totals["completion_tokens"] += len(r.output_ids)
+        self.totals["verify_ct"] += r.spec_verify_ct
+        correct = sum(a * n for a, n in enumerate(r.accept_hist))
+        proposed = r.spec_verify_ct * self.flags["speculative_num_steps"]
+        meta = {
+            **r.meta(),
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_accept_rate": correct / proposed if proposed else 0.0,
+            "spec_correct_drafts_histogram": list(r.accept_hist),
+            # per depth i+1: steps that reached it with a draft there, and of those how many accepted it
+            "spec_proposed_per_depth": list(r.proposed),
+            "spec_accepted_per_depth": list(r.accepted),
+        }
+        if not r.spec_verify_ct:  # one token from the prefill alone: no verify step, tau undefined (JSON has no NaN)
+            meta["spec_accept_length"] = None
+        return Completion(r.output_ids, self.decode(r.output_ids), r.finish_reason, meta)
+
+
+def aux_hidden_states(engine, input_ids: list[int]) -> list[list[float]]:
+    """What `return_hidden_states` returns per prompt token, as SGLang does: for an EAGLE3 server
+    the aux concatenation the draft is fed (k x hidden wide), else the final hidden state."""
+    from draftlab.extract import decoder_layers
+    from draftlab.spec_engine import AuxCapture
+
+    physical = getattr(engine, "physical", None) or [len(decoder_layers(engine.model)[1])]
+    with torch.inference_mode(), AuxCapture(engine.model, physical) as cap:
+        engine.model(input_ids=torch.tensor([input_ids], device=engine.device), use_cache=False)
+        return cap.take()[0].float().cpu().tolist()
+
+
 def _pick(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
     """Next token: argmax for temperature ~0, else temperature + top-k + top-p sampling."""
     if sp.temperature < 1e-5:  # SGLang treats this as greedy too
@@ -159,10 +245,11 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     app = FastAPI(title="draftlab reference server")
     lock = threading.Lock()  # one request at a time: sync endpoints run in a thread pool
 
-    def run(input_ids: list[int], sp: SamplingParams, rid: str | None) -> dict:
+    def run(input_ids: list[int], sp: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
         t0 = time.perf_counter()
         with lock:
             c = engine.generate(input_ids, sp)
+            extra = {"hidden_states": aux_hidden_states(engine, input_ids)} if hidden else {}
         return {
             "text": c.text,
             "output_ids": c.output_ids,
@@ -174,6 +261,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
                 "cached_tokens": 0,
                 "e2e_latency": time.perf_counter() - t0,  # seconds, queueing for the lock included
                 **c.meta,
+                **extra,
             },
         }
 
@@ -209,7 +297,10 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             prompts = [engine.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else [int(t) for t in p] for p in prompts]
             rids = body.get("rid")
             rids = rids if isinstance(rids, list) else [rids] * len(prompts)
-            outs = [run(p, sp, r) for p, r in zip(prompts, rids)]
+            hidden = bool(body.get("return_hidden_states", False))
+            if hidden and not server_args.get("enable_return_hidden_states"):
+                raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
+            outs = [run(p, sp, r, hidden) for p, r in zip(prompts, rids)]
         except (ValueError, TypeError) as e:
             return bad_request(str(e))
         return outs if batch else outs[0]
@@ -295,7 +386,15 @@ def load_engine(args) -> Engine:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     tp = TargetParams(model=args.model_path, revision=args.revision, dtype=dtype, device=device)
     model, tok = load_target(tp, device)
-    return Engine(model, tok, device, args.context_length)
+    if args.speculative_algorithm is None:
+        return Engine(model, tok, device, args.context_length)
+    if args.speculative_algorithm != "EAGLE3":
+        raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 only")
+    if not args.speculative_draft_model_path or None in (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens):
+        raise UserError("EAGLE3 needs --speculative-draft-model-path, --speculative-num-steps, --speculative-eagle-topk "
+                        "and --speculative-num-draft-tokens (give the effective values; draftlab.sglang_flags computes them)")
+    return SpecEngine(model, tok, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
+                      args.speculative_eagle_topk, args.speculative_num_draft_tokens, args.sglang_version)
 
 
 def launch_command(model_path: str, port: int, host: str = "127.0.0.1", **flags) -> list[str]:
@@ -305,8 +404,11 @@ def launch_command(model_path: str, port: int, host: str = "127.0.0.1", **flags)
     """
     argv = [sys.executable, "-m", "draftlab.server", "--model-path", str(model_path), "--port", str(port), "--host", host]
     for name, value in flags.items():
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if value is True:  # a switch
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
     return argv
 
 
@@ -322,6 +424,14 @@ def parse_args(argv=None):
     ap.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS))
     ap.add_argument("--log-level", default="info")
+    # Speculative decoding, with SGLang's flag names and meaning.
+    ap.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "EAGLE"])
+    ap.add_argument("--speculative-draft-model-path", default=None, help="an exported draft directory")
+    ap.add_argument("--speculative-num-steps", type=int, default=None)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=None)
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    ap.add_argument("--sglang-version", default="0.5.14", help="whose layer-capture rule to apply to the draft's eagle_config")
+    ap.add_argument("--enable-return-hidden-states", action="store_true")
     return ap.parse_args(argv)
 
 

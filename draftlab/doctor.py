@@ -1,0 +1,347 @@
+"""The wiring doctor: reads what every stage wrote and names each train-vs-serve wiring fault.
+
+    findings, parity, settings = diagnose(Paths(), CheckParams(...))   # what the check stage runs
+    python -m draftlab.doctor parity --url http://127.0.0.1:30000       # live parity against a server
+
+The checks themselves are pure functions in doctor_draft (exported draft vs features),
+doctor_serving (algorithm, flags, template/tokenizer, tau) and doctor_parity (live capture);
+this module only reads the files, calls them in order and runs live parity.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from draftlab.doctor_draft import check_capture, check_d2t, check_draft_shapes, layer_ids_of
+from draftlab.doctor_findings import Finding, by_severity, error, errors, info, warning
+from draftlab.doctor_parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
+from draftlab.doctor_serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
+from draftlab.errors import UserError
+from draftlab.export import WEIGHTS
+from draftlab.features import DRAFT_VOCAB_FILE, read_metadata
+from draftlab.sglang_layers import VERIFIED_VERSIONS, captured_physical, parse_version
+
+# safetensors dtype names -> torch dtypes (for shape/dtype checks without loading the weights)
+ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
+             "I32": torch.int32, "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8}
+
+
+@dataclass
+class Paths:
+    synth: Path = Path("data/synth")
+    hidden: Path = Path("data/hidden")
+    features: Path = Path("data/features")
+    train_metrics: Path = Path("reports/train/metrics.json")
+    draft: Path = Path("models/draft")
+    bench: Path = Path("reports/bench.json")
+
+
+@dataclass
+class Run:
+    """Everything the checks read, parsed; None where a file is absent."""
+
+    paths: Paths
+    synth: dict | None = None  # data/synth/manifest.json
+    hidden: dict | None = None  # data/hidden/manifest.json
+    features: dict | None = None  # data/features/manifest.json
+    stats: dict | None = None  # data/features/stats.json
+    feature_physical: list[int] | None = None  # physical layers in the features' slot order (shard metadata)
+    train_metrics: dict | None = None
+    draft_config: dict | None = None  # models/draft/config.json
+    export_manifest: dict | None = None
+    tensors: dict = field(default_factory=dict)  # exported weights: name -> (shape, dtype)
+    d2t: torch.Tensor | None = None
+    training_d2t: torch.Tensor | None = None
+    bench: dict | None = None
+    server_log: str | None = None
+
+    @property
+    def target(self) -> dict:
+        return ((self.features or {}).get("info") or {}).get("target") or {}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e}); re-run the stage that writes it") from None
+
+
+def load_run(paths: Paths) -> Run:
+    run = Run(paths)
+    run.synth, run.hidden = read_json(paths.synth / "manifest.json"), read_json(paths.hidden / "manifest.json")
+    run.features, run.stats = read_json(paths.features / "manifest.json"), read_json(paths.features / "stats.json")
+    shards = sorted((paths.features / "train").glob("shard-*.safetensors"))
+    if shards:
+        run.feature_physical = read_metadata(shards[0]).get("physical_layers")
+    if (paths.features / DRAFT_VOCAB_FILE).exists():
+        with safe_open(str(paths.features / DRAFT_VOCAB_FILE), "pt") as f:
+            run.training_d2t = f.get_tensor("d2t")
+    run.train_metrics = read_json(paths.train_metrics)
+    run.draft_config, run.export_manifest = read_json(paths.draft / "config.json"), read_json(paths.draft / "manifest.json")
+    if (paths.draft / WEIGHTS).exists():
+        with safe_open(str(paths.draft / WEIGHTS), "pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                run.tensors[name] = (tuple(sl.get_shape()), ST_DTYPES.get(sl.get_dtype()))
+            run.d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
+    run.bench = read_json(paths.bench)
+    log = (run.bench or {}).get("server_log")
+    if log and Path(log).exists():
+        run.server_log = Path(log).read_text(errors="replace")
+    return run
+
+
+def sglang_version(run: Run) -> str:
+    """The SGLang release whose layer rule applies: the one benchmarked, else the one exported for."""
+    candidates = [(run.bench or {}).get("sglang_version"), ((run.draft_config or {}).get("draftlab") or {}).get("sglang_version"),
+                  (((run.export_manifest or {}).get("params") or {}).get("export") or {}).get("sglang_version")]
+    for v in candidates:
+        try:
+            if v:
+                parse_version(v)
+                return str(v)
+        except UserError:
+            continue
+    return VERIFIED_VERSIONS[-1]
+
+
+def serving_side(bench: dict | None) -> tuple[dict | None, list[Finding]]:
+    """Template and tokenizer hashes of the target the bench served (loaded here with its tokenizer)."""
+    from draftlab.target import chat_template_hash, load_tokenizer, tokenizer_hash
+
+    target = (bench or {}).get("target") or {}
+    if not target.get("model"):
+        return None, []
+    try:
+        tok = load_tokenizer(target["model"], target.get("revision"))
+    except UserError as e:
+        return None, [warning("serving_tokenizer_unloadable", {"model": target["model"]}, str(e), "make the served target loadable here")]
+    return {"chat_template": chat_template_hash(tok), "tokenizer": tokenizer_hash(tok)}, []
+
+
+def check_served_target(features_target: dict, bench_target: dict | None) -> list[Finding]:
+    """The bench served the target the features were extracted from (same model, revision, shape)."""
+    if not bench_target or not features_target:
+        return []
+    keys = ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size")
+    diff = {k: {"features": features_target.get(k), "served": bench_target.get(k)} for k in keys
+            if k in bench_target and features_target.get(k) != bench_target.get(k)}
+    if not diff:
+        return []
+    return [error("served_target_differs", diff, "the bench served another target than the features were extracted from: "
+                  "the draft reads hidden states of a model it never saw", "set target.model/revision once and dvc repro")]
+
+
+def load_local_target(model: str, revision: str | None):
+    """The target as the reference engine loads it (float32 on CPU, bf16 on CUDA)."""
+    from draftlab.params import TargetParams
+    from draftlab.target import load_target, resolve_device
+
+    device = resolve_device("auto")
+    tp = TargetParams(model=model, revision=revision, dtype="float32" if device == "cpu" else "bfloat16", device=device)
+    return load_target(tp, device)[0]
+
+
+def live_parity(run: Run, cp, version: str, load_model=load_local_target) -> tuple[dict | None, list[Finding]]:
+    """Live parity over check.live_parity_samples training sequences: a server (check.server_url) or in-process."""
+    if cp.live_parity_samples <= 0:
+        return None, [info("live_parity_skipped", {"live_parity_samples": cp.live_parity_samples}, "live parity is off")]
+    try:
+        return _live_parity(run, cp, version, load_model)
+    except UserError as e:  # no shards, no target here: the other checks still report
+        return None, [warning("live_parity_failed", {"reason": str(e)}, "live parity could not run, so the live capture is unproven",
+                              "make the features and the target loadable here, or set check.live_parity_samples: 0")]
+
+
+def _live_parity(run: Run, cp, version: str, load_model) -> tuple[dict | None, list[Finding]]:
+    seqs, meta = stored_sequences(run.paths.features, cp.live_parity_samples)
+    if cp.server_url:
+        capture = http_capture(cp.server_url, int(meta["hidden_size"]), cp.request_timeout_s)
+        return run_parity(seqs, meta, capture, cp.server_url), []
+    target = (run.bench or {}).get("target") or run.target
+    ids = layer_ids_of(run.draft_config or {})
+    try:
+        live = captured_physical(run.target["architecture"], int(run.target["num_layers"]), ids, version)
+    except UserError as e:
+        return None, [info("live_parity_skipped", {"reason": str(e)}, "the exported ids cannot be captured at all (see the capture findings)")]
+    model = load_model(target["model"], target.get("revision"))
+    return run_parity(seqs, meta, inprocess_capture(model, live), "in-process (reference engine capture path)",
+                      reference_states(model), live), []
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding]  # worst first
+    parity: dict | None  # the live parity result (doctor_parity.run_parity), None when it did not run
+    settings: dict  # key settings for the report's lineage
+    run: Run
+
+    @property
+    def errors(self) -> list[Finding]:
+        return errors(self.findings)
+
+
+def diagnose(paths: Paths, cp, load_model=load_local_target) -> Diagnosis:
+    """Every check over the pipeline outputs under `paths`; `cp` is the params section `check`."""
+    run = load_run(paths)
+    out: list[Finding] = []
+    for name, ok, path in (("features", run.target, paths.features / "manifest.json"),
+                           ("draft", run.draft_config, paths.draft / "config.json")):
+        if not ok:
+            out.append(error("input_missing", {"path": str(path)}, f"the {name} output is missing or incomplete", "dvc repro"))
+    if run.target and not (run.feature_physical or run.target.get("physical_layers")):
+        out.append(error("input_missing", {"path": str(paths.features / "train")}, "the features hold no shards", "dvc repro standardize"))
+    if out:
+        return Diagnosis(out, None, {}, run)
+    for name, value, path in (("synthesize", run.synth, paths.synth / "manifest.json"), ("extract", run.hidden, paths.hidden / "manifest.json"),
+                              ("train", run.train_metrics, paths.train_metrics)):
+        if value is None:
+            out.append(warning("input_missing", {"path": str(path)}, f"the {name} output is missing: the checks that read it are skipped",
+                               "dvc repro"))
+    if run.bench is None:
+        out.append(warning("bench_not_run", {"path": str(paths.bench)}, "no bench report: served flags, template and tau are unchecked",
+                           "dvc repro bench"))
+    version = sglang_version(run)
+    hashes = {"synth": (run.synth or {}).get("config_hash"), "extract": (run.hidden or {}).get("config_hash"),
+              "features": run.features.get("config_hash"), "train": (run.train_metrics or {}).get("config_hash")}
+    inputs = lambda m: (m or {}).get("inputs") or {}  # noqa: E731
+    out += check_lineage(hashes, [("extract", inputs(run.hidden).get("synth"), "synth"),
+                                  ("standardize", inputs(run.features).get("extract"), "extract"),
+                                  ("export", inputs(run.export_manifest).get("features"), "features"),
+                                  ("export", inputs(run.export_manifest).get("train"), "train")])
+    physical = run.feature_physical or run.target.get("physical_layers") or []
+    out += check_capture(run.target, physical, run.draft_config, version)
+    out += check_draft_shapes(run.draft_config, run.tensors, run.target, len(physical))
+    out += check_d2t(run.draft_config, run.d2t, run.training_d2t)
+    serving, problems = serving_side(run.bench)
+    out += problems
+    if run.bench is not None:
+        out += check_served_target(run.target, run.bench.get("target"))
+        out += check_algorithm(run.bench, run.draft_config, run.server_log)
+        out += check_flags(run.bench, _log_adjustments(run.bench))
+    hidden_info = (run.hidden or {}).get("info") or {}
+    synth_info = (run.synth or {}).get("info") or {}
+    out += check_tokenizer(_pair(synth_info.get("chat_template_hash"), synth_info.get("tokenizer_hash")),
+                           _pair(hidden_info.get("chat_template_sha256"), hidden_info.get("tokenizer_sha256")), serving)
+    parity, skipped = live_parity(run, cp, version, load_model)
+    out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), cp.parity_rtol, cp.norm_tolerance)
+    if run.bench is not None:
+        out += check_tau(run.train_metrics, run.bench, cp.tau_tolerance)
+    return Diagnosis(by_severity(out), parity, settings_of(run, version, cp), run)
+
+
+def report_dict(d: Diagnosis) -> dict:
+    """reports/wiring.json content (before lineage): strict JSON (an infinite error becomes null)."""
+    def finite(x):
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    counts = {s: sum(f.severity == s for f in d.findings) for s in ("error", "warning", "ok-info")}
+    return finite({"ok": not d.errors, "errors": [f.name for f in d.errors], "counts": counts,
+                   "findings": [f.as_dict() for f in d.findings], "parity": d.parity})
+
+
+def _pair(template: str | None, tokenizer: str | None) -> dict | None:
+    return {"chat_template": template, "tokenizer": tokenizer} if template or tokenizer else None
+
+
+def _log_adjustments(bench: dict) -> list[tuple[str, str]]:
+    from draftlab.sglang_backend import read_log
+
+    log = bench.get("server_log")
+    if log and Path(log).exists():
+        return [(a.rule, a.line) for a in read_log(log).adjustments]
+    return [(a["rule"], a["line"]) for a in bench.get("log_adjustments") or []]  # as the bench parsed it
+
+
+def settings_of(run: Run, version: str, cp) -> dict:
+    """The few key settings shown next to config_hash in reports/wiring.json."""
+    eff = ((run.bench or {}).get("flags") or {}).get("effective") or {}
+    ids = layer_ids_of(run.draft_config or {})
+    t = run.target
+    try:
+        captured = captured_physical(t["architecture"], int(t["num_layers"]), ids, version)
+    except (UserError, KeyError):
+        captured = None
+    return {"target_model": t.get("model"), "target_revision": t.get("revision"), "architecture": t.get("architecture"),
+            "trained_physical": sorted(run.feature_physical or t.get("physical_layers") or []),
+            "eagle_aux_hidden_state_layer_ids": ids, "sglang_captures": captured, "sglang_version": version,
+            "backend": (run.bench or {}).get("backend"), "algorithm": eff.get("algorithm"), "num_steps": eff.get("num_steps"),
+            "topk": eff.get("topk"), "num_draft_tokens": eff.get("num_draft_tokens"),
+            "live_parity": cp.server_url or ("in-process" if cp.live_parity_samples > 0 else "off")}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: python -m draftlab.doctor parity ...
+
+
+def parity_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draftlab.doctor parity",
+                                 description="compare a server's (or the in-process) captured hidden states with the training features")
+    ap.add_argument("--url", default="", help="server with --enable-return-hidden-states; empty = in-process capture for --draft")
+    ap.add_argument("--features", type=Path, default=Path("data/features"))
+    ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
+    ap.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
+    ap.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
+    ap.add_argument("--samples", type=int, default=4, help="training sequences to send")
+    ap.add_argument("--rtol", type=float, default=0.05, help="relative error a slot may show")
+    ap.add_argument("--norm-tolerance", type=float, default=0.15)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
+    ap.add_argument("--json", type=Path, default=None, help="write the full parity result here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    fm = read_json(a.features / "manifest.json") or {}
+    target = (fm.get("info") or {}).get("target") or {}
+    seqs, meta = stored_sequences(a.features, a.samples)
+    model = load_local_target(a.target or target["model"], None if a.target else target.get("revision")) if (a.target or not a.url) else None
+    if a.url:
+        result = run_parity(seqs, meta, http_capture(a.url, int(meta["hidden_size"]), a.timeout), a.url,
+                            reference_states(model) if model is not None else None)
+    else:
+        config = read_json(a.draft / "config.json")
+        if config is None:
+            raise UserError(f"{a.draft}/config.json not found; give --url or an exported --draft")
+        version = a.sglang_version or (config.get("draftlab") or {}).get("sglang_version") or VERIFIED_VERSIONS[-1]
+        live = captured_physical(target["architecture"], int(target["num_layers"]), layer_ids_of(config), version)
+        result = run_parity(seqs, meta, inprocess_capture(model, live), "in-process", reference_states(model), live)
+    stats = read_json(a.features / "stats.json") or {}
+    findings = check_live_capture(result, stats.get("norms"), a.rtol, a.norm_tolerance)
+    for s in result["slots"]:
+        print(f"slot {s['slot']}: trained physical {s['trained_physical']}, rel err {s['rel_err']:.4f}, max abs diff "
+              f"{s['max_abs_diff']:.4g}, cos {s['cos']:.4f}, norm ratio {s['norm_ratio']:.3f}, best match {s['best_match']}")
+    for f in findings:
+        print(f"{f.severity}: {f.name}: {f.cause}" + (f" -> {f.fix}" if f.fix else ""))
+    if a.json:
+        a.json.write_text(json.dumps({"parity": result, "findings": [f.as_dict() for f in findings]}, indent=2) + "\n")
+    return 1 if errors(findings) else 0
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "parity":
+        print("usage: python -m draftlab.doctor parity [--url URL] [options]  (the full check is: python -m stages.check)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        sys.exit(parity_main(argv[1:]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Checks of the exported draft against the training features: capture layers, d2t, sizes, tensors.
+
+Pure functions: parsed config.json / manifests / tensors in, a list of Findings out. The layer
+rules are draftlab.sglang_layers' (DESIGN.md section 4); the checkpoint contract is
+draftlab.export's (section 7).
+"""
+from __future__ import annotations
+
+import torch
+
+from draftlab.doctor_findings import Finding, error, info, warning
+from draftlab.draft import DraftConfig
+from draftlab.errors import UserError
+from draftlab.export import ARCHITECTURE, DTYPES, expected_tensors
+from draftlab.features import draft_to_target
+from draftlab.sglang_layers import captured_physical, default_physical, family, ids_for_physical
+
+REEXPORT = "re-run the export stage"
+
+
+def layer_ids_of(config: dict) -> list[int] | None:
+    """The ids SGLang reads: eagle_config.eagle_aux_hidden_state_layer_ids only (None when absent)."""
+    eagle = config.get("eagle_config")
+    return eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+
+
+def _expected_ids(arch: str, L: int, physical: list[int], version: str) -> list[int] | None:
+    try:
+        return ids_for_physical(arch, L, physical, version)
+    except UserError:
+        return None
+
+
+def _dropped_ids(arch: str, L: int, ids: list[int], version: str) -> list[int]:
+    """Ids SGLang's capture loop never reaches (it drops them silently)."""
+    dropped = []
+    for i in ids:
+        try:
+            if not captured_physical(arch, L, [i], version):
+                dropped.append(i)
+        except UserError:  # the embedding: reported on its own
+            pass
+    return dropped
+
+
+def check_capture(target: dict, trained_physical: list[int], config: dict, sglang_version: str) -> list[Finding]:
+    """Fault 1: the layers SGLang captures for the exported config vs the layers training used.
+
+    target: features manifest `info.target` (architecture, num_layers); trained_physical: the
+    physical indices in the order the features concatenate them; config: the draft's config.json.
+    """
+    arch, L = target["architecture"], int(target["num_layers"])
+    physical = sorted(trained_physical)
+    out: list[Finding] = []
+    if list(trained_physical) != physical:
+        out.append(error("feature_order_wrong", {"feature_physical_order": list(trained_physical), "sglang_feeds": physical},
+                         "the training features concatenate the aux states out of ascending layer order; SGLang always feeds them "
+                         "ascending, so the draft's fc reads each layer in another layer's slot",
+                         "re-run standardize (it concatenates in ascending physical order), then train and export"))
+    if 0 in physical:
+        out.append(error("embedding_captured", {"trained_physical": physical, "side": "training features"},
+                         f"the draft was trained on physical layer 0, the embedding output; SGLang cannot capture it on {arch}",
+                         f"set capture.layers to decoder layers 0..{L - 2} and re-run extract and everything after it"))
+    if L in physical:
+        out.append(error("final_state_captured", {"trained_physical": physical, "num_layers": L},
+                         f"the draft was trained on physical layer {L}, the final state AFTER the norm; SGLang never captures it "
+                         "(it captures pre-norm residual streams only)",
+                         f"set capture.layers to decoder layers 0..{L - 2} and re-run extract and everything after it"))
+    try:
+        family(arch)
+    except UserError as e:
+        return out + [warning("capture_rule_unknown", {"architecture": arch}, str(e), "check the captured layers with live parity")]
+
+    ids, top = layer_ids_of(config), config.get("eagle_aux_hidden_state_layer_ids")
+    exported_for = (config.get("draftlab") or {}).get("sglang_version")
+    want = _expected_ids(arch, L, physical, sglang_version)
+    ev = {"architecture": arch, "num_layers": L, "sglang_version": sglang_version, "exported_for_sglang": exported_for,
+          "trained_physical": physical, "eagle_aux_hidden_state_layer_ids": ids, "ids_for_trained_layers": want}
+    fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids: {want} in the draft's config.json ({REEXPORT} with export.sglang_version: \"{sglang_version}\")"
+    versions = f"the draft was exported for SGLang {exported_for} but is served by {sglang_version}; " if exported_for and exported_for != sglang_version else ""
+    try:
+        captured = captured_physical(arch, L, ids, sglang_version)
+    except UserError as e:
+        return out + [error("embedding_captured", {**ev, "side": "exported config"},
+                            f"{versions}these ids make SGLang capture physical 0, the embedding output ({e})", fix)]
+    ev["sglang_captures"] = captured
+
+    if ids is None:
+        same = captured == physical
+        default = default_physical(L)
+        tail = ("; that equals the trained layers today only by coincidence (the default differs across architectures)" if same
+                else f", not the trained {physical}")
+        if top is not None:
+            out.append((warning if same else error)(
+                "layer_ids_at_top_level", {**ev, "top_level_ids": top},
+                f"the ids are a top-level key of config.json, which SGLang ignores; without eagle_config it silently captures "
+                f"its default physical {default} for {arch}{tail}", fix))
+        else:
+            out.append((warning if same else error)(
+                "eagle_config_missing", ev,
+                f"config.json has no eagle_config.eagle_aux_hidden_state_layer_ids; SGLang silently falls back to its default "
+                f"physical {default} for {arch}{tail}", fix))
+        return out
+    if top is not None and top != ids:
+        out.append(warning("layer_ids_at_top_level", {**ev, "top_level_ids": top},
+                           "a top-level eagle_aux_hidden_state_layer_ids disagrees with eagle_config's; SGLang ignores it, a reader may not",
+                           "delete the top-level key"))
+    if list(ids) != sorted(ids):
+        out.append(info("layer_ids_unsorted", ev, "SGLang sorts the captured layers (ascending), as the features are: harmless"))
+
+    dropped = _dropped_ids(arch, L, ids, sglang_version)
+    if dropped:
+        valid = f" (valid ids for {arch} with {L} layers: 0..{L - 2})" if family(arch) == "llama" else ""
+        out.append(error("layer_id_out_of_range", {**ev, "dropped_ids": dropped},
+                         f"{versions}SGLang silently drops id(s) {dropped}: its capture loop never reaches them{valid}; it then feeds the "
+                         f"draft {len(captured)} layers instead of {len(physical)} and the draft fails on width", fix))
+    elif captured != physical:
+        shifts = {c - p for c, p in zip(captured, physical)} if len(captured) == len(physical) else set()
+        if shifts == {1}:
+            cause = (f"{versions}every id is one too high: on {arch} SGLang captures physical id+1 (id k = output of decoder layer k), "
+                     "so the ids were probably written as physical indices, or SGLang's default list was written out explicitly; "
+                     "the draft is fed the next layer's output")
+        elif shifts == {-1}:
+            cause = (f"{versions}every id is one too low: the ids were probably converted from physical indices twice, or by a "
+                     "rule that reads ids as physical indices (DeepSeek from SGLang 0.5.13, gpt-oss boundary mode); "
+                     "the draft is fed the previous layer's output")
+        else:
+            cause = f"{versions}SGLang captures physical {captured} but the draft was trained on {physical}"
+        name = "capture_layers_shifted" if shifts in ({1}, {-1}) else "capture_layers_mismatch"
+        out.append(error(name, {**ev, "shift": shifts.pop() if len(shifts) == 1 else None}, cause, fix))
+    return out
+
+
+def check_d2t(config: dict, d2t: torch.Tensor | None, training_d2t: torch.Tensor | None = None) -> list[Finding]:
+    """Fault 3: SGLang maps draft ids to target ids with d2t only (target = draft + d2t[draft])."""
+    V = config.get("vocab_size")
+    Vd = config.get("draft_vocab_size") or V
+    ev = {"vocab_size": V, "draft_vocab_size": Vd}
+    fix = f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})"
+    reduced = V is not None and Vd < V
+    if d2t is None:
+        if reduced:
+            return [error("d2t_missing", {**ev, "d2t": None},
+                          "the draft vocab is reduced but the checkpoint has no d2t: SGLang then takes draft ids as target ids, "
+                          "so almost every proposal is a wrong token and acceptance collapses", fix)]
+        return []
+    ev["d2t_nonzero"] = int((d2t != 0).sum())
+    # All zeros is right only when the draft vocab is exactly target ids 0..Vd-1 (training says so).
+    if reduced and not bool(d2t.any()) and (training_d2t is None or bool(training_d2t.any())):
+        cause = ("d2t is all zeros while the draft vocab is reduced: SGLang maps draft id i to target id i, "
+                 "so almost every proposal is a wrong token and acceptance collapses")
+        if training_d2t is None:
+            return [warning("d2t_all_zeros", ev, cause + " (unless the draft vocab is exactly the first ids; no training vocab to compare)", fix)]
+        return [error("d2t_all_zeros", {**ev, "training_d2t_nonzero": int((training_d2t != 0).sum())}, cause, fix)]
+    targets = draft_to_target(d2t.to(torch.int64))
+    if V is not None and len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        return [error("d2t_out_of_range", {**ev, "min_target_id": int(targets.min()), "max_target_id": int(targets.max())},
+                      "d2t maps some draft ids outside the target vocab", fix)]
+    if training_d2t is not None and not torch.equal(d2t.to(torch.int64), training_d2t.to(torch.int64)):
+        differ = int((d2t.to(torch.int64) != training_d2t.to(torch.int64)).sum()) if d2t.shape == training_d2t.shape else None
+        return [error("d2t_differs_from_training", {**ev, "entries_differing": differ, "exported": list(d2t.shape),
+                                                    "training": list(training_d2t.shape)},
+                      "the exported d2t is not the draft vocabulary the draft was trained with: its logits map to other tokens",
+                      f"{REEXPORT} from the checkpoint trained on these features")]
+    return []
+
+
+def _draft_config(config: dict, num_aux_layers: int) -> DraftConfig | None:
+    try:
+        return DraftConfig(
+            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            num_attention_heads=config["num_attention_heads"], num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6), vocab_size=config["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]), num_aux_layers=num_aux_layers,
+            max_position_embeddings=config.get("max_position_embeddings", 0), rope_theta=config.get("rope_theta", 10000.0))
+    except (KeyError, UserError):
+        return None
+
+
+def check_draft_shapes(config: dict, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], target: dict,
+                       num_aux_layers: int) -> list[Finding]:
+    """Fault 4: architecture, fc width, hidden/vocab/context vs the target, and the tensor set SGLang loads.
+
+    tensors: name -> (shape, dtype) of the exported weights; num_aux_layers: k of the training features.
+    """
+    out: list[Finding] = []
+    H_t, V, ctx = target.get("hidden_size"), target.get("vocab_size"), target.get("max_position_embeddings")
+    archs = config.get("architectures")
+    if archs != [ARCHITECTURE]:
+        out.append(error("draft_architecture_wrong", {"architectures": archs, "expected": [ARCHITECTURE]},
+                         f"SGLang picks the draft class from config.json architectures; only {ARCHITECTURE} reads the aux states through fc",
+                         f"set architectures: [\"{ARCHITECTURE}\"] ({REEXPORT})"))
+    fc = tensors.get("fc.weight")
+    if fc is not None and H_t and fc[0][-1] != num_aux_layers * H_t:
+        out.append(error("fc_width_mismatch", {"fc_weight_shape": list(fc[0]), "aux_layers": num_aux_layers, "target_hidden_size": H_t,
+                                               "expected_fc_in": num_aux_layers * H_t},
+                         f"fc must read k x target hidden = {num_aux_layers} x {H_t} = {num_aux_layers * H_t} features, the concatenation "
+                         f"SGLang feeds; it reads {fc[0][-1]}, so SGLang fails on the matmul or reads the wrong layers",
+                         "retrain and export with the capture layers of the features"))
+    draft_ht = config.get("target_hidden_size", config.get("hidden_size"))
+    if H_t and (config.get("hidden_size") != H_t or draft_ht != H_t):
+        out.append(error("draft_hidden_mismatch", {"draft_hidden_size": config.get("hidden_size"), "draft_target_hidden_size": draft_ht,
+                                                   "target_hidden_size": H_t},
+                         "the draft shares the target's embedding and reads its hidden states, so its hidden size must equal the target's",
+                         "train the draft against this target"))
+    if V and config.get("vocab_size") != V:
+        out.append(error("draft_vocab_mismatch", {"draft_vocab_size_config": config.get("vocab_size"), "target_vocab_size": V},
+                         "config.json vocab_size must be the target's vocab (t2d length, shared embedding rows)",
+                         "train and export the draft against this target"))
+    if ctx and (config.get("max_position_embeddings") or 0) < ctx:
+        out.append(error("draft_context_shorter", {"draft_max_position_embeddings": config.get("max_position_embeddings"),
+                                                   "target_context": ctx},
+                         "SGLang refuses a draft whose max_position_embeddings is below the target's context (ValueError) unless "
+                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which then overrides it",
+                         f"export with max_position_embeddings >= {ctx} ({REEXPORT})"))
+    cfg = _draft_config(config, num_aux_layers)
+    dtype = DTYPES.get(config.get("torch_dtype"), None)
+    if cfg is None or dtype is None:
+        return out
+    expected = {k: v for k, v in expected_tensors(cfg, dtype).items() if k != "fc.weight"}  # fc has its own finding
+    if "d2t" not in tensors:
+        expected.pop("d2t")  # d2t has its own finding
+    problems = [f"missing {k} {list(s)}" for k, (s, _) in expected.items() if k not in tensors]
+    problems += [f"unexpected {k} (SGLang drops it silently)" for k in tensors if k not in expected and k != "fc.weight"]
+    problems += [f"{k} is {list(tensors[k][0])} {tensors[k][1]}, SGLang expects {list(s)} {d}"
+                 for k, (s, d) in expected.items() if k in tensors and (tuple(tensors[k][0]) != tuple(s) or tensors[k][1] != d)]
+    if problems:
+        out.append(error("draft_tensors_mismatch", {"problems": problems},
+                         "SGLang loads tensors by name and shape; a missing or renamed one stays randomly initialised without any error",
+                         f"{REEXPORT}; it checks the full name/shape/dtype set"))
+    return out

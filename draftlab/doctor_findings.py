@@ -1,0 +1,53 @@
+"""What the wiring doctor reports: one Finding per fault (or per thing proven right).
+
+A finding names the fault with a stable identifier (`capture_layers_shifted`), says how bad it
+is, shows the numbers that prove it, the likely cause in plain words, and what to do. The check
+functions of draftlab/doctor_*.py return lists of these; they never raise for a fault.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ERROR, WARNING, INFO = "error", "warning", "ok-info"
+SEVERITIES = (ERROR, WARNING, INFO)  # worst first
+
+
+@dataclass(frozen=True)
+class Finding:
+    name: str  # stable identifier, e.g. "capture_layers_shifted"
+    severity: str  # error | warning | ok-info
+    evidence: dict = field(default_factory=dict)  # the fields and numbers that show it
+    cause: str = ""  # the likely cause, in plain words
+    fix: str = ""  # what to do
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def error(name: str, evidence: dict, cause: str, fix: str) -> Finding:
+    return Finding(name, ERROR, evidence, cause, fix)
+
+
+def warning(name: str, evidence: dict, cause: str, fix: str = "") -> Finding:
+    return Finding(name, WARNING, evidence, cause, fix)
+
+
+def info(name: str, evidence: dict, cause: str = "", fix: str = "") -> Finding:
+    return Finding(name, INFO, evidence, cause, fix)
+
+
+def errors(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == ERROR]
+
+
+def by_severity(findings: list[Finding]) -> list[Finding]:
+    """Errors first, then warnings, then ok-info; the check order is kept within each."""
+    return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
+
+
+def names(findings: list[Finding]) -> list[str]:
+    return [f.name for f in findings]

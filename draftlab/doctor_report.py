@@ -1,0 +1,100 @@
+"""Readable reports of the check stage: reports/wiring.md (the findings) and reports/summary.md (the run).
+
+Both are plain Markdown built from the same dicts that go into reports/wiring.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from draftlab.doctor_findings import ERROR, INFO, WARNING, Finding
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return "-" if x is None else str(x)
+
+
+def _counts(findings: list[Finding]) -> str:
+    n = {s: sum(f.severity == s for f in findings) for s in (ERROR, WARNING, INFO)}
+    return f"{n[ERROR]} error(s), {n[WARNING]} warning(s), {n[INFO]} ok-info"
+
+
+def wiring_markdown(findings: list[Finding], parity: dict | None, settings: dict, config_hash: str) -> str:
+    lines = ["# Wiring check", "",
+             f"config_hash `{config_hash}`: {_counts(findings)}.", "",
+             "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in settings.items()]
+    lines += ["", "| severity | finding | cause |", "|---|---|---|"]
+    lines += [f"| {f.severity} | `{f.name}` | {f.cause} |" for f in findings]
+    for f in findings:
+        if f.severity == INFO:
+            continue
+        lines += ["", f"## {f.severity}: `{f.name}`", "", f"**Cause.** {f.cause}", "", f"**Fix.** {f.fix or '-'}", "",
+                  "**Evidence.**", ""]
+        lines += [f"- {k}: `{json.dumps(v, default=str)}`" for k, v in f.evidence.items()]
+    if parity and parity.get("slots"):
+        lines += ["", "## Live parity", "",
+                  f"Source: {parity['source']}; {len(parity['sequences'])} training sequences, {parity['tokens']} tokens.", "",
+                  "| slot | trained physical | live physical | rel err | max abs diff | cos | norm ratio | best match |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in parity["slots"]:
+            lines.append(f"| {s['slot']} | {s['trained_physical']} | {_fmt(s['live_physical'])} | {s['rel_err']:.4f} | "
+                         f"{s['max_abs_diff']:.4g} | {s['cos']:.4f} | {s['norm_ratio']:.3f} | {s['best_match']} ({s['best_rel_err']:.4f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def _hash(m: dict | None) -> str:
+    return f"`{m['config_hash'][:12]}`" if m and m.get("config_hash") else "-"
+
+
+def stage_rows(run) -> list[str]:
+    """One table row per stage output: its config hash and the facts a reader looks for first."""
+    info = lambda m: (m or {}).get("info") or {}  # noqa: E731
+    s, h, f, t, b = info(run.synth), info(run.hidden), info(run.features), run.train_metrics or {}, run.bench or {}
+    cfg = run.draft_config or {}
+    eff = (b.get("flags") or {}).get("effective") or {}
+    rows = [
+        ("synthesize", run.synth, f"backend {s.get('backend', '-')}, {s.get('ok', '-')} answers, {s.get('errors', '-')} failed"),
+        ("extract", run.hidden, f"target {(h.get('target') or {}).get('model', '-')}, physical layers "
+                                f"{(h.get('target') or {}).get('physical_layers', '-')}, {h.get('counts', {}).get('train', {}).get('tokens', '-')} train tokens"),
+        ("standardize", run.features, f"draft vocab {f.get('draft_vocab_size', '-')}, eval coverage "
+                                      f"{_fmt((f.get('draft_vocab_coverage') or {}).get('eval'))}"),
+        ("train", t, f"tau_pred {_fmt(t.get('tau_pred'))}, eval loss {_fmt(t.get('eval_loss'))}, {t.get('epochs', '-')} epochs"),
+        ("export", run.export_manifest, f"eagle ids {(cfg.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids', '-')}, "
+                                        f"SGLang {(cfg.get('draftlab') or {}).get('sglang_version', '-')}, {cfg.get('torch_dtype', '-')}"),
+        ("bench", b or None, f"backend {b.get('backend', '-')}, {eff.get('algorithm', '-')} steps {eff.get('num_steps', '-')} "
+                             f"topk {eff.get('topk', '-')} draft tokens {eff.get('num_draft_tokens', '-')}" if b else "not run"),
+    ]
+    return [f"| {name} | {_hash(m)} | {facts} |" for name, m, facts in rows]
+
+
+def _tps(x) -> str:
+    return _fmt((x or {}).get("median"), 1) if isinstance(x, dict) else _fmt(x, 1)
+
+
+def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Path) -> str:
+    t, b = run.train_metrics or {}, run.bench or {}
+    spec, base, off = b.get("spec") or {}, b.get("baseline") or {}, b.get("offline") or {}
+    lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Wiring: {_counts(findings)} (details: [wiring.md](wiring.md)).", "",
+             "## What ran", "", "| stage | config hash | facts |", "|---|---|---|", *stage_rows(run), "",
+             "## Key figures", "", "| figure | value |", "|---|---|",
+             f"| tau predicted by training | {_fmt(t.get('tau_pred'))} |",
+             f"| tau offline (in-process engine) | {_fmt(off.get('tau'))} |",
+             f"| tau served | {_fmt(spec.get('tau'))} |",
+             f"| per-position acceptance (train eval) | {', '.join(_fmt(v) for v in (t.get('accept') or {}).values()) or '-'} |",
+             f"| per-position acceptance (served) | {', '.join(_fmt(v) for v in spec.get('acceptance') or []) or '-'} |",
+             f"| accept rate (served) | {_fmt(spec.get('accept_rate'))} |",
+             f"| tokens/s baseline (median) | {_tps(base.get('tokens_per_s'))} |",
+             f"| tokens/s speculative (median) | {_tps(spec.get('tokens_per_s'))} |",
+             f"| speedup | {_fmt(b.get('speedup'))} |"]
+    plots = sorted(p for p in Path(out_dir).rglob("*") if p.suffix in (".png", ".svg"))
+    lines += ["", "## Plots", ""]
+    lines += [f"- [{p.relative_to(out_dir).as_posix()}]({os.path.relpath(p, out_dir)})" for p in plots] or ["- none yet"]
+    lines += ["", "## Findings", ""]
+    lines += [f"- **{f.severity}** `{f.name}`: {f.cause}." + (f" Fix: {f.fix}." if f.fix else "") for f in findings if f.severity != INFO]
+    if not any(f.severity != INFO for f in findings):
+        lines.append("- no errors or warnings: " + ", ".join(f"`{f.name}`" for f in findings))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,169 @@
+"""Checks of how the draft was served: algorithm, flags, chat template/tokenizer, the tau triangle.
+
+Pure functions over parsed reports/bench.json, manifests, server-log lines and hashes; each
+returns a list of Findings (DESIGN.md sections 8-9 state the facts they check).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from draftlab.doctor_findings import Finding, error, info, warning
+
+# SGLang prints its resolved ServerArgs at start-up ("speculative_algorithm='EAGLE'"); a logged
+# command line reads "--speculative-algorithm EAGLE".
+_ALGORITHM_IN_LOG = re.compile(r"speculative[_-]algorithm['\"]?(?:\s*[=:]\s*|\s+)['\"]?([A-Za-z0-9_]+)")
+
+
+def _flags(bench: dict, which: str) -> dict:
+    return ((bench or {}).get("flags") or {}).get(which) or {}
+
+
+def check_algorithm(bench: dict | None, draft_config: dict, server_log: str | None = None) -> list[Finding]:
+    """Fault 2: an EAGLE-3 draft served with --speculative-algorithm EAGLE (runs, skips fc, tau ~1)."""
+    arch = (draft_config.get("architectures") or [""])[0]
+    if not arch.endswith("Eagle3"):
+        return []
+    seen = {}
+    for which in ("requested", "effective"):
+        if _flags(bench, which).get("algorithm") == "EAGLE":
+            seen[f"bench.json flags.{which}.algorithm"] = "EAGLE"
+    logged = sorted(set(_ALGORITHM_IN_LOG.findall(server_log or "")))
+    if "EAGLE" in logged:
+        seen["server log"] = "speculative_algorithm=EAGLE"
+    if not seen:
+        return []
+    return [error("eagle_instead_of_eagle3", {"draft_architecture": arch, **seen},
+                  "the draft is an EAGLE-3 checkpoint but the server runs EAGLE: it starts without error, skips fc, and "
+                  "acceptance collapses to about 1 token per step; SGLang never infers EAGLE3 from the checkpoint",
+                  "set spec.algorithm: EAGLE3 (--speculative-algorithm EAGLE3)")]
+
+
+def check_flags(bench: dict, log_adjustments: list[tuple[str, str]] = ()) -> list[Finding]:
+    """Fault 7: each flag SGLang changes or fills in, from bench.json and the server log's own lines.
+
+    log_adjustments: (rule, line) pairs, e.g. from draftlab.sglang_backend.read_log(path).adjustments.
+    """
+    req, eff = _flags(bench, "requested"), _flags(bench, "effective")
+    flags = (bench or {}).get("flags") or {}
+    changed = {k: {"requested": req[k], "effective": eff[k]} for k in req if k in eff and req[k] != eff[k]}
+    listed = flags.get("findings") or flags.get("adjustments") or []  # findings: every rule that fired, defaults included
+    out: list[Finding] = []
+    for a in listed:
+        ev = {"rule": a.get("rule"), "what": a.get("what"), "on_adjust": flags.get("on_adjust"), "changed": changed}
+        fix = a.get("fix") or ""
+        if a.get("kind") == "adjusted":
+            out.append(warning("flag_adjusted", ev, f"SGLang does not run the flags as requested: {a.get('what')}; the bench "
+                               "figures belong to the effective flags", fix))
+        elif a.get("kind") == "error":
+            out.append(error("flag_error", ev, f"SGLang refuses or breaks on these flags: {a.get('what')}", fix))
+        else:
+            out.append(info("flag_default", ev, f"SGLang fills in an unset flag: {a.get('what')}", fix))
+    kinds = {a.get("kind") for a in listed}
+    surprising = {k: v for k, v in changed.items() if v["requested"] is not None}
+    if surprising and "adjusted" not in kinds:
+        out.append(warning("flag_adjusted", {"changed": surprising},
+                           "requested and effective flags differ but the bench lists no adjustment for it",
+                           "set the spec.* flags to the effective values"))
+    known = {a.get("rule") for a in listed}
+    for rule, line in log_adjustments:
+        if rule not in known:
+            out.append(error("flag_adjusted", {"rule": rule, "server_log_line": line, "source": "server log"},
+                             "the server log shows SGLang changing a flag that the bench did not predict: the reported "
+                             "requested/effective flags are not what ran", f"set the flag so that rule {rule} does not fire"))
+    return out
+
+
+def check_tokenizer(synth: dict | None, extraction: dict | None, serving: dict | None) -> list[Finding]:
+    """Fault 5: chat template or tokenizer differing between synthesis, extraction and serving.
+
+    Each argument: {"chat_template": hash, "tokenizer": hash} of one side, or None when unknown.
+    """
+    sides = {k: v for k, v in (("synthesis", synth), ("extraction", extraction), ("serving", serving)) if v}
+    out: list[Finding] = []
+    for what, name in (("chat_template", "chat_template_differs"), ("tokenizer", "tokenizer_differs")):
+        hashes = {side: v.get(what) for side, v in sides.items() if v.get(what)}
+        if len(set(hashes.values())) <= 1:
+            continue
+        groups: dict[str, list[str]] = {}
+        for side, h in hashes.items():
+            groups.setdefault(h, []).append(side)
+        majority = max(groups.values(), key=len)
+        odd = [s for s in hashes if s not in majority] if len(majority) > 1 else list(hashes)
+        word = "chat template" if what == "chat_template" else "tokenizer"
+        out.append(error(name, {"sha256": {s: h[:16] for s, h in hashes.items()}, "differs": odd},
+                         f"the {word} of {', '.join(odd)} differs from the others: the draft learned token sequences that "
+                         "serving renders differently, so its proposals miss",
+                         "synthesize, extract and serve with the same target tokenizer and chat template (dvc repro after changing it)"))
+    missing = [s for s in ("synthesis", "extraction", "serving") if s not in sides]
+    if missing:
+        out.append(info("tokenizer_side_unknown", {"unknown": missing}, f"no template/tokenizer hashes for {', '.join(missing)}"))
+    return out
+
+
+def predicted_tau(train_metrics: dict, num_steps: int | None) -> tuple[float | None, int | None]:
+    """(train-predicted chain tau at `num_steps` draft steps, steps it covers) from reports/train/metrics.json."""
+    by_steps = {int(k.split("_")[-1]): v for k, v in (train_metrics.get("tau_by_steps") or {}).items()}  # "steps_3" -> 3
+    trained = max(by_steps, default=None)
+    if num_steps and by_steps:
+        n = min(num_steps, trained)
+        return by_steps.get(n), n
+    return train_metrics.get("tau_pred"), trained
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def check_tau(train_metrics: dict | None, bench: dict, tolerance: float) -> list[Finding]:
+    """Fault 8: train-predicted vs offline vs served tau, relative tolerance; names the broken link."""
+    eff = _flags(bench, "effective")
+    steps, topk = eff.get("num_steps"), eff.get("topk")
+    pred, covered = predicted_tau(train_metrics or {}, steps)
+    pred = _num(pred)
+    offline = _num(((bench or {}).get("offline") or {}).get("tau"))
+    served = _num(((bench or {}).get("spec") or {}).get("tau"))
+    ev = {"train_predicted": pred, "offline": offline, "served": served, "num_steps": steps, "topk": topk,
+          "train_steps_covered": covered, "tolerance": tolerance}
+    tree = topk is not None and topk > 1  # a tree accepts more than the chain the prediction models
+    links = [("train", pred, "offline", offline), ("offline", offline, "served", served)]
+    if offline is None:
+        links = [("train", pred, "served", served)]
+    out: list[Finding] = []
+    for up_name, up, down_name, down in links:
+        if up is None or down is None or up <= 0:
+            continue
+        gap = (down - up) / up
+        if abs(gap) <= tolerance or (gap > 0 and (tree or up_name == "train")):
+            continue  # above a chain prediction is no fault: a tree accepts more, and so may easy bench prompts
+        e = {**ev, "link": f"{up_name} -> {down_name}", "relative_gap": round(gap, 4)}
+        name = f"tau_{up_name}_vs_{down_name}"
+        if gap > 0:
+            out.append(warning(name, e, f"{down_name} tau is {gap:.0%} above {up_name} tau: they did not run the same prompts or flags",
+                               "run offline and served with the same prompts, flags and sampling"))
+        elif up_name == "train" and down_name == "offline":
+            out.append(warning(name, e, "offline tau is below what training predicted: the draft overfits or the eval split "
+                               "differs from the bench prompts, or the exported draft/loader differs from the trained one",
+                               "compare eval and bench prompts; check the d2t/tensor findings; train on more data"))
+        else:
+            out.append(error(name, e, f"{down_name} tau is {-gap:.0%} below {up_name} tau: the server is "
+                             "fed differently than training (capture layers, eagle_config, algorithm, d2t, chat template, dtype)",
+                             "see the other findings; run live parity against the server (check.server_url)"))
+    if not out and pred is not None and (offline is not None or served is not None):
+        out.append(info("tau_consistent", ev, "train-predicted, offline and served tau agree within the tolerance"))
+    if steps and covered and steps > covered:
+        out.append(info("tau_steps_beyond_training", ev, f"serving drafts {steps} steps, training unrolled {covered}: "
+                        "the prediction covers the first steps only"))
+    return out
+
+
+def check_lineage(hashes: dict[str, str | None], links: list[tuple[str, str | None, str]]) -> list[Finding]:
+    """Outputs that do not come from each other: (downstream, the upstream hash it recorded, upstream)."""
+    out = []
+    for down, recorded, up in links:
+        actual = hashes.get(up)
+        if recorded and actual and recorded != actual:
+            out.append(warning("stale_outputs", {"stage": down, "recorded_input": recorded[:16], "input": up, "current": actual[:16]},
+                               f"{down} was built from another {up} run than the one on disk; their figures do not belong together",
+                               "dvc repro"))
+    return out

@@ -1,0 +1,73 @@
+"""Stage check: the wiring doctor. Proves that capture, export and serving agree, or names the fault.
+
+    python -m stages.check --synth data/synth --hidden data/hidden --features data/features \
+        --train-metrics reports/train/metrics.json --draft models/draft --bench reports/bench.json --out reports
+Reads params section: check.
+Writes reports/wiring.json (findings + config_hash + key settings), reports/wiring.md (the same,
+readable) and reports/summary.md (the whole run on one page). Exits non-zero when a finding is
+an error, unless check.fail_on_error is false; the reports are written either way.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftlab import doctor
+from draftlab.cli import run_stage
+from draftlab.doctor_report import summary_markdown, wiring_markdown
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_json, atomic_write_text
+from draftlab.manifest import build_manifest, with_lineage
+from draftlab.params import as_dict, load_params
+
+
+def check_params(cp) -> None:
+    rules = [
+        (cp.tau_tolerance >= 0, "check.tau_tolerance must be >= 0 (a share, e.g. 0.10)"),
+        (cp.live_parity_samples >= 0, "check.live_parity_samples must be >= 0 (0 = no live parity)"),
+        (cp.parity_rtol > 0, "check.parity_rtol must be > 0 (a share, e.g. 0.05)"),
+        (cp.norm_tolerance > 0, "check.norm_tolerance must be > 0 (a share, e.g. 0.15)"),
+        (cp.request_timeout_s > 0, "check.request_timeout_s must be > 0"),
+    ]
+    for ok, msg in rules:
+        if not ok:
+            raise UserError(f"params.yaml: {msg}")
+
+
+def main(paths: doctor.Paths, out: Path, load_model=doctor.load_local_target) -> doctor.Diagnosis:
+    params = load_params(["check"])
+    cp = params.check
+    check_params(cp)
+    d = doctor.diagnose(paths, cp, load_model)
+    run = d.run
+    inputs = {name: (m or {}).get("config_hash") for name, m in (
+        ("synth", run.synth), ("extract", run.hidden), ("features", run.features), ("train", run.train_metrics),
+        ("export", run.export_manifest), ("bench", run.bench))}
+    manifest = build_manifest("check", as_dict(params), inputs, __file__)
+    report = with_lineage(doctor.report_dict(d), manifest, d.settings)
+    report["inputs"] = inputs
+    atomic_write_json(out / "wiring.json", report)
+    atomic_write_text(out / "wiring.md", wiring_markdown(d.findings, d.parity, d.settings, manifest["config_hash"]))
+    atomic_write_text(out / "summary.md", summary_markdown(run, d.findings, manifest["config_hash"], out))
+    for f in d.findings:
+        if f.severity != "ok-info":
+            print(f"check: {f.severity}: {f.name}: {f.cause}")
+    print(f"check: {report['counts']['error']} error(s), {report['counts']['warning']} warning(s) -> {out / 'wiring.md'}, {out / 'summary.md'}")
+    if d.errors and cp.fail_on_error:
+        raise UserError(f"wiring check found {len(d.errors)} error(s): {', '.join(f.name for f in d.errors)}; "
+                        f"see {out / 'wiring.md'} (or set check.fail_on_error: false)")
+    return d
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--synth", type=Path, default=Path("data/synth"))
+    ap.add_argument("--hidden", type=Path, default=Path("data/hidden"))
+    ap.add_argument("--features", type=Path, default=Path("data/features"))
+    ap.add_argument("--train-metrics", type=Path, default=Path("reports/train/metrics.json"))
+    ap.add_argument("--draft", type=Path, default=Path("models/draft"))
+    ap.add_argument("--bench", type=Path, default=Path("reports/bench.json"))
+    ap.add_argument("--out", type=Path, default=Path("reports"))
+    a = ap.parse_args()
+    paths = doctor.Paths(a.synth, a.hidden, a.features, a.train_metrics, a.draft, a.bench)
+    run_stage(main, paths, a.out)

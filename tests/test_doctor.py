@@ -1,0 +1,535 @@
+"""The wiring doctor names each train-vs-serve fault injected into the real outputs of a micro pipeline."""
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftlab import doctor
+from draftlab.doctor_draft import check_capture
+from draftlab.doctor_findings import names
+from draftlab.doctor_parity import check_live_capture, hidden_rows, inprocess_capture
+from draftlab.doctor_serving import check_tau
+from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.errors import UserError
+from draftlab.export import export_sglang
+from draftlab.extract import capture, render
+from draftlab.features import build_draft_vocab, count_tokens, pack_sequences, read_metadata, save_draft_vocab, write_shard
+from draftlab.manifest import build_manifest, with_lineage, write_manifest
+from draftlab.micro import save_micro_model
+from draftlab.params import CheckParams, TargetParams
+from draftlab.target import chat_template_hash, load_tokenizer, target_info, tokenizer_hash
+
+L, H, V, VD = 8, 64, 256, 64
+PHYSICAL = [2, 4, 6]  # capture.layers [1, 3, 5]: SGLang 0.5.14 ids [1, 3, 5] on Llama
+CHECK = CheckParams(tau_tolerance=0.10, fail_on_error=True, live_parity_samples=3, parity_rtol=0.05, norm_tolerance=0.15,
+                    server_url="", request_timeout_s=30.0)
+FLAGS = {"algorithm": "EAGLE3", "num_steps": 3, "topk": 1, "num_draft_tokens": 4, "max_running_requests": 48,
+         "page_size": None, "attention_backend": None}
+CHATS = [("Sort: 3 1 2", "<think>small first</think>1 2 3"), ("Reverse 'abc'", "<think>read backwards</think>cba"),
+         ("Add 12 and 30", "<think>12 + 30</think>42"), ("Count the a's in banana", "<think>b-a-n-a-n-a</think>3"),
+         ("Sort: 9 7 8 1", "<think>compare pairs</think>1 7 8 9"), ("Echo hello", "<think>repeat it</think>hello")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared 2-core machines: 2 threads run ~20x slower under contention
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Real outputs of a micro pipeline: synth/hidden/features manifests, features, train metrics, export, bench."""
+    root = tmp_path_factory.mktemp("run")
+    model = save_micro_model(root / "target", num_layers=L, hidden_size=H, vocab_size=V, max_position_embeddings=512, seed=0)
+    tok = load_tokenizer(str(root / "target"))
+    target = {**target_info(model, TargetParams(str(root / "target"), None, "float32", "cpu")), "physical_layers": PHYSICAL}
+    hashes = {"chat_template_sha256": chat_template_hash(tok), "tokenizer_sha256": tokenizer_hash(tok)}
+    seqs, norms = [], {str(p): [] for p in PHYSICAL} | {"final": []}
+    for q, a in CHATS:
+        ids, mask = render(tok, [{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+        ids_t = torch.tensor([ids])
+        aux, final = capture(model, ids_t, torch.ones_like(ids_t), PHYSICAL)
+        seqs.append({"input_ids": ids_t[0], "loss_mask": torch.tensor(mask), "final_hidden": final[0].bfloat16(),
+                     "aux_hidden": torch.cat([aux[p][0] for p in PHYSICAL], -1).bfloat16()})
+        for p in PHYSICAL:
+            norms[str(p)].append(aux[p][0].bfloat16().float().norm(dim=-1))
+        norms["final"].append(final[0].bfloat16().float().norm(dim=-1))
+    meta = {"physical_layers": PHYSICAL, "hidden_size": H, "num_layers": L, "architecture": "LlamaForCausalLM", "vocab_size": V}
+    feat = root / "data/features"
+    write_shard(feat / "train/shard-00000.safetensors", pack_sequences(seqs[:3]), {**meta, "row_ids": ["r0", "r1", "r2"]})
+    write_shard(feat / "train/shard-00001.safetensors", pack_sequences(seqs[3:]), {**meta, "row_ids": ["r3", "r4", "r5"]})
+    counts = sum(count_tokens(s["input_ids"], s["loss_mask"], V) for s in seqs)
+    d2t, t2d = build_draft_vocab(counts, VD)
+    save_draft_vocab(feat / "draft_vocab.safetensors", d2t, t2d)
+    from stages.standardize import norm_summary  # the exact stats.json format
+
+    stats = {"physical_layers": PHYSICAL, "norms": {k: norm_summary(torch.cat(v)) for k, v in norms.items()}}
+    (feat / "stats.json").write_text(json.dumps(stats))
+
+    synth = build_manifest("synthesize", {}, {}, info={"backend": "hf", "ok": len(CHATS), "errors": 0,
+                                                       "tokenizer_hash": hashes["tokenizer_sha256"], "chat_template_hash": hashes["chat_template_sha256"]})
+    write_manifest(root / "data/synth", synth)
+    hidden = build_manifest("extract", {}, {"synth": synth["config_hash"]}, info={"target": target, **hashes})
+    write_manifest(root / "data/hidden", hidden)
+    features = build_manifest("standardize", {}, {"extract": hidden["config_hash"]}, info={"target": target, **hashes, **stats})
+    write_manifest(feat, features)
+    train = build_manifest("train", {}, {"features": features["config_hash"]})
+    metrics = {"tau_pred": 2.1, "tau_by_steps": {"steps_1": 1.6, "steps_2": 1.9, "steps_3": 2.0, "steps_4": 2.1},
+               "accept": {"step_1": 0.6, "step_2": 0.5, "step_3": 0.4, "step_4": 0.3}, "eval_loss": 2.0, "epochs": 3}
+    (root / "reports/train").mkdir(parents=True)
+    (root / "reports/train/metrics.json").write_text(json.dumps(with_lineage(metrics, train, {})))
+
+    draft = Eagle3Draft(DraftConfig.from_target(target, len(PHYSICAL), VD), embed_weight=model.get_input_embeddings().weight.detach())
+    draft.set_vocab(d2t, t2d)
+    config = export_sglang(draft, root / "models/draft", target, PHYSICAL, "0.5.14")
+    write_manifest(root / "models/draft", build_manifest("export", {"export": {"sglang_version": "0.5.14"}},
+                                                        {"train": train["config_hash"], "features": features["config_hash"]}, info={"config": config}))
+    bench = {"config_hash": "b" * 64, "backend": "reference", "sglang_version": "0.5.14", "draft_dir": "models/draft",
+             "target": {k: target[k] for k in ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")},
+             "flags": {"requested": dict(FLAGS), "effective": dict(FLAGS), "adjustments": [], "on_adjust": "error"},
+             "baseline": {"tokens_per_s": {"median": 100.0, "p10": 90.0, "p90": 110.0}},
+             "spec": {"tokens_per_s": {"median": 150.0}, "tau": 1.98, "accept_rate": 0.33, "acceptance": [0.6, 0.5, 0.4]},
+             "offline": {"tau": 2.02}, "speedup": 1.5, "server_log": None}
+    (root / "reports/bench.json").write_text(json.dumps(bench))
+    return root, model
+
+
+@pytest.fixture
+def run(pipeline, tmp_path):
+    """A private copy of the pipeline outputs to damage (the target is shared, read-only)."""
+    root, _ = pipeline
+    for part in ("data", "reports", "models"):
+        shutil.copytree(root / part, tmp_path / part)
+    return tmp_path
+
+
+def paths(root: Path) -> doctor.Paths:
+    return doctor.Paths(root / "data/synth", root / "data/hidden", root / "data/features", root / "reports/train/metrics.json",
+                        root / "models/draft", root / "reports/bench.json")
+
+
+def diagnose(pipeline, root, **check):
+    model = pipeline[1]
+    cp = CheckParams(**{**CHECK.__dict__, **check})
+    return doctor.diagnose(paths(root), cp, load_model=lambda *_: model)
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_config(root, change):
+    edit_json(root / "models/draft/config.json", change)
+
+
+def edit_bench(root, change):
+    edit_json(root / "reports/bench.json", change)
+
+
+def edit_weights(root, change):
+    path = root / "models/draft/model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def edit_shards(root, change):
+    """change(tensors, metadata) on every train shard of the features."""
+    for path in sorted((root / "data/features/train").glob("shard-*.safetensors")):
+        meta = read_metadata(path)
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        change(tensors, meta)
+        save_file(tensors, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+
+
+def finding(d, name):
+    hits = [f for f in d.findings if f.name == name]
+    assert hits, f"{name} not reported; got {names(d.findings)}"
+    return hits[0]
+
+
+# --- the clean run ----------------------------------------------------------------------------
+
+
+def test_clean_pipeline_reports_no_error_and_no_warning(pipeline, run):
+    d = diagnose(pipeline, run)
+    assert [f for f in d.findings if f.severity != "ok-info"] == [], [f.as_dict() for f in d.findings]
+    assert {"live_parity_ok", "tau_consistent"} <= set(names(d.findings))
+    assert d.parity["live_physical"] == PHYSICAL and all(s["rel_err"] < 0.01 for s in d.parity["slots"])  # bf16 rounding only
+    assert d.settings["sglang_captures"] == PHYSICAL and d.settings["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+
+
+# --- fault 1: capture layers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids, shift, live", [([2, 4, 6], 1, [3, 5, 7]), ([0, 2, 4], -1, [1, 3, 5])])
+def test_ids_shifted_by_one_are_named_with_direction_and_the_ids_to_write(pipeline, run, ids, shift, live):
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=ids))
+    d = diagnose(pipeline, run)
+    f = finding(d, "capture_layers_shifted")
+    assert f.severity == "error" and f.evidence["shift"] == shift and f.evidence["sglang_captures"] == live
+    assert "one too high" in f.cause if shift == 1 else "one too low" in f.cause
+    assert "[1, 3, 5]" in f.fix
+    # live parity through the engine's capture path sees the same shift, layer by layer
+    slots = finding(d, "layer_shift").evidence["slots"]
+    assert [s["matches_physical"] for s in slots] == live
+
+
+def test_missing_eagle_config_names_the_silent_default(pipeline, run):
+    edit_config(run, lambda c: c.pop("eagle_config"))
+    d = diagnose(pipeline, run)
+    f = finding(d, "eagle_config_missing")
+    assert f.severity == "error" and f.evidence["sglang_captures"] == [2, 4, 5] and "default" in f.cause
+    assert "[1, 3, 5]" in f.fix and "capture_layers_shifted" not in names(d.findings)
+
+
+def test_ids_at_the_top_level_are_named_as_ignored(pipeline, run):
+    edit_config(run, lambda c: c.update(eagle_aux_hidden_state_layer_ids=c.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]))
+    f = finding(diagnose(pipeline, run), "layer_ids_at_top_level")
+    assert f.severity == "error" and "ignores" in f.cause and f.evidence["top_level_ids"] == [1, 3, 5]
+
+
+def test_embedding_in_the_ids_is_named(pipeline, run):
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[-1, 3, 5]))
+    f = finding(diagnose(pipeline, run), "embedding_captured")
+    assert f.severity == "error" and f.evidence["side"] == "exported config" and "embedding" in f.cause
+
+
+def test_embedding_in_the_training_features_is_named():
+    f = check_capture({"architecture": "LlamaForCausalLM", "num_layers": 8}, [0, 4, 6],
+                      {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]}}, "0.5.14")
+    assert "embedding_captured" in names(f) and next(x for x in f if x.name == "embedding_captured").evidence["side"] == "training features"
+
+
+def test_last_layer_id_is_named_out_of_range_and_parity_sees_the_width(pipeline, run):
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3, 7]))
+    d = diagnose(pipeline, run)
+    f = finding(d, "layer_id_out_of_range")
+    assert f.evidence["dropped_ids"] == [7] and "0..6" in f.cause
+    assert finding(d, "live_width_mismatch").evidence["live_width"] == 2 * H
+
+
+def test_unsorted_ids_are_fine_because_sglang_sorts(pipeline, run):
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[5, 1, 3]))
+    d = diagnose(pipeline, run)
+    assert d.errors == [] and finding(d, "layer_ids_unsorted").severity == "ok-info"
+
+
+def test_features_out_of_ascending_order_are_named(pipeline, run):
+    order = [1, 0, 2]  # slots hold physical [4, 2, 6]
+
+    def permute(t, meta):
+        t["aux_hidden"] = torch.cat([t["aux_hidden"][:, j * H:(j + 1) * H] for j in order], -1)
+        meta["physical_layers"] = [PHYSICAL[j] for j in order]
+
+    edit_shards(run, permute)
+    d = diagnose(pipeline, run)
+    assert finding(d, "feature_order_wrong").evidence.get("feature_physical_order") == [4, 2, 6]
+    parity = [f for f in d.findings if f.name == "feature_order_wrong" and "slots" in f.evidence]
+    assert parity and len(parity[0].evidence["slots"]) == 2  # slot 2 (physical 6) stayed in place
+
+
+# --- faults 2-4: algorithm, d2t, shapes ---------------------------------------------------------
+
+
+def test_eagle_algorithm_with_an_eagle3_draft_is_named_from_flags_or_log(pipeline, run):
+    edit_bench(run, lambda b: b["flags"]["requested"].update(algorithm="EAGLE"))
+    f = finding(diagnose(pipeline, run), "eagle_instead_of_eagle3")
+    assert "skips fc" in f.cause and "bench.json flags.requested.algorithm" in f.evidence
+    edit_bench(run, lambda b: b["flags"]["requested"].update(algorithm="EAGLE3"))
+    log = run / "reports/server-spec.log"
+    log.write_text("[2026-01-01] server_args=ServerArgs(model_path='t', speculative_algorithm='EAGLE', speculative_num_steps=3)\n")
+    edit_bench(run, lambda b: b.update(server_log=str(log)))
+    assert finding(diagnose(pipeline, run), "eagle_instead_of_eagle3").evidence["server log"]
+
+
+def test_reduced_vocab_without_d2t_is_named(pipeline, run):
+    edit_weights(run, lambda t: t.pop("d2t"))
+    f = finding(diagnose(pipeline, run), "d2t_missing")
+    assert f.evidence["draft_vocab_size"] == VD and f.evidence["vocab_size"] == V and "draft ids as target ids" in f.cause
+
+
+def test_all_zero_d2t_with_a_reduced_vocab_is_named(pipeline, run):
+    edit_weights(run, lambda t: t.update(d2t=torch.zeros_like(t["d2t"])))
+    d = diagnose(pipeline, run)
+    assert finding(d, "d2t_all_zeros").severity == "error"
+
+
+@pytest.mark.parametrize("name, damage, evidence", [
+    ("fc_width_mismatch", lambda t: t.update({"fc.weight": torch.zeros(H, 4 * H, dtype=torch.bfloat16)}), {"expected_fc_in": 3 * H}),
+    ("draft_tensors_mismatch", lambda t: t.update({"midlayer.hidden_norms.weight": t.pop("midlayer.hidden_norm.weight")}), {}),
+])
+def test_damaged_weights_are_named(pipeline, run, name, damage, evidence):
+    edit_weights(run, damage)
+    f = finding(diagnose(pipeline, run), name)
+    assert f.severity == "error" and evidence.items() <= f.evidence.items()
+
+
+@pytest.mark.parametrize("name, change", [
+    ("draft_context_shorter", lambda c: c.update(max_position_embeddings=256)),
+    ("draft_architecture_wrong", lambda c: c.update(architectures=["LlamaForCausalLM"])),
+    ("draft_vocab_mismatch", lambda c: c.update(vocab_size=V * 2)),
+])
+def test_config_sizes_against_the_target_are_named(pipeline, run, name, change):
+    edit_config(run, change)
+    assert finding(diagnose(pipeline, run), name).severity == "error"
+
+
+# --- fault 5: chat template and tokenizer -------------------------------------------------------
+
+
+def test_a_changed_serving_chat_template_is_named_on_the_serving_side(pipeline, run):
+    shutil.copytree(pipeline[0] / "target", run / "served")
+    edit_json(run / "served/tokenizer_config.json", lambda c: c.update(chat_template=c["chat_template"].replace("<|end|>", "<|end|>\n")))
+    edit_bench(run, lambda b: b["target"].update(model=str(run / "served")))
+    f = finding(diagnose(pipeline, run), "chat_template_differs")
+    assert f.evidence["differs"] == ["serving"] and "tokenizer_differs" not in names(diagnose(pipeline, run).findings)
+
+
+def test_a_different_synthesis_tokenizer_is_named(pipeline, run):
+    edit_json(run / "data/synth/manifest.json", lambda m: m["info"].update(tokenizer_hash="0" * 64))
+    assert finding(diagnose(pipeline, run), "tokenizer_differs").evidence["differs"] == ["synthesis"]
+
+
+# --- fault 6: dtype / normalisation -------------------------------------------------------------
+
+
+def test_a_scaled_layer_is_named_a_norm_mismatch(pipeline, run):
+    def scale(t, meta):  # the features of physical 4 were stored 3x too large (e.g. a normalisation at extraction)
+        t["aux_hidden"][:, H:2 * H] *= 3
+
+    edit_shards(run, scale)
+    edit_json(run / "data/features/stats.json", lambda s: s["norms"]["4"].update({k: v * 3 for k, v in s["norms"]["4"].items()}))
+    f = finding(diagnose(pipeline, run), "hidden_norm_mismatch")
+    (slot,) = f.evidence["slots"]
+    assert slot["trained_physical"] == 4 and slot["norm_ratio"] == pytest.approx(1 / 3, rel=0.01)
+    assert slot["norm_ratio_vs_stats"] == pytest.approx(1 / 3, rel=0.05)
+
+
+def test_norm_statistics_name_a_post_norm_capture_when_tokens_do_not_match():
+    stats = {"2": {"mean": 10.0}, "4": {"mean": 20.0}, "6": {"mean": 30.0}, "final": {"mean": 8.0}}
+    slot = {"slot": 2, "trained_physical": 6, "live_physical": None, "rel_err": 0.9, "max_abs_diff": 5.0, "cos": 0.3, "norm_ratio": 0.27,
+            "live_norm": {"mean": 8.1}, "best_match": "physical 6", "best_rel_err": 0.9}
+    parity = {"source": "url", "sequences": ["r0"], "tokens": 10, "trained_physical": [2, 4, 6], "slots": [slot], "error": None}
+    (f,) = check_live_capture(parity, stats, rtol=0.05, norm_tolerance=0.15)
+    assert f.name == "final_norm_applied" and f.evidence["slots"][0]["basis"] == "norm statistics"
+
+
+# --- fault 7: flags -----------------------------------------------------------------------------
+
+
+def test_each_flag_adjustment_is_a_finding(pipeline, run):
+    def adjusted(b):
+        b["flags"]["requested"]["num_draft_tokens"] = 16
+        b["flags"]["on_adjust"] = "allow"
+        b["flags"]["adjustments"] = [{"rule": "chain_draft_tokens", "kind": "adjusted", "what": "SGLang would run 4 draft tokens",
+                                      "fix": "set spec.num_draft_tokens: 4", "sglang_message": None}]
+
+    edit_bench(run, adjusted)
+    f = finding(diagnose(pipeline, run), "flag_adjusted")
+    assert f.evidence["rule"] == "chain_draft_tokens" and f.evidence["changed"] == {"num_draft_tokens": {"requested": 16, "effective": 4}}
+    assert f.fix == "set spec.num_draft_tokens: 4"
+
+
+def test_an_adjustment_only_the_server_log_shows_is_an_error(pipeline, run):
+    log = run / "reports/server-spec.log"
+    shutil.copy(Path(__file__).parent / "fixtures/sglang/adjustments.log", log)
+    edit_bench(run, lambda b: b.update(server_log=str(log)))
+    hits = [f for f in diagnose(pipeline, run).findings if f.name == "flag_adjusted"]
+    assert {f.evidence["rule"] for f in hits} == {"chain_draft_tokens", "max_running_requests_default"}
+    assert all(f.severity == "error" and f.evidence["source"] == "server log" for f in hits)
+
+
+# --- fault 8: the tau triangle ------------------------------------------------------------------
+
+
+def test_served_tau_far_below_offline_names_the_serving_link(pipeline, run):
+    edit_bench(run, lambda b: b["spec"].update(tau=1.1))
+    f = finding(diagnose(pipeline, run), "tau_offline_vs_served")
+    assert f.severity == "error" and f.evidence["link"] == "offline -> served" and "fed differently" in f.cause
+    assert f.evidence["train_predicted"] == 2.0  # tau_by_steps at the served num_steps (3)
+
+
+def test_offline_tau_below_training_names_the_training_link():
+    bench = {"flags": {"effective": {"num_steps": 4, "topk": 1}}, "offline": {"tau": 1.5}, "spec": {"tau": 1.5}}
+    (f,) = check_tau({"tau_pred": 2.1, "tau_by_steps": {"steps_4": 2.1}}, bench, 0.10)
+    assert f.name == "tau_train_vs_offline" and "overfit" in f.cause
+    assert check_tau({"tau_pred": 2.1, "tau_by_steps": {"steps_4": 2.1}}, {**bench, "offline": {"tau": 2.0}, "spec": {"tau": 2.05}}, 0.10)[0].name == "tau_consistent"
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def test_without_a_bench_report_the_other_checks_still_run(pipeline, run):
+    (run / "reports/bench.json").unlink()
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 6]))
+    d = diagnose(pipeline, run)
+    assert finding(d, "bench_not_run").severity == "warning"
+    assert {"capture_layers_shifted", "layer_shift"} <= set(names(d.findings))
+
+
+def test_a_served_target_other_than_the_extracted_one_is_named(pipeline, run):
+    edit_bench(run, lambda b: b["target"].update(num_layers=L + 1))
+    assert finding(diagnose(pipeline, run), "served_target_differs").evidence["num_layers"] == {"features": L, "served": L + 1}
+
+
+def test_an_export_from_other_features_is_named_stale(pipeline, run):
+    edit_json(run / "models/draft/manifest.json", lambda m: m["inputs"].update(features="f" * 64))
+    assert finding(diagnose(pipeline, run), "stale_outputs").evidence["stage"] == "export"
+
+
+# --- live parity over HTTP ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, shape", [
+    ([[1.0] * 6] * 4, (4, 6)),  # flat [T][k*H]
+    ([[[1.0] * 2] * 3] * 4, (4, 6)),  # [T][k][H]
+    ([[[1.0] * 6] * 4, [1.0] * 6], (5, 6)),  # SGLang: the prompt block, then one row per generated token
+])
+def test_hidden_states_are_read_in_every_shape_servers_return(raw, shape):
+    assert tuple(hidden_rows(raw, hidden_size=2).shape) == shape
+
+
+@pytest.fixture(scope="module")
+def stub_server(pipeline):
+    """A tiny /generate that returns the hidden states a server would feed the draft, in SGLang's shape.
+
+    The served capture is set per test through `state`: the physical layers, or "final" to put
+    the post-norm final state into the last slot.
+    """
+    import uvicorn
+    from fastapi import FastAPI
+
+    from draftlab.lifecycle import free_port
+
+    model = pipeline[1]
+    state = {"physical": PHYSICAL, "final": False}
+    app = FastAPI()
+
+    @app.post("/generate")
+    def generate(body: dict):
+        ids = body["input_ids"]
+        assert body["return_hidden_states"] and body["sampling_params"]["temperature"] == 0
+        live = inprocess_capture(model, state["physical"])(ids)
+        if state["final"]:
+            _, final = capture(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [])
+            live[:, 2 * H:] = final[0]
+        block = live.bfloat16().float().tolist()
+        return {"text": "x", "output_ids": [5], "meta_info": {"completion_tokens": 1, "hidden_states": [block, block[-1]]}}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_http_parity_passes_for_a_server_feeding_the_trained_layers(pipeline, run, stub_server):
+    url, state = stub_server
+    state.update(physical=PHYSICAL, final=False)
+    d = diagnose(pipeline, run, server_url=url)
+    assert d.errors == [] and finding(d, "live_parity_ok").evidence["source"] == url
+    assert max(s["rel_err"] for s in d.parity["slots"]) < 0.02
+
+
+def test_http_parity_names_a_post_norm_capture_and_a_shift(pipeline, run, stub_server):
+    url, state = stub_server
+    state.update(physical=PHYSICAL, final=True)
+    (slot,) = finding(diagnose(pipeline, run, server_url=url), "final_norm_applied").evidence["slots"]
+    assert slot["trained_physical"] == 6 and slot["best_match"] == "final"
+    state.update(physical=[4, 6, 7], final=False)  # a server two layers deeper: slots 0 and 1 equal stored slots 1 and 2
+    slots = finding(diagnose(pipeline, run, server_url=url), "layer_shift").evidence["slots"]
+    assert [(s["trained_physical"], s["matches_physical"]) for s in slots[:2]] == [(2, 4), (4, 6)]
+
+
+def test_parity_cli_against_a_server(pipeline, stub_server, capsys):
+    url, state = stub_server
+    state.update(physical=PHYSICAL, final=False)
+    assert doctor.parity_main(["--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "2"]) == 0
+    assert "live_parity_ok" in capsys.readouterr().out
+
+
+def test_parity_against_an_unreachable_server_is_a_warning_not_a_crash(pipeline, run):
+    from draftlab.lifecycle import free_port
+
+    d = diagnose(pipeline, run, server_url=f"http://127.0.0.1:{free_port()}", request_timeout_s=2.0)
+    assert finding(d, "live_parity_failed").severity == "warning"
+
+
+def reference_server(pipeline, draft: Path, log: Path):
+    """The project's reference server (python -m draftlab.server) speculating with `draft`, hidden states on."""
+    import os
+
+    from draftlab.lifecycle import free_port, serve
+    from draftlab.server import launch_command
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    port = free_port()
+    argv = launch_command(pipeline[0] / "target", port, dtype="float32", device="cpu", log_level="warning",
+                          speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_num_steps=3,
+                          speculative_eagle_topk=1, speculative_num_draft_tokens=4, sglang_version="0.5.14",
+                          enable_return_hidden_states=True)
+    return serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=120, env=env)
+
+
+def test_parity_against_the_reference_server_passes_and_names_a_miswired_export(pipeline, run):
+    with reference_server(pipeline, run / "models/draft", run / "clean.log") as srv:
+        d = diagnose(pipeline, run, server_url=srv.url)
+    assert d.errors == [] and finding(d, "live_parity_ok").evidence["max_rel_err"] < 0.01
+    # ids [3, 5, 6] make the server capture physical [4, 6, 7]: two slots hold what training put one slot later
+    edit_config(run, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[3, 5, 6]))
+    with reference_server(pipeline, run / "models/draft", run / "shifted.log") as srv:
+        d = diagnose(pipeline, run, server_url=srv.url)
+    assert finding(d, "capture_layers_mismatch").evidence["sglang_captures"] == [4, 6, 7]
+    slots = finding(d, "layer_shift").evidence["slots"]
+    assert [(s["trained_physical"], s["matches_physical"]) for s in slots if "matches_physical" in s] == [(2, 4), (4, 6)]
+
+
+# --- the stage ----------------------------------------------------------------------------------
+
+
+PARAMS = """check: {tau_tolerance: 0.1, fail_on_error: %s, live_parity_samples: 2, parity_rtol: 0.05, norm_tolerance: 0.15,
+  server_url: "", request_timeout_s: 30.0}
+"""
+
+
+def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, monkeypatch):
+    from stages.check import main
+
+    model = pipeline[1]
+    monkeypatch.chdir(run)
+    (run / "params.yaml").write_text(PARAMS % "true")
+    (run / "reports/train/plots").mkdir()
+    (run / "reports/train/plots/accept.png").write_bytes(b"\x89PNG")
+    main(paths(run), run / "reports", load_model=lambda *_: model)
+    report = json.loads((run / "reports/wiring.json").read_text())
+    assert report["ok"] and report["stage"] == "check" and len(report["config_hash"]) == 64
+    assert report["settings"]["sglang_captures"] == PHYSICAL and report["settings"]["backend"] == "reference"
+    summary = (run / "reports/summary.md").read_text()
+    assert "[train/plots/accept.png](train/plots/accept.png)" in summary and report["config_hash"] in summary
+    assert "| tau served | 1.980 |" in summary
+
+    edit_config(run, lambda c: c.pop("eagle_config"))
+    with pytest.raises(UserError, match="eagle_config_missing"):
+        main(paths(run), run / "reports", load_model=lambda *_: model)
+    assert "`eagle_config_missing`" in (run / "reports/wiring.md").read_text()  # written before failing
+    (run / "params.yaml").write_text(PARAMS % "false")
+    d = main(paths(run), run / "reports", load_model=lambda *_: model)
+    assert names(d.errors) == ["eagle_config_missing", "layer_shift"]
