@@ -95,27 +95,27 @@ class StandardizeParams:
 
 @dataclass(frozen=True)
 class TrainParams:
-    seed: int
-    epochs: int
-    batch_size: int
-    max_length: int
-    lr: float
-    min_lr_ratio: float
-    warmup_ratio: float
+    seed: int  # draft init and data order
+    epochs: int  # passes over the train split
+    batch_size: int  # sequences per optimizer step, all processes together
+    max_length: int  # tokens per sequence seen by the draft (longer ones are cut)
+    lr: float  # peak AdamW learning rate
+    min_lr_ratio: float  # cosine decays to lr * this
+    warmup_ratio: float  # share of optimizer steps with linear warmup
     weight_decay: float
-    grad_clip: float
-    ttt_steps: int
-    ttt_decay: float
-    intermediate_size: int | None
-    checkpoint_every: int
+    grad_clip: float  # max global grad norm; 0 = off
+    ttt_steps: int  # training-time-test unroll length (draft steps fed back)
+    ttt_decay: float  # loss weight of step i is ttt_decay**i
+    intermediate_size: int | None  # draft MLP width; None = the target's
+    checkpoint_every: int  # optimizer steps between resumable checkpoints; 0 = epoch ends only
     device: str = choice("auto", "cpu", "cuda")
     autocast: str = choice("auto", "bfloat16", "none")
 
 
 @dataclass(frozen=True)
 class ExportParams:
-    sglang_version: str
-    formats: list[str]
+    sglang_version: str  # the layer-id rule depends on it (DESIGN.md section 4)
+    formats: list[str]  # "sglang" (the only one written today)
     dtype: str = choice("bfloat16", "float16", "float32")
 
 
@@ -140,13 +140,23 @@ class BenchParams:
     startup_timeout_s: float
     tp_size: int
     extra_server_args: list[str]
+    max_running_requests: int | None  # SGLang --max-running-requests; None = SGLang's (48 when speculating)
+    page_size: int | None  # SGLang --page-size (tokens per KV page); None = SGLang's default
+    attention_backend: str | None  # SGLang --attention-backend; None = SGLang picks from the GPU
+    request_timeout_s: float  # seconds one /generate request may take
     backend: str = choice("reference", "sglang", "url")
+    dtype: str = choice("auto", "bfloat16", "float16", "float32")  # SGLang --dtype
 
 
 @dataclass(frozen=True)
 class CheckParams:
-    tau_tolerance: float
-    fail_on_error: bool
+    tau_tolerance: float  # relative gap allowed between train-predicted, offline and served tau
+    fail_on_error: bool  # exit non-zero when a finding is an error
+    live_parity_samples: int  # training sequences sent through the serving capture path; 0 = no live parity
+    parity_rtol: float  # relative error ||live - stored|| / ||stored|| a captured layer may show
+    norm_tolerance: float  # live vs training mean L2 norm of a layer may differ by this share
+    server_url: str  # "" = in-process capture; else a server started with --enable-return-hidden-states
+    request_timeout_s: float  # seconds one /generate request of the live parity may take
 
 
 SECTIONS: dict[str, type] = {

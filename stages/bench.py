@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from draftlab import bench as B
-from draftlab import lifecycle, server
+from draftlab import lifecycle, server, spec_engine  # noqa: F401 (spec_engine: hashed as code this stage runs)
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
+from draftlab.export import load_exported
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
@@ -172,8 +173,6 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     server_log = read_log(log) if log.exists() else None
 
     # The offline isolation run: the same exported draft in-process, fed as the exported config says.
-    from draftlab.export import load_exported
-
     embed = target.get_input_embeddings().weight
     d, _ = load_exported(draft, embed=embed, dtype=embed.dtype)
     d.to(device)

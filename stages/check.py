@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftlab import doctor
+from draftlab import doctor, spec_engine  # noqa: F401 (spec_engine: in-process parity; hashed as code)
 from draftlab.cli import run_stage
 from draftlab.doctor_report import summary_markdown, wiring_markdown
 from draftlab.errors import UserError

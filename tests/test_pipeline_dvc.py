@@ -62,6 +62,14 @@ def project(tmp_path_factory):
         capture__layers=[0, 2, 4],
         extract__shard_tokens=400,
         standardize__draft_vocab_size=64,
+        train__epochs=1,
+        train__batch_size=4,
+        train__checkpoint_every=0,
+        bench__num_prompts=2,
+        bench__warmup=1,
+        bench__max_new_tokens=8,
+        check__live_parity_samples=1,
+        check__fail_on_error=False,  # a random micro target and a 1-epoch draft: tau checks may warn
     )
     sh(["git", "init", "-q"], root)
     first = sh(["dvc", "repro"], root)

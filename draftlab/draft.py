@@ -1,0 +1,303 @@
+"""The EAGLE-3 draft model, in SGLang's `LlamaForCausalLMEagle3` layout (DESIGN.md sections 6-7).
+
+    h      = fc(cat(aux states))                  first step: [.., k*H_t] -> [.., H]
+             or the previous step's state         later steps (already H wide)
+    x      = cat(input_layernorm(embed(token)), hidden_norm(h))      2H wide, embedding first
+    r      = h + o_proj(attention(x))             residual = h, as in SGLang
+    state  = r + mlp(post_attention_layernorm(r)) the pre-norm sum: fed to the next draft step
+    logits = lm_head(norm(state))                 over the draft vocab; target id = id + d2t[id]
+
+Parameter names equal SGLang's checkpoint names (fc, midlayer.*, norm, lm_head, d2t, t2d), so
+the state dict is the export. The embedding is the target's, frozen, kept as a non-persistent
+buffer: never trained, never saved, never exported (SGLang shares the target's).
+
+Attention goes through a cache object that owns the pattern: `KVCache` for decoding (causal over
+everything cached, or an explicit mask) and `TTTCache` for training-time test.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftlab.errors import UserError
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int  # draft width H; must equal the target's (the embedding is shared)
+    intermediate_size: int  # MLP width
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's vocab (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int  # H_t of the captured aux states
+    num_aux_layers: int  # k: fc reads k * target_hidden_size
+    max_position_embeddings: int  # >= the target's context (SGLang refuses less)
+    rope_theta: float
+    rope_scaling: dict | None = None  # as the target's (llama3, yarn, linear, ...)
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.hidden_size != self.target_hidden_size:
+            raise UserError(
+                f"draft hidden size {self.hidden_size} != target hidden size {self.target_hidden_size}: "
+                "the draft shares the target's embedding, so they must be equal"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+
+    @classmethod
+    def from_target(cls, target: dict, num_aux_layers: int, draft_vocab_size: int, intermediate_size: int | None = None) -> "DraftConfig":
+        """Sizes and rope from the target's facts (features manifest `info.target`)."""
+        rope_theta, rope_scaling = rope_of(target)
+        H = target["hidden_size"]
+        return cls(
+            hidden_size=H,
+            intermediate_size=intermediate_size or target.get("intermediate_size") or 4 * H,
+            num_attention_heads=target["num_attention_heads"],
+            num_key_value_heads=target.get("num_key_value_heads") or target["num_attention_heads"],
+            head_dim=target.get("head_dim") or H // target["num_attention_heads"],
+            rms_norm_eps=target.get("rms_norm_eps") or 1e-6,
+            vocab_size=target["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=H,
+            num_aux_layers=num_aux_layers,
+            max_position_embeddings=target["max_position_embeddings"],
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def rope_of(target: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either spelling: legacy keys or transformers 5's rope_parameters."""
+    params = dict(target.get("rope_parameters") or {})
+    theta = target.get("rope_theta") or params.pop("rope_theta", None) or 10000.0
+    scaling = target.get("rope_scaling") or ({k: v for k, v in params.items() if k != "rope_theta"} or None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin of the target's rope. Plain rope is computed here; scaled variants (llama3, yarn,
+    linear, ...) by transformers' own rope functions, so they match the target exactly.
+
+    The frequencies are a plain attribute, not a buffer, so draft.to(bfloat16) cannot round them.
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        dim = cfg.head_dim
+        self.scaling = 1.0
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+        if cfg.rope_scaling:
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+            if kind not in ROPE_INIT_FUNCTIONS:
+                raise UserError(f"rope_scaling type {kind!r} is not supported (known: {', '.join(ROPE_INIT_FUNCTIONS)})")
+            lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=dim,
+                             max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](lc)
+            self.inv_freq, self.scaling = inv_freq.detach().float().clone(), float(scaling)
+
+    def forward(self, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling  # each [B, T, head_dim], float32
+
+
+def rotate(x, cos, sin):
+    """Rotary embedding, rotate-half (neox) style as Llama in transformers and SGLang."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def repeat_kv(x, n: int):
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+class KVCache:
+    """Decoding cache: keys/values of everything drafted so far, [B, n_kv, S, head_dim].
+
+    attend() appends the new keys; by default new query j sees cached keys and new keys up to
+    itself. `mask` (bool [B or 1, T, S+T], True = may attend) overrides that, e.g. for a tree.
+    """
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def crop(self, length: int) -> None:
+        """Forget everything after the first `length` positions (e.g. rejected drafts)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def attend(self, q, k, v, mask=None):
+        S = len(self)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        T = q.shape[2]
+        if mask is None:
+            mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril(S)[None]
+        groups = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(self.k, groups), repeat_kv(self.v, groups), attn_mask=mask[:, None])
+
+
+class TTTCache:
+    """Training-time test attention over K unrolled steps of T rows each.
+
+    Step 0 is ordinary causal attention. Step i at row t attends to the step-0 keys of rows
+    0..t plus the keys of steps 1..i at the same row t: exactly what serving does when it
+    extends the draft on a prefix ending at t and then drafts i tokens on top of it.
+    """
+
+    def __init__(self):
+        self.ks, self.vs = [], []
+
+    def attend(self, q, k, v, mask=None):
+        self.ks.append(k)
+        self.vs.append(v)
+        groups = q.shape[1] // k.shape[1]
+        T = q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        k0, v0 = repeat_kv(self.ks[0], groups), repeat_kv(self.vs[0], groups)
+        scores = [torch.matmul(q, k0.transpose(2, 3)) * scale]  # [B, h, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores[0] = scores[0].masked_fill(~causal, float("-inf"))
+        for kj in self.ks[1:]:
+            scores.append((q * repeat_kv(kj, groups)).sum(-1, keepdim=True) * scale)  # [B, h, T, 1]
+        p = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+        out = torch.matmul(p[..., :T], v0)
+        for j, vj in enumerate(self.vs[1:]):
+            out = out + p[..., T + j : T + j + 1] * repeat_kv(vj, groups)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+
+    def forward(self, x, cos, sin, cache, mask=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        y = cache.attend(q, k, v, mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, cache, mask=None):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        r = hidden + self.self_attn(x, cos, sin, cache, mask)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("embed_tokens", torch.empty(0), persistent=False)
+        self.rotary = Rotary(cfg)
+        if embed_weight is not None:
+            self.set_embedding(embed_weight)
+
+    def set_embedding(self, weight: torch.Tensor) -> None:
+        """Use the target's (frozen) token embedding, [vocab, H]."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise UserError(f"target embedding shape {tuple(weight.shape)} != ({self.config.vocab_size}, {self.config.hidden_size})")
+        self.embed_tokens = weight.detach().to(self.fc.weight.device)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def embed(self, input_ids):
+        if self.embed_tokens.numel() == 0:
+            raise RuntimeError("the draft has no token embedding: call set_embedding(target embedding) first")
+        return F.embedding(input_ids, self.embed_tokens).to(self.fc.weight.dtype)
+
+    def project(self, aux_hidden):
+        """The first step's input: fc over the concatenated aux states, [.., k*H_t] -> [.., H]."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def step(self, input_ids, hidden, position_ids, cache, mask=None):
+        """One draft step over T rows; returns the pre-norm state [B, T, H] (feed it back as `hidden`).
+
+        input_ids [B, T]: the tokens whose embeddings enter (the token after each hidden's position);
+        hidden [B, T, H]: project(aux) or the previous step's state; position_ids [B, T]: rope positions;
+        cache: KVCache (decoding) or TTTCache (training); mask: see KVCache.attend.
+        """
+        cos, sin = self.rotary(position_ids)
+        return self.midlayer(self.embed(input_ids), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, mask)
+
+    def logits(self, state):
+        """Draft-vocab logits of a state."""
+        return self.lm_head(self.norm(state))
+
+    def forward(self, input_ids, hidden, position_ids, cache, mask=None):
+        state = self.step(input_ids, hidden, position_ids, cache, mask)
+        return self.logits(state), state
+
+    def to_target(self, draft_ids):
+        """Draft ids -> target token ids (SGLang's hot_token_id mapping)."""
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,187 @@
+"""The SGLang EAGLE-3 checkpoint (DESIGN.md section 7), and the project's own loader of it.
+
+A directory with:
+  config.json        LlamaForCausalLMEagle3, one layer, the target's rope and context,
+                     eagle_config.eagle_aux_hidden_state_layer_ids ALWAYS (a missing key makes
+                     SGLang silently capture its default layers)
+  model.safetensors  fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d (bool);
+                     no embedding (SGLang shares the target's)
+
+SGLang drops tensors with unknown names silently and leaves those parameters random, so the
+exporter checks the complete name/shape/dtype set before writing, and the loader checks it again.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+
+from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json
+from draftlab.sglang_layers import ids_for_physical
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+SGLANG_AUX_LAYERS = 3  # SGLang's fc is hard-wired to 3 * target_hidden_size inputs
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def expected_tensors(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor SGLang loads into LlamaForCausalLMEagle3, with its shape and dtype."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    m = "midlayer."
+    return {
+        "fc.weight": ((H, cfg.num_aux_layers * cfg.target_hidden_size), dtype),
+        m + "self_attn.q_proj.weight": ((q, 2 * H), dtype),
+        m + "self_attn.k_proj.weight": ((kv, 2 * H), dtype),
+        m + "self_attn.v_proj.weight": ((kv, 2 * H), dtype),
+        m + "self_attn.o_proj.weight": ((H, q), dtype),
+        m + "mlp.gate_proj.weight": ((I, H), dtype),
+        m + "mlp.up_proj.weight": ((I, H), dtype),
+        m + "mlp.down_proj.weight": ((H, I), dtype),
+        m + "input_layernorm.weight": ((H,), dtype),
+        m + "hidden_norm.weight": ((H,), dtype),
+        m + "post_attention_layernorm.weight": ((H,), dtype),
+        "norm.weight": ((H,), dtype),
+        "lm_head.weight": ((cfg.draft_vocab_size, H), dtype),
+        "d2t": ((cfg.draft_vocab_size,), torch.int64),
+        "t2d": ((cfg.vocab_size,), torch.bool),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig, dtype: torch.dtype, where: str = "export") -> None:
+    """UserError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
+    expected = expected_tensors(cfg, dtype)
+    problems = [f"missing {name} {list(shape)}" for name, (shape, _) in expected.items() if name not in tensors]
+    problems += [f"unexpected {name} (SGLang would drop it silently)" for name in tensors if name not in expected]
+    for name, (shape, dt) in expected.items():
+        t = tensors.get(name)
+        if t is not None and tuple(t.shape) != shape:
+            problems.append(f"{name} has shape {list(t.shape)}, SGLang expects {list(shape)}")
+        elif t is not None and t.dtype != dt:
+            problems.append(f"{name} has dtype {t.dtype}, expected {dt}")
+    if problems:
+        raise UserError(f"{where}: the draft's tensors do not match SGLang's LlamaForCausalLMEagle3: " + "; ".join(problems))
+
+
+def sglang_config(cfg: DraftConfig, layer_ids: list[int], dtype: str, target: dict, extra: dict | None = None) -> dict:
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        # SGLang refuses a draft whose context is shorter than the target's.
+        "max_position_embeddings": max(cfg.max_position_embeddings, int(target.get("max_position_embeddings") or 0)),
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,  # True would make SGLang use the embedding as lm_head
+        "attention_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    if extra:
+        config["draftlab"] = extra
+    return config
+
+
+def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physical: list[int], sglang_version: str,
+                  dtype: str = "bfloat16", tensors: dict[str, torch.Tensor] | None = None) -> dict:
+    """Write the SGLang checkpoint of `draft` to `out_dir` (swapped in atomically); returns config.json.
+
+    `target`: the features manifest's `info.target` (architecture, num_layers, context, ...);
+    `physical`: the capture indices the features were built from. Refuses (UserError) when SGLang
+    cannot capture exactly those layers, or cannot load the draft. `tensors` overrides the state
+    dict (tests use it to feed a damaged one).
+    """
+    cfg = draft.config
+    if cfg.num_aux_layers != SGLANG_AUX_LAYERS or len(physical) != SGLANG_AUX_LAYERS:
+        raise UserError(
+            f"the draft reads {len(physical)} aux layers (physical {physical}); SGLang's LlamaForCausalLMEagle3 "
+            f"takes exactly {SGLANG_AUX_LAYERS} (its fc is {SGLANG_AUX_LAYERS} x target hidden wide): set capture.layers to 3 layers"
+        )
+    layer_ids = ids_for_physical(target["architecture"], target["num_layers"], physical, sglang_version)
+    torch_dtype = DTYPES[dtype]
+    if tensors is None:
+        tensors = {k: (v if k in ("d2t", "t2d") else v.to(torch_dtype)) for k, v in draft.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    check_tensors(tensors, cfg, torch_dtype)
+    extra = {"physical_layers": sorted(physical), "sglang_version": sglang_version,
+             "target_model": target.get("model"), "target_revision": target.get("revision"),
+             "target_architecture": target["architecture"]}
+    config = sglang_config(cfg, layer_ids, dtype, target, extra)
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    atomic_write_bytes(tmp / WEIGHTS, st_save(tensors, metadata={"format": "pt"}))
+    atomic_write_json(tmp / "config.json", config)
+    # Read it back the way every later stage will: the same tensors, or no export at all.
+    loaded = load_exported(tmp, dtype=torch_dtype)[0].state_dict()
+    for name, t in tensors.items():
+        if not torch.equal(loaded[name], t):
+            shutil.rmtree(tmp)
+            raise UserError(f"export: tensor {name} did not survive the round trip through {WEIGHTS}")
+    atomic_replace_dir(tmp, out_dir)
+    return config
+
+
+def config_from_exported(config: dict) -> DraftConfig:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if config.get("architectures") != [ARCHITECTURE] or not ids:
+        raise UserError(f"not an SGLang EAGLE-3 draft config: architectures {config.get('architectures')}, eagle_config {config.get('eagle_config')}")
+    return DraftConfig(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        rms_norm_eps=config["rms_norm_eps"],
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+        num_aux_layers=len(ids),
+        max_position_embeddings=config["max_position_embeddings"],
+        rope_theta=config.get("rope_theta", 10000.0),
+        rope_scaling=config.get("rope_scaling"),
+        hidden_act=config.get("hidden_act", "silu"),
+    )
+
+
+def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Draft, dict]:
+    """(draft, config.json) from an exported directory, checked against the same contract.
+
+    The directory holds no embedding: pass the target's (`embed`, [vocab, H]) or call
+    draft.set_embedding() before running it. This is the only way the project loads a draft.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists() or not (path / WEIGHTS).exists():
+        raise UserError(f"{path}: not an exported draft (needs config.json and {WEIGHTS}); run the export stage")
+    config = json.loads((path / "config.json").read_text())
+    cfg = config_from_exported(config)
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    check_tensors(tensors, cfg, DTYPES[config.get("torch_dtype", "bfloat16")], where=str(path / WEIGHTS))
+    draft = Eagle3Draft(cfg)
+    draft.load_state_dict({k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in tensors.items()})
+    draft.to(dtype)
+    if embed is not None:
+        draft.set_embedding(embed.to(dtype))
+    return draft.eval(), config

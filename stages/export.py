@@ -1,0 +1,65 @@
+"""Stage export: write the trained draft as an SGLang EAGLE-3 checkpoint.
+
+    python -m stages.export --ckpt models/draft-ckpt --features data/features --out models/draft --report reports/export.json
+Reads params section: export (the capture layers and target facts come from the features manifest).
+Refuses, naming the reason, when SGLang could not capture the layers the draft was trained on or
+could not load the draft.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftlab.cli import run_stage
+from draftlab.errors import UserError
+from draftlab.export import export_sglang
+from draftlab.fsutil import atomic_write_json
+from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.params import as_dict, load_params
+from draftlab.train import load_draft
+
+FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked against a real vLLM
+
+
+def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
+    params = load_params(["export"])
+    ep = params.export
+    for fmt in ep.formats:
+        if fmt not in FORMATS:
+            raise UserError(f"params.yaml: export.formats: {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
+    train_manifest, features_manifest = read_manifest(ckpt), read_manifest(features)
+    target = features_manifest.get("info", {}).get("target")
+    if not target or "physical_layers" not in target:
+        raise UserError(f"{features}/manifest.json lacks info.target.physical_layers; re-run the standardize stage")
+    trained_on = train_manifest.get("info", {}).get("physical_layers")
+    if trained_on is not None and sorted(trained_on) != sorted(target["physical_layers"]):
+        raise UserError(f"{ckpt} was trained on physical layers {trained_on} but {features} holds {target['physical_layers']}; run dvc repro")
+    draft = load_draft(ckpt)
+    physical = sorted(target["physical_layers"])
+    inputs = {"train": train_manifest["config_hash"], "features": features_manifest["config_hash"]}
+    manifest = build_manifest("export", as_dict(params), inputs, __file__)
+    config = export_sglang(draft, out, target, physical, ep.sglang_version, ep.dtype)
+
+    layer_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    manifest["info"] = {"config": config, "bytes": sum(p.stat().st_size for p in out.iterdir())}
+    write_manifest(out, manifest)
+    settings = {"target_model": target.get("model"), "target_revision": target.get("revision"),
+                "architecture": target["architecture"], "capture_layers": [p - 1 for p in physical],
+                "physical_layers": physical, "sglang_version": ep.sglang_version,
+                "draft_vocab_size": config["draft_vocab_size"], "dtype": ep.dtype,
+                "ttt_steps": train_manifest["params"]["train"]["ttt_steps"]}
+    figures = {"eagle_aux_hidden_state_layer_ids": layer_ids, "max_position_embeddings": config["max_position_embeddings"],
+               "bytes": manifest["info"]["bytes"]}
+    atomic_write_json(report, with_lineage(figures, manifest, settings))
+    print(f"export: SGLang EAGLE-3 draft, eagle_aux_hidden_state_layer_ids {layer_ids} "
+          f"(physical {physical}, SGLang {ep.sglang_version}) -> {out}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, default=Path("models/draft-ckpt"))
+    ap.add_argument("--features", type=Path, default=Path("data/features"))
+    ap.add_argument("--out", type=Path, default=Path("models/draft"))
+    ap.add_argument("--report", type=Path, default=Path("reports/export.json"))
+    a = ap.parse_args()
+    run_stage(main, a.ckpt, a.features, a.out, a.report)

@@ -1,0 +1,142 @@
+"""Stage train: fit the EAGLE-3 draft on the standardized features with training-time test.
+
+    python -m stages.train --features data/features --out models/draft-ckpt --reports reports/train
+    torchrun --nproc_per_node 2 -m stages.train ...      (data parallel; gloo on CPU, nccl on CUDA)
+Reads params sections: target, train.
+Resumable: a checkpoint is written every train.checkpoint_every steps under --resume-dir; a re-run
+with the same configuration continues from it and ends with the same weights as an
+uninterrupted run. It is deleted once the stage completes.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from draftlab import train as T
+from draftlab.cli import run_stage
+from draftlab.draft import DraftConfig
+from draftlab.errors import UserError
+from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
+from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.params import as_dict, load_params
+from draftlab.target import target_fingerprint
+from draftlab.target_weights import load_target_head
+
+
+def physical_layers(features_manifest: dict, dataset: FeatureDataset) -> list[int]:
+    info = features_manifest.get("info", {})
+    recorded = info.get("target", {}).get("physical_layers", info.get("physical_layers"))
+    if recorded is not None and sorted(recorded) != sorted(dataset.physical_layers):
+        raise UserError(f"features manifest says physical layers {recorded} but the shards hold {dataset.physical_layers}; re-run standardize")
+    return dataset.physical_layers
+
+
+def write_plots(reports: Path, history: list[dict]) -> None:
+    """TSV files for `dvc plots` and PNGs for a quick look: loss and per-position acceptance vs epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = reports / "plots"
+    K = len(history[0]["eval_accept"])
+    lines = ["epoch\ttrain_loss\teval_loss"] + [f"{h['epoch']}\t{h['train_loss']:.6f}\t{h['eval_loss']:.6f}" for h in history]
+    atomic_write_text(plots / "loss.tsv", "\n".join(lines) + "\n")
+    head = "epoch\t" + "\t".join(f"accept_{i + 1}" for i in range(K)) + "\ttau_pred"
+    rows = [f"{h['epoch']}\t" + "\t".join(f"{a:.6f}" for a in h["eval_accept"]) + f"\t{h['eval_tau_pred']:.6f}" for h in history]
+    atomic_write_text(plots / "accept.tsv", "\n".join([head] + rows) + "\n")
+    epochs = [h["epoch"] for h in history]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(epochs, [h["train_loss"] for h in history], label="train")
+    ax.plot(epochs, [h["eval_loss"] for h in history], label="eval")
+    ax.set(xlabel="epoch", ylabel="TTT loss", title="draft loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(plots / "loss.png", dpi=100)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for i in range(K):
+        ax.plot(epochs, [h["eval_accept"][i] for h in history], label=f"a_{i + 1}")
+    ax.set(xlabel="epoch", ylabel="conditional acceptance", ylim=(0, 1), title="eval acceptance per draft position")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(plots / "accept.png", dpi=100)
+    plt.close("all")
+
+
+def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
+    params = load_params(["target", "train"])
+    tp, trp = params.target, params.train
+    fm = read_manifest(features)
+    target = fm.get("info", {}).get("target")
+    if not target:
+        raise UserError(f"{features}/manifest.json has no info.target; re-run the standardize stage")
+    if target.get("model") != tp.model:
+        raise UserError(f"{features} was extracted from target {target.get('model')!r} but target.model is {tp.model!r}; run dvc repro")
+    d2t, t2d = load_draft_vocab(features)
+    train_ds = FeatureDataset(features / "train", trp.max_length)
+    eval_ds = FeatureDataset(features / "eval", trp.max_length)
+    physical = physical_layers(fm, train_ds)
+    embed, head = load_target_head(tp.model, tp.revision)
+    if tuple(head.shape) != (target["vocab_size"], target["hidden_size"]):
+        raise UserError(f"target lm_head is {list(head.shape)} but the features say vocab {target['vocab_size']} x hidden {target['hidden_size']}")
+    cfg = DraftConfig.from_target(target, len(physical), len(d2t), trp.intermediate_size)
+    if trp.ttt_steps < 1:
+        raise UserError(f"train.ttt_steps must be >= 1, got {trp.ttt_steps}")
+
+    device = T.resolve_device(trp.device)
+    rank, world = T.setup_distributed(device.type)
+    inputs = {"features": fm["config_hash"], "target": target_fingerprint(tp)}
+    manifest = build_manifest("train", as_dict(params), inputs, __file__)
+    draft = T.init_draft(cfg, embed, head, d2t, t2d, trp.seed)
+    t0 = time.time()
+    history = T.fit(draft, head.float(), train_ds, eval_ds, trp, resume_dir / "last.pt", manifest["config_hash"], device, rank, world)
+    seconds = time.time() - t0
+    if rank == 0:
+        last = history[-1]
+        tmp = out.with_name(f".{out.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        T.save_draft(tmp, draft)
+        manifest["info"] = {"draft": cfg.to_dict(), "physical_layers": physical, "history": history,
+                            "seconds": round(seconds, 1), "processes": world, "device": str(device),
+                            "train_sequences": len(train_ds), "eval_sequences": len(eval_ds)}
+        write_manifest(tmp, manifest)
+        atomic_replace_dir(tmp, out)
+        K = trp.ttt_steps
+        metrics = {
+            "tau_pred": last["eval_tau_pred"],
+            "eval_loss": last["eval_loss"],
+            "train_loss": last["train_loss"],
+            "accept": {f"step_{i + 1}": last["eval_accept"][i] for i in range(K)},
+            "top1_acc": {f"step_{i + 1}": last["eval_top1_acc"][i] for i in range(K)},
+            "tau_by_steps": {f"steps_{n + 1}": last["eval_tau_by_steps"][n] for n in range(K)},
+            "epochs": last["epoch"],
+            "optimizer_steps": last["step"],
+            "seconds": round(seconds, 1),
+        }
+        settings = {"target_model": tp.model, "target_revision": tp.revision, "capture_layers": [p - 1 for p in physical],
+                    "physical_layers": physical, "ttt_steps": K, "ttt_decay": trp.ttt_decay,
+                    "draft_vocab_size": cfg.draft_vocab_size, "epochs": trp.epochs, "batch_size": trp.batch_size, "lr": trp.lr}
+        atomic_write_json(reports / "metrics.json", with_lineage(metrics, manifest, settings))
+        write_plots(reports, history)
+        (resume_dir / "last.pt").unlink(missing_ok=True)
+        print(f"train: tau_pred {last['eval_tau_pred']:.3f} over {K} steps, accept {[round(a, 3) for a in last['eval_accept']]}, "
+              f"{seconds:.0f}s -> {out}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--features", type=Path, default=Path("data/features"))
+    ap.add_argument("--out", type=Path, default=Path("models/draft-ckpt"))
+    ap.add_argument("--reports", type=Path, default=Path("reports/train"))
+    ap.add_argument("--resume-dir", type=Path, default=Path("models/.train-resume"))
+    a = ap.parse_args()
+    run_stage(main, a.features, a.out, a.reports, a.resume_dir)

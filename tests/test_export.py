@@ -1,0 +1,170 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftlab.draft import KVCache
+from draftlab.errors import UserError
+from draftlab.export import export_sglang, load_exported
+from tiny_features import K, V, make_draft
+
+TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
+
+
+def trained_draft():
+    draft = make_draft()
+    d2t = torch.arange(draft.config.draft_vocab_size) * 0 + (V - draft.config.draft_vocab_size)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[V - draft.config.draft_vocab_size :] = True
+    draft.set_vocab(d2t, t2d)
+    return draft
+
+
+@torch.no_grad()
+def drafted(draft, seed=0):
+    """Logits of a 3-step chain on random inputs (extend + 2 decode steps)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, aux = torch.randint(0, V, (1, 9), generator=g), torch.randn(1, 6, K * draft.config.hidden_size, generator=g)
+    kv = KVCache()
+    logits, state = draft(ids[:, 1:7], draft.project(aux), torch.arange(6)[None], kv)
+    out = [logits]
+    for i in (1, 2):
+        logits, state = draft(ids[:, 6 + i : 7 + i], state[:, -1:], torch.tensor([[5 + i]]), kv)
+        out.append(logits)
+    return torch.cat(out, dim=1)
+
+
+def test_exported_draft_loads_back_with_identical_logits(tmp_path):
+    draft = trained_draft()
+    config = export_sglang(draft, tmp_path / "d", TARGET, [2, 4, 6], "0.5.14", dtype="float32")
+    loaded, cfg_json = load_exported(tmp_path / "d", embed=draft.embed_tokens)
+    assert cfg_json == config
+    assert torch.equal(drafted(loaded), drafted(draft))
+    assert torch.equal(loaded.to_target(torch.arange(3)), draft.to_target(torch.arange(3)))
+
+
+def test_bfloat16_export_equals_the_draft_rounded_to_bfloat16(tmp_path):
+    draft = trained_draft()
+    export_sglang(draft, tmp_path / "d", TARGET, [2, 4, 6], "0.5.14", dtype="bfloat16")
+    loaded, _ = load_exported(tmp_path / "d", embed=draft.embed_tokens)
+    rounded = trained_draft()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    assert torch.equal(drafted(loaded), drafted(rounded))
+
+
+def test_a_large_vocab_map_survives_export_exactly(tmp_path):
+    # d2t values above 256 are not representable in bfloat16: they must stay int64.
+    draft = make_draft(vocab=5000, draft_vocab=700)
+    target_ids = torch.sort(torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:700]).values
+    t2d = torch.zeros(5000, dtype=torch.bool)
+    t2d[target_ids] = True
+    draft.set_vocab(target_ids - torch.arange(700), t2d)
+    export_sglang(draft, tmp_path / "d", TARGET, [2, 4, 6], "0.5.14", dtype="bfloat16")
+    loaded, _ = load_exported(tmp_path / "d")
+    assert torch.equal(loaded.to_target(torch.arange(700)), target_ids) and torch.equal(loaded.t2d, t2d)
+
+
+def test_config_and_files_are_what_sglang_reads(tmp_path):
+    draft = trained_draft()
+    config = export_sglang(draft, tmp_path / "d", {**TARGET, "max_position_embeddings": 131072}, [2, 4, 6], "0.5.14")
+    on_disk = json.loads((tmp_path / "d/config.json").read_text())
+    assert on_disk == config
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert config["max_position_embeddings"] == 131072  # never shorter than the target's context
+    assert config["draft_vocab_size"] == draft.config.draft_vocab_size and config["vocab_size"] == V
+    assert config["tie_word_embeddings"] is False and "target_hidden_size" not in config
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(tmp_path / "d/model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert "midlayer.hidden_norm.weight" in names and not any("embed" in n for n in names)
+
+
+def test_layer_ids_follow_the_architecture_and_version_rule(tmp_path):
+    draft = trained_draft()
+    deepseek = {**TARGET, "architecture": "DeepseekV3ForCausalLM", "num_layers": 61}
+    assert export_sglang(draft, tmp_path / "a", deepseek, [3, 31, 58], "0.5.14")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 31, 58]
+    assert export_sglang(draft, tmp_path / "b", deepseek, [3, 31, 58], "0.5.12")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 57]
+
+
+@pytest.mark.parametrize("physical, target, reason", [
+    ([2, 4, 8], TARGET, "after the norm"),
+    ([0, 4, 6], TARGET, "embedding"),
+    ([1, 31, 58], {**TARGET, "architecture": "DeepseekV3ForCausalLM", "num_layers": 61}, "physical layer 1"),
+    ([2, 4], TARGET, "exactly 3"),
+])
+def test_export_refuses_what_sglang_cannot_capture_or_load(tmp_path, physical, target, reason):
+    with pytest.raises(UserError, match=reason):
+        export_sglang(trained_draft(), tmp_path / "d", target, physical, "0.5.14")
+    assert not (tmp_path / "d").exists()
+
+
+def damaged(kind):
+    state = {k: (v if k in ("d2t", "t2d") else v.to(torch.bfloat16)) for k, v in trained_draft().state_dict().items()}
+    if kind == "missing":
+        del state["lm_head.weight"]
+    elif kind == "renamed":
+        state["midlayer.hidden_norms.weight"] = state.pop("midlayer.hidden_norm.weight")
+    elif kind == "shape":
+        state["fc.weight"] = state["fc.weight"][:, :-1]
+    return state
+
+
+@pytest.mark.parametrize("kind, named", [("missing", "missing lm_head.weight"), ("renamed", "unexpected midlayer.hidden_norms.weight"),
+                                         ("shape", "fc.weight has shape")])
+def test_exporter_rejects_a_missing_renamed_or_misshaped_weight(tmp_path, kind, named):
+    with pytest.raises(UserError, match=named):
+        export_sglang(trained_draft(), tmp_path / "d", TARGET, [2, 4, 6], "0.5.14", tensors=damaged(kind))
+    assert not (tmp_path / "d").exists()
+
+
+def test_loader_rejects_a_damaged_checkpoint(tmp_path):
+    export_sglang(trained_draft(), tmp_path / "d", TARGET, [2, 4, 6], "0.5.14")
+    save_file(damaged("renamed"), str(tmp_path / "d/model.safetensors"))
+    with pytest.raises(UserError, match="midlayer.hidden_norm.weight"):
+        load_exported(tmp_path / "d")
+
+
+def stage_inputs(root, physical):
+    """What the export stage reads: the train stage's checkpoint and the features manifest."""
+    from draftlab.manifest import build_manifest, write_manifest
+    from draftlab.train import save_draft
+
+    draft = trained_draft()
+    save_draft(root / "ckpt", draft)
+    write_manifest(root / "ckpt", build_manifest("train", {"train": {"ttt_steps": 3}}, {}, info={"physical_layers": physical}))
+    write_manifest(root / "features", build_manifest("standardize", {}, {}, info={"target": {**TARGET, "physical_layers": physical}}))
+    (root / "params.yaml").write_text('export: {sglang_version: "0.5.14", formats: [sglang], dtype: bfloat16}\n')
+    return draft
+
+
+def test_export_stage_writes_the_checkpoint_and_a_report_with_lineage(tmp_path, monkeypatch):
+    from stages.export import main
+
+    draft = stage_inputs(tmp_path, [2, 4, 6])
+    monkeypatch.chdir(tmp_path)
+    main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    report = json.loads((tmp_path / "export.json").read_text())
+    manifest = json.loads((tmp_path / "draft/manifest.json").read_text())
+    assert report["config_hash"] == manifest["config_hash"]
+    assert report["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert report["settings"]["capture_layers"] == [1, 3, 5] and report["settings"]["physical_layers"] == [2, 4, 6]
+    loaded, _ = load_exported(tmp_path / "draft", embed=draft.embed_tokens)
+    assert loaded.config == dataclasses.replace(draft.config, max_position_embeddings=TARGET["max_position_embeddings"])
+
+
+def test_export_stage_refuses_layers_sglang_cannot_capture(tmp_path, monkeypatch):
+    from stages.export import main
+
+    stage_inputs(tmp_path, [2, 4, 8])  # physical 8 = the post-norm final state of an 8-layer target
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="physical layer 8"):
+        main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    assert not (tmp_path / "draft").exists() and not (tmp_path / "export.json").exists()

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from draftlab.errors import UserError
+from draftlab.features import (FeatureDataset, build_draft_vocab, count_tokens, draft_to_target, load_draft_vocab,
+                               pack_sequences, read_metadata, save_draft_vocab, shard_name, write_shard)
+
+META = {"physical_layers": [2, 4, 6], "hidden_size": 4, "num_layers": 8, "architecture": "LlamaForCausalLM", "vocab_size": 32}
+
+
+def seq(n, start):
+    return {
+        "input_ids": torch.arange(start, start + n),
+        "loss_mask": torch.arange(n) >= 2,
+        "aux_hidden": torch.randn(n, 12).bfloat16(),
+        "final_hidden": torch.randn(n, 4).bfloat16(),
+    }
+
+
+def test_shards_round_trip_sequence_by_sequence(tmp_path):
+    seqs = [seq(5, 0), seq(3, 10), seq(7, 20)]
+    write_shard(tmp_path / shard_name(0), pack_sequences(seqs[:2]), META)
+    write_shard(tmp_path / shard_name(1), pack_sequences(seqs[2:]), META)
+    ds = FeatureDataset(tmp_path)
+    assert len(ds) == 3 and ds.physical_layers == [2, 4, 6]
+    for got, want in zip((ds[i] for i in range(3)), seqs):
+        for name in want:
+            assert torch.equal(got[name], want[name])
+    assert read_metadata(tmp_path / shard_name(0))["architecture"] == "LlamaForCausalLM"
+    short = FeatureDataset(tmp_path, max_length=4)
+    assert short[2]["input_ids"].tolist() == [20, 21, 22, 23] and short[2]["aux_hidden"].shape == (4, 12)
+
+
+def test_write_shard_refuses_what_training_could_not_read(tmp_path):
+    bad = pack_sequences([seq(5, 0)])
+    bad["aux_hidden"] = bad["aux_hidden"][:, :8]  # 2 layers' worth, metadata says 3
+    with pytest.raises(ValueError, match="aux_hidden shape"):
+        write_shard(tmp_path / shard_name(0), bad, META)
+    bad = pack_sequences([seq(5, 0)])
+    bad["loss_mask"] = bad["loss_mask"].long()
+    with pytest.raises(ValueError, match="loss_mask must be torch.bool"):
+        write_shard(tmp_path / shard_name(0), bad, META)
+    assert not list(tmp_path.iterdir())
+
+
+def test_draft_vocab_is_the_most_frequent_assistant_tokens_ties_by_id():
+    ids = torch.tensor([5, 5, 5, 9, 9, 2, 2, 7, 1, 1, 1, 1])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.bool)  # token 1 is prompt only
+    counts = count_tokens(ids, mask, 12)
+    assert counts[1] == 0 and counts[5] == 3
+    d2t, t2d = build_draft_vocab(counts, 3)
+    # 5 (3x), then 2 and 9 (2x each; tie), 7 (1x) left out; draft ids in ascending target order
+    assert draft_to_target(d2t).tolist() == [2, 5, 9]
+    assert d2t.tolist() == [2 - 0, 5 - 1, 9 - 2] and d2t.dtype == torch.int64
+    assert torch.nonzero(t2d).flatten().tolist() == [2, 5, 9] and t2d.dtype == torch.bool
+    assert draft_to_target(build_draft_vocab(counts, 2)[0]).tolist() == [2, 5]  # the 2-9 tie goes to the lower id
+    d2t_all, t2d_all = build_draft_vocab(counts, 100)
+    assert torch.equal(d2t_all, torch.zeros(12, dtype=torch.int64)) and bool(t2d_all.all())
+
+
+def test_draft_vocab_round_trip_and_consistency_check(tmp_path):
+    d2t, t2d = build_draft_vocab(torch.tensor([0, 4, 1, 9, 3, 3]), 4)
+    save_draft_vocab(tmp_path / "draft_vocab.safetensors", d2t, t2d)
+    d2t2, t2d2 = load_draft_vocab(tmp_path)
+    assert torch.equal(d2t, d2t2) and torch.equal(t2d, t2d2)
+    wrong = t2d.clone()
+    wrong[0] = True
+    with pytest.raises(UserError, match="disagree"):
+        save_draft_vocab(tmp_path / "x.safetensors", d2t, wrong)
+    with pytest.raises(UserError, match="standardize"):
+        load_draft_vocab(tmp_path / "missing")

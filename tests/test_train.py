@@ -1,0 +1,214 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftlab.draft import DraftConfig, TTTCache
+from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.params import TrainParams
+from draftlab.target_weights import load_target_head
+from draftlab.train import TTT, evaluate, fit, init_draft, lr_at, shift, step_token_counts
+from tiny_features import K, V, VD, make_draft, make_features
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Micro models: one thread is fastest, and immune to OpenMP oversubscription on a busy machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def params(**kw):
+    base = dict(seed=0, epochs=2, batch_size=4, max_length=512, lr=3e-3, min_lr_ratio=0.1, warmup_ratio=0.1,
+                weight_decay=0.0, grad_clip=0.5, ttt_steps=3, ttt_decay=0.8, intermediate_size=None,
+                checkpoint_every=3, device="cpu", autocast="auto")
+    return TrainParams(**{**base, **kw})
+
+
+@torch.no_grad()
+def ttt_states(draft, ids, aux, steps):
+    B, T = aux.shape[:2]
+    cache, state, out = TTTCache(), draft.project(aux), []
+    for i in range(steps):
+        state = draft.step(shift(ids, 1 + i), state, torch.arange(T).expand(B, T) + i, cache)
+        out.append(state)
+    return torch.stack(out)  # [steps, B, T, H]
+
+
+def test_step_i_row_t_sees_exactly_aux_up_to_t_and_tokens_up_to_t_plus_1_plus_i():
+    draft = make_draft()
+    T, steps = 10, 3
+    torch.manual_seed(0)
+    ids, aux = torch.randint(0, V, (1, T)), torch.randn(1, T, K * draft.config.hidden_size)
+    base = ttt_states(draft, ids, aux, steps)
+    for p in (3, 7):
+        aux2 = aux.clone()
+        aux2[0, p] += 1.0
+        moved = (ttt_states(draft, ids, aux2, steps) - base).abs().amax(-1)[:, 0]  # [steps, T]
+        for i in range(steps):
+            assert moved[i, :p].max() < 1e-6 and moved[i, p] > 1e-4  # aux[p] first reaches row p
+        ids2 = ids.clone()
+        ids2[0, p] = (ids[0, p] + 1) % V
+        moved = (ttt_states(draft, ids2, aux, steps) - base).abs().amax(-1)[:, 0]
+        for i in range(steps):
+            t = p - 1 - i  # the row that embeds token p at step i
+            assert torch.all(moved[i, :t] < 1e-6) and moved[i, t] > 1e-4
+
+
+def test_loss_targets_and_masks_on_a_hand_checkable_case():
+    """One assistant token (position 5): step i scores only row 3-i, always against the target's
+    view at position 4 (its distribution over token 5)."""
+    draft = make_draft()
+    H, T, steps, decay = draft.config.hidden_size, 8, 3, 0.5
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, V, (1, T)), "loss_mask": torch.zeros(1, T, dtype=torch.bool),
+             "aux_hidden": torch.randn(1, T, K * H), "final_hidden": torch.randn(1, T, H)}
+    batch["loss_mask"][0, 5] = True
+    target_logits, top1 = torch.randn(1, T, VD), torch.randint(0, V, (1, T))
+    counts = step_token_counts(batch["loss_mask"], steps, 1)
+    assert counts.tolist() == [1, 1, 1]
+    loss, stats = TTT(draft, steps, decay)(batch, (target_logits, top1), counts)
+    states = ttt_states(draft, batch["input_ids"], batch["aux_hidden"], steps)
+    p = torch.softmax(target_logits[0, 4], -1)
+    want = sum(decay**i * -(p * torch.log_softmax(draft.logits(states[i, 0, 3 - i]), -1)).sum() for i in range(steps))
+    assert torch.allclose(loss, want, atol=1e-5)
+    assert stats[1].tolist() == [1, 1, 1]  # scored tokens per step
+    # Only row 3 has its whole chain inside the answer; rows 2 and 1 start in the prompt.
+    assert stats[4].tolist()[1:] == [0, 0]
+
+
+def test_lr_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 100, 1.0, 0.1, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lr_at(100, 100, 1.0, 0.1, 0.1) == pytest.approx(0.1)
+
+
+@pytest.fixture(scope="module")
+def feats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("feat")
+    feat, target_dir, _ = make_features(root, n_train=16, n_eval=8)
+    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
+    d2t, t2d = load_draft_vocab(feat)
+    embed, head = load_target_head(str(target_dir))
+    cfg = DraftConfig.from_target(info, 3, len(d2t))
+    return {"root": root, "feat": feat, "cfg": cfg, "embed": embed, "head": head, "d2t": d2t, "t2d": t2d,
+            "train": FeatureDataset(feat / "train"), "eval": FeatureDataset(feat / "eval")}
+
+
+def new_draft(f, seed=0):
+    return init_draft(f["cfg"], f["embed"], f["head"], f["d2t"], f["t2d"], seed)
+
+
+def weights(draft):
+    return {k: v.clone() for k, v in draft.state_dict().items()}
+
+
+def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tmp_path):
+    tp = params()  # 4 steps per epoch, 8 in all; checkpoints at steps 3 and 6 and at epoch ends
+    straight = new_draft(feats)
+    history = fit(straight, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "a.pt", "run", torch.device("cpu"))
+
+    interrupted = new_draft(feats)
+    fit(interrupted, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "b.pt", "run", torch.device("cpu"), stop_after_steps=7)
+    resumed = new_draft(feats)  # a new process: fresh weights, then the checkpoint of step 6
+    history_b = fit(resumed, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "b.pt", "run", torch.device("cpu"))
+    assert history_b == history
+    for name, w in weights(straight).items():
+        assert torch.equal(w, resumed.state_dict()[name]), name
+
+    # A checkpoint of another configuration is never resumed from.
+    other = new_draft(feats)
+    fit(other, feats["head"], feats["train"], feats["eval"], params(lr=1e-2), tmp_path / "c.pt", "other", torch.device("cpu"), stop_after_steps=7)
+    fresh = new_draft(feats)
+    fit(fresh, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "c.pt", "run", torch.device("cpu"))
+    assert all(torch.equal(w, fresh.state_dict()[k]) for k, w in weights(straight).items())
+
+
+def test_training_raises_acceptance_on_what_it_learns_from(feats, tmp_path):
+    draft = new_draft(feats)
+    ttt = TTT(draft, 3, 0.8)
+    before = evaluate(ttt, feats["train"], feats["head"], 8, torch.device("cpu"), False)
+    fit(draft, feats["head"], feats["train"], feats["train"], params(epochs=12, checkpoint_every=0, lr=1e-2), tmp_path / "r.pt", "k", torch.device("cpu"))
+    after = evaluate(ttt, feats["train"], feats["head"], 8, torch.device("cpu"), False)
+    assert after["loss"] < before["loss"]
+    assert after["tau_pred"] > before["tau_pred"] + 0.3, (before["accept"], after["accept"])
+
+
+def write_params(root: Path, target_dir: Path):
+    (root / "params.yaml").write_text(f"""
+target: {{model: {target_dir}, revision: null, dtype: float32, device: cpu}}
+train: {{seed: 0, epochs: 1, batch_size: 4, max_length: 512, lr: 0.003, min_lr_ratio: 0.1, warmup_ratio: 0.1,
+        weight_decay: 0.0, grad_clip: 0.5, ttt_steps: 3, ttt_decay: 0.8, intermediate_size: null,
+        checkpoint_every: 2, device: auto, autocast: auto}}
+""")
+
+
+def run_train(root: Path, out: str, nproc: int):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
+    cmd = launcher + ["-m", "stages.train", "--features", "features", "--out", out, "--reports", f"reports/{out}", "--resume-dir", f"resume-{out}"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(str(root / out / "draft.safetensors"))
+
+
+def test_two_process_data_parallel_run_matches_one_process(feats):
+    root = feats["root"]
+    write_params(root, root / "target")
+    one, two = run_train(root, "one", 1), run_train(root, "two", 2)
+    for name, w in one.items():
+        assert torch.allclose(w, two[name], atol=2e-5), name
+    metrics = json.loads((root / "reports/two/metrics.json").read_text())
+    manifest = json.loads((root / "two/manifest.json").read_text())
+    assert metrics["config_hash"] == manifest["config_hash"] and manifest["info"]["processes"] == 2
+    assert metrics["settings"]["physical_layers"] == [1, 2, 3] and metrics["settings"]["ttt_steps"] == 3
+    assert (root / "reports/two/plots/accept.tsv").read_text().startswith("epoch\taccept_1\taccept_2\taccept_3\ttau_pred")
+    assert not (root / "resume-two/last.pt").exists()  # removed once the stage completed
+
+
+def test_target_embedding_and_head_come_from_sharded_tied_or_cached_checkpoints(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from draftlab.errors import UserError
+
+    embed, head = torch.randn(10, 4), torch.randn(10, 4)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4)}, str(sharded / "a.safetensors"))
+    save_file({"lm_head.weight": head}, str(sharded / "b.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}}))
+    e, h = load_target_head(str(sharded))
+    assert torch.equal(e, embed) and torch.equal(h, head)
+
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    save_file({"model.embed_tokens.weight": embed}, str(tied / "model.safetensors"))
+    (tied / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    e, h = load_target_head(str(tied))
+    assert torch.equal(h, embed)
+
+    # A hub id resolves through the local HF cache only, never the network.
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": head}, str(snap / "model.safetensors"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    e, h = load_target_head("org/tiny")
+    assert torch.equal(h, head)
+    with pytest.raises(UserError, match="not in the local HF cache"):
+        load_target_head("org/absent")
