@@ -112,7 +112,7 @@ def write_plots(out: Path, report: dict) -> None:
     atomic_write_text(out / "acceptance.csv", "\n".join(lines) + "\n")
     hist = report["spec"].get("accept_hist") or []
     atomic_write_text(out / "accept_hist.csv", "accepted_drafts,steps\n" + "".join(f"{i},{n}\n" for i, n in enumerate(hist)))
-    speeds = [("baseline", report["baseline"]), ("speculative", report["spec_speed"])]
+    speeds = [("baseline", (report["baseline"] or {}).get("tokens_per_s")), ("speculative", report["spec"]["tokens_per_s"])]
     atomic_write_text(out / "tokens_per_s.csv", "mode,tokens_per_s\n" + "".join(f"{m},{s['median']:.2f}\n" for m, s in speeds if s))
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     x = range(1, len(offline) + 1)
@@ -194,8 +194,7 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
         "target": {k: info[k] for k in ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")},
         "draft_dir": str(draft),
         "flags": {**res.as_dict(), "adjustments": [dataclasses.asdict(f) for f in res.adjustments], "on_adjust": sp.on_adjust},
-        "baseline": baseline["speed"] if baseline else None,
-        "spec_speed": spec["speed"],
+        "baseline": {"tokens_per_s": baseline["speed"]} if baseline else None,
         "spec": {**spec["spec"], "tokens_per_s": spec["speed"]},
         "offline": {k: offline[k] for k in ("tau", "acceptance", "tokens_per_s")},
         "speedup": speedup,

@@ -21,7 +21,6 @@ from draftlab import extract as X
 from draftlab import sglang_layers
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, resolve_device, target_fingerprint, target_info, tokenizer_hash

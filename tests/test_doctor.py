@@ -36,14 +36,6 @@ CHATS = [("Sort: 3 1 2", "<think>small first</think>1 2 3"), ("Reverse 'abc'", "
          ("Sort: 9 7 8 1", "<think>compare pairs</think>1 7 8 9"), ("Echo hello", "<think>repeat it</think>hello")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared 2-core machines: 2 threads run ~20x slower under contention
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Real outputs of a micro pipeline: synth/hidden/features manifests, features, train metrics, export, bench."""

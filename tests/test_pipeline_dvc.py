@@ -144,3 +144,17 @@ def test_unservable_layer_is_refused_before_compute(project):
         assert "layer 5 is out of range" in r.stdout + r.stderr and "cannot be captured by SGLang" in r.stdout + r.stderr
     finally:
         set_params(root, capture__layers=[1, 2, 4])
+
+
+def test_flags_sglang_would_change_stop_bench_before_launch(project):
+    root, _ = project
+    set_params(root, spec__topk=1, spec__num_steps=1, spec__num_draft_tokens=16, bench__backend="sglang")
+    try:
+        r = sh(["dvc", "repro", "bench"], root, check=False)
+        assert r.returncode != 0
+        err = r.stdout + r.stderr
+        assert "rule chain_draft_tokens: SGLang would run 2 draft tokens" in err
+        assert "set spec.num_draft_tokens: 2" in err
+        assert "sglang.launch_server" not in err  # refused before anything was started
+    finally:
+        set_params(root, spec__num_steps=3, spec__num_draft_tokens=4, bench__backend="reference")

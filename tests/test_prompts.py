@@ -1,13 +1,11 @@
 """The prompts stage: validation with file:line, dedupe, deterministic split, on_bad_row."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
-import pytest
 import yaml
 
 from draftlab import prompts as P

@@ -15,15 +15,6 @@ PROMPTS = [[17], [5, 9, 200, 3, 77, 12], list(range(40, 57))]
 CONFIGS = [(1, 1, 2), (3, 1, 4), (2, 2, 4), (4, 3, 10)]  # (num_steps, topk, num_draft_tokens)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Shared test machines: thread contention slows a micro model 10x.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def random_draft(target, seed: int, draft_vocab: int | None = None) -> Eagle3Draft:
     """An untrained draft (mostly wrong); with draft_vocab, a reduced vocabulary mapped through d2t."""
     c = target.config

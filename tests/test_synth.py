@@ -44,14 +44,6 @@ def _load_stage():
 stage = _load_stage()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared CPUs: threads fighting over cores make micro models 10x slower
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A micro target taught to answer TAUGHT as '<think>\\nR\\n</think>\\nA' (random text otherwise)."""

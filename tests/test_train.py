@@ -18,15 +18,6 @@ from tiny_features import K, V, VD, make_draft, make_features
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Micro models: one thread is fastest, and immune to OpenMP oversubscription on a busy machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def params(**kw):
     base = dict(seed=0, epochs=2, batch_size=4, max_length=512, lr=3e-3, min_lr_ratio=0.1, warmup_ratio=0.1,
                 weight_decay=0.0, grad_clip=0.5, ttt_steps=3, ttt_decay=0.8, intermediate_size=None,
