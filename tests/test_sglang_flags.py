@@ -225,4 +225,7 @@ def test_shipped_params_run_as_requested():
     res = effective_flags(requested_from_params(p.spec, p.bench), LLAMA, p.export.sglang_version,
                           on_adjust=p.spec.on_adjust, max_concurrency=max(p.bench.concurrency))
     assert not res.adjustments and not res.errors
-    assert res.as_dict()["effective"]["num_draft_tokens"] == p.spec.num_draft_tokens
+    eff = res.as_dict()["effective"]
+    assert eff["num_steps"] == p.spec.num_steps and eff["topk"] == p.spec.topk
+    # null draft tokens: SGLang fills in num_steps + 1 for a chain, which is not an adjustment
+    assert eff["num_draft_tokens"] == (p.spec.num_draft_tokens or p.spec.num_steps + 1)
