@@ -139,8 +139,12 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], widths=
         def forward():
             cache = new_cache(target)
             target_forward(target, ids, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             target_forward(target, torch.tensor([prompt[-1:] * w], device=device), cache)
+            if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
+                torch.cuda.synchronize()
             forward.t = time.perf_counter() - t0
         times = []
         for _ in range(repeats):

@@ -135,6 +135,21 @@ def test_typo_in_a_read_section_stops_the_stage(project):
         (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
 
 
+def test_spec_typo_stops_bench_with_a_hint(project):
+    root, _ = project
+    p = yaml.safe_load((root / "params.yaml").read_text())
+    p["spec"]["num_step"] = 5  # what `dvc exp run -S '+spec.num_step=5'` writes
+    (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    try:
+        r = sh(["dvc", "repro"], root, check=False)
+        assert r.returncode != 0
+        assert "unknown key spec.num_step, did you mean spec.num_steps?" in r.stdout + r.stderr
+        assert ran(r.stdout) == {"bench"}  # only the stage that reads spec ran, and it stopped
+    finally:
+        del p["spec"]["num_step"]
+        (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+
 def test_unservable_layer_is_refused_before_compute(project):
     root, _ = project
     set_params(root, capture__layers=[2, 5])  # 5 = output of the last of 6 layers
