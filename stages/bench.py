@@ -85,19 +85,34 @@ class _url:
         return self.cm.__exit__(*exc)
 
 
-def measure(url: str, bp, prompts: list[list[int]], sampling: dict, warmup: int) -> dict:
-    with Client(url, bp.request_timeout_s) as client:
-        B.run_requests(client, prompts[:warmup], sampling)  # compile/caches warm; not counted
-        records, wall = B.run_requests(client, prompts[warmup:], sampling)
-        sweep = []
-        for c in bp.concurrency:
-            if c > 1:
-                recs, w = B.run_requests(client, prompts[warmup:], sampling, c)
-                sweep.append({"concurrency": c, **B.speed(recs, w)})
-        info = client.server_info()
-    metas = [r["meta"] for r in records]
-    return {"speed": B.speed(records, wall), "spec": B.spec_figures(metas), "sweep": sweep,
-            "server_accept_length": info.get("avg_spec_accept_length"), "metas": [m.raw for m in metas]}
+def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, warmup: int) -> dict[str, dict]:
+    """Figures per server. With several servers up, requests alternate prompt by prompt, so a
+    change in the machine's load hits both modes alike and their ratio stays fair."""
+    clients = {mode: Client(url, bp.request_timeout_s) for mode, url in urls.items()}
+    try:
+        for c in clients.values():
+            B.run_requests(c, prompts[:warmup], sampling)  # compile/caches warm; not counted
+        records = {mode: [] for mode in clients}
+        wall = dict.fromkeys(clients, 0.0)
+        for p in prompts[warmup:]:
+            for mode, c in clients.items():
+                recs, w = B.run_requests(c, [p], sampling)
+                records[mode] += recs
+                wall[mode] += w
+        out = {}
+        for mode, c in clients.items():
+            sweep = []
+            for n in bp.concurrency:
+                if n > 1:
+                    recs, w = B.run_requests(c, prompts[warmup:], sampling, n)
+                    sweep.append({"concurrency": n, **B.speed(recs, w)})
+            metas = [r["meta"] for r in records[mode]]
+            out[mode] = {"speed": B.speed(records[mode], wall[mode]), "spec": B.spec_figures(metas), "sweep": sweep,
+                         "server_accept_length": c.server_info().get("avg_spec_accept_length"), "metas": [m.raw for m in metas]}
+        return out
+    finally:
+        for c in clients.values():
+            c.close()
 
 
 def write_plots(out: Path, report: dict) -> None:
@@ -158,16 +173,25 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     manifest = build_manifest("bench", used, inputs, __file__)
     out.mkdir(parents=True, exist_ok=True)
 
-    # Baseline then speculation, same prompts and lengths, same run; each server stopped after.
-    baseline = None
-    if bp.backend != "url":
-        print("bench: baseline server (no speculation)")
-        with start(bp.backend, bp, tp, draft, flags, version, out / "server-baseline.log", speculative=False) as url:
-            baseline = measure(url, bp, ids, sampling, bp.warmup)
-    print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
+    # Baseline and speculation: same prompts and lengths, same run; every server stopped after.
     log = out / "server-spec.log"
-    with start(bp.backend, bp, tp, draft, flags, version, log, speculative=True) as url:
-        spec = measure(url, bp, ids, sampling, bp.warmup)
+    base_log = out / "server-baseline.log"
+    print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
+    if bp.backend == "reference":
+        # Both servers up at once (CPU, small): requests alternate between them.
+        print("bench: and a baseline server (no speculation); requests alternate between the two")
+        with start(bp.backend, bp, tp, draft, flags, version, base_log, speculative=False) as base_url, \
+             start(bp.backend, bp, tp, draft, flags, version, log, speculative=True) as url:
+            got = measure({"baseline": base_url, "speculative": url}, bp, ids, sampling, bp.warmup)
+        baseline, spec = got["baseline"], got["speculative"]
+    else:
+        # One accelerator: one server at a time, baseline first.
+        baseline = None
+        if bp.backend != "url":
+            with start(bp.backend, bp, tp, draft, flags, version, base_log, speculative=False) as base_url:
+                baseline = measure({"baseline": base_url}, bp, ids, sampling, bp.warmup)["baseline"]
+        with start(bp.backend, bp, tp, draft, flags, version, log, speculative=True) as url:
+            spec = measure({"speculative": url}, bp, ids, sampling, bp.warmup)["speculative"]
     if not spec["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     server_log = read_log(log) if log.exists() else None
