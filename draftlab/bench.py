@@ -119,7 +119,8 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], widths=
     Median of `repeats` timings each: these are the terms of the speedup model below.
     """
     from draftlab.draft import KVCache
-    from draftlab.spec_engine import AuxCapture, new_cache, target_forward
+    from draftlab.extract import AuxCapture
+    from draftlab.spec_engine import new_cache, target_forward
 
     device = next(target.parameters()).device
     ids = torch.tensor([prompt], device=device)

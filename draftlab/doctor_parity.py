@@ -11,7 +11,7 @@ names what the server really captures.
 Capture sources:
   http_capture(url)            any SGLang EAGLE3 server started with --enable-return-hidden-states,
                                or the project's reference server (same JSON shape)
-  inprocess_capture(model, p)  the reference engine's own capture path (spec_engine.AuxCapture)
+  inprocess_capture(model, p)  the reference engine's own capture path (extract.AuxCapture)
                                at physical layers p: what the exported config makes SGLang capture
 
     python -m draftlab.doctor parity --url http://127.0.0.1:30000 --features data/features
@@ -111,7 +111,7 @@ def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callab
 
 def inprocess_capture(model, physical: list[int]) -> Callable[[list[int]], torch.Tensor]:
     """The reference engine's capture path: AuxCapture hooks at `physical` (ascending concatenation)."""
-    from draftlab.spec_engine import AuxCapture
+    from draftlab.extract import AuxCapture
 
     base, _, _ = decoder_layers(model)
     device = next(model.parameters()).device

@@ -21,34 +21,52 @@ def decoder_layers(model):
     return base, base.layers, base.norm
 
 
+class AuxCapture:
+    """Forward hooks keeping the model's hidden states at `physical` indices of its latest forward.
+
+    The one capture path of the project: extraction, the speculative engine, the reference
+    server and the live parity check all read hidden states through it. take() concatenates
+    them in ascending physical order, as SGLang feeds them to the draft.
+    """
+
+    def __init__(self, model, physical: list[int]):
+        self.model, self.physical = model, sorted(physical)
+        self.got: dict[int, torch.Tensor] = {}
+        self.hooks = []
+
+    def __enter__(self):
+        base, layers, norm = decoder_layers(self.model)
+        L = len(layers)
+        for i in self.physical:
+            if not 0 <= i <= L:
+                raise UserError(f"capture: physical index {i} out of range 0..{L}")
+            module = base.embed_tokens if i == 0 else (layers[i - 1] if i < L else norm)
+            self.hooks.append(module.register_forward_hook(self._keep(i)))
+        return self
+
+    def _keep(self, i):
+        def hook(_module, _inputs, output):
+            self.got[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+    def take(self) -> torch.Tensor:
+        """[B, T, k * H] of the latest forward."""
+        return torch.cat([self.got[i] for i in self.physical], dim=-1)
+
+
 @torch.no_grad()
 def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int]):
     """Run `model` once; return ({physical index: [B, T, H]}, final hidden [B, T, H])."""
-    base, layers, norm = decoder_layers(model)
+    base, layers, _ = decoder_layers(model)
     L = len(layers)
-    got: dict[int, torch.Tensor] = {}
-    hooks = []
-
-    def keep(index):
-        def hook(_module, _inputs, output):
-            got[index] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    for i in physical:
-        if not 0 <= i <= L:
-            raise UserError(f"capture: physical index {i} out of range 0..{L}")
-        module = base.embed_tokens if i == 0 else (layers[i - 1] if i < L else norm)
-        hooks.append(module.register_forward_hook(keep(i)))
-    hooks.append(norm.register_forward_hook(keep("final")))
-    try:
+    with AuxCapture(model, sorted(set(physical) | {L})) as cap:
         # The base model (no lm_head): logits over the vocab would cost B*T*V memory for nothing.
         base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    final = got.pop("final")
-    return {i: got[i] for i in physical}, final
+    return {i: cap.got[i] for i in physical}, cap.got[L]
 
 
 def render(tok, messages: list[dict]) -> tuple[list[int], list[bool]]:

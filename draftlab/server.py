@@ -196,7 +196,7 @@ def aux_hidden_states(engine, input_ids: list[int]) -> list[list[float]]:
     """What `return_hidden_states` returns per prompt token, as SGLang does: for an EAGLE3 server
     the aux concatenation the draft is fed (k x hidden wide), else the final hidden state."""
     from draftlab.extract import decoder_layers
-    from draftlab.spec_engine import AuxCapture
+    from draftlab.extract import AuxCapture
 
     physical = getattr(engine, "physical", None) or [len(decoder_layers(engine.model)[1])]
     with torch.inference_mode(), AuxCapture(engine.model, physical) as cap:

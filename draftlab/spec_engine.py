@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 
 from draftlab.draft import KVCache
-from draftlab.extract import decoder_layers
+from draftlab.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
 
 GREEDY_BELOW = 1e-5  # SGLang treats a temperature below this as greedy
@@ -374,42 +374,6 @@ def keep_kv(cache, n: int, path: list[int]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Target plumbing and sampling
-
-
-class AuxCapture:
-    """Forward hooks keeping the target's hidden states at the physical indices of its latest forward.
-
-    Physical index i (DESIGN.md section 4): 0 = embedding output, i = output of decoder layer
-    i-1, L = after the final norm. take() concatenates them in ascending order, as SGLang does.
-    """
-
-    def __init__(self, target, physical: list[int]):
-        self.target, self.physical = target, sorted(physical)
-        self.got: dict[int, torch.Tensor] = {}
-        self.hooks = []
-
-    def __enter__(self):
-        base, layers, norm = decoder_layers(self.target)
-        L = len(layers)
-        for i in self.physical:
-            if not 0 <= i <= L:
-                raise ValueError(f"physical layer {i} out of range 0..{L}")
-            module = base.embed_tokens if i == 0 else (layers[i - 1] if i < L else norm)
-            self.hooks.append(module.register_forward_hook(self._keep(i)))
-        return self
-
-    def _keep(self, i):
-        def hook(_module, _inputs, output):
-            self.got[i] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
-
-    def take(self) -> torch.Tensor:
-        """[1, T, k * H] of the latest forward."""
-        return torch.cat([self.got[i] for i in self.physical], dim=-1)
 
 
 def new_cache(target) -> DynamicCache:
