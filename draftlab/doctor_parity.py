@@ -92,19 +92,31 @@ def hidden_rows(raw, hidden_size: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callable[[list[int]], torch.Tensor]:
-    """A capture source that asks a server's /generate for the hidden states of `input_ids`."""
+def prompt_rows(meta: dict, num_prompt_tokens: int, hidden_size: int) -> tuple[torch.Tensor, int]:
+    """(rows, first position) of the prompt's hidden states in a /generate meta_info.
+
+    SGLang returns rows only for the prompt tokens it computed: with its radix (prefix) cache on,
+    the first `cached_tokens` positions came from the cache and have no row (measured on SGLang
+    0.5.14: a 12-token prompt with cached_tokens 3 gave 9 prompt rows, for positions 3..11).
+    """
+    start = int(meta.get("cached_tokens") or 0)
+    rows = hidden_rows(meta["hidden_states"], hidden_size)
+    return rows[:max(0, num_prompt_tokens - start)], start
+
+
+def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callable[[list[int]], tuple[torch.Tensor, int]]:
+    """A capture source that asks a server's /generate for the hidden states of `input_ids`:
+    returns (rows, position of the first row), see prompt_rows."""
     from draftlab.sglang_backend import Client
 
-    def capture(ids: list[int]) -> torch.Tensor:
+    def capture(ids: list[int]) -> tuple[torch.Tensor, int]:
         # 2 new tokens, not 1: one verify step runs, so a speculating server's per-request counters
         # stay finite (with 1, spec_verify_ct is 0). Only the prompt's rows are compared.
         with Client(url, timeout_s) as client:
             _, meta = client.generate(ids, {"max_new_tokens": 2, "temperature": 0}, return_hidden_states=True)
-        raw = meta.raw.get("hidden_states")
-        if not raw:
+        if not meta.raw.get("hidden_states"):
             raise UserError(f"{url}/generate returned no meta_info.hidden_states; start the server with --enable-return-hidden-states")
-        return hidden_rows(raw, hidden_size)
+        return prompt_rows(meta.raw, len(ids), hidden_size)
 
     return capture
 
@@ -159,18 +171,24 @@ def run_parity(seqs: list[StoredSequence], meta: dict, capture: Callable, source
         except (UserError, ValueError) as e:
             result["error"] = {"kind": "unreachable", "message": str(e)}
             return result
+        live, start = live if isinstance(live, tuple) else (live, 0)  # rows from position `start` (prefix cache)
         if live.shape[-1] != k * H:
             result["error"] = {"kind": "width", "message": f"the live capture is {live.shape[-1]} wide, the features {k} x {H} = {k * H}",
                                "live_width": int(live.shape[-1]), "stored_width": k * H}
             return result
-        T = min(len(live), len(seq.input_ids))
-        cands = {f"physical {p}": seq.aux[:T, j * H:(j + 1) * H] for j, p in enumerate(trained)}
-        cands["final"] = seq.final[:T]
+        T = min(len(live), len(seq.input_ids) - start)
+        if T <= 0:
+            continue
+        window = slice(start, start + T)
+        stored = seq.aux[window]
+        cands = {f"physical {p}": stored[:, j * H:(j + 1) * H] for j, p in enumerate(trained)}
+        cands["final"] = seq.final[window]
         if reference is not None:
-            cands.update({name: t[:T] for name, t in reference(seq.input_ids).items()})
+            cands.update({name: t[window] for name, t in reference(seq.input_ids).items()})
         result["tokens"] += T
+        result["cached_tokens"] = result.get("cached_tokens", 0) + start
         for j, a in enumerate(acc):
-            lv, st = live[:T, j * H:(j + 1) * H], seq.aux[:T, j * H:(j + 1) * H]
+            lv, st = live[:T, j * H:(j + 1) * H], stored[:, j * H:(j + 1) * H]
             a["d2"] += (lv - st).pow(2).sum().item()
             a["s2"] += st.pow(2).sum().item()
             a["max"] = max(a["max"], (lv - st).abs().max().item())

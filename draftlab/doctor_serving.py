@@ -15,6 +15,9 @@ from draftlab.doctor_findings import Finding, error, info, warning
 _ALGORITHM_IN_LOG = re.compile(r"speculative[_-]algorithm['\"]?(?:\s*[=:]\s*|\s+)['\"]?([A-Za-z0-9_]+)")
 
 
+SPEC_KEYS = ("algorithm", "num_steps", "topk", "num_draft_tokens")
+
+
 def _flags(bench: dict, which: str) -> dict:
     return ((bench or {}).get("flags") or {}).get(which) or {}
 
@@ -25,7 +28,7 @@ def check_algorithm(bench: dict | None, draft_config: dict, server_log: str | No
     if not arch.endswith("Eagle3"):
         return []
     seen = {}
-    for which in ("requested", "effective"):
+    for which in ("requested", "effective", "served"):
         if _flags(bench, which).get("algorithm") == "EAGLE":
             seen[f"bench.json flags.{which}.algorithm"] = "EAGLE"
     logged = sorted(set(_ALGORITHM_IN_LOG.findall(server_log or "")))
@@ -65,6 +68,13 @@ def check_flags(bench: dict, log_adjustments: list[tuple[str, str]] = ()) -> lis
         out.append(warning("flag_adjusted", {"changed": surprising},
                            "requested and effective flags differ but the bench lists no adjustment for it",
                            "set the spec.* flags to the effective values"))
+    served = _flags(bench, "served")
+    differ = {k: {"effective": eff.get(k), "served": served[k]} for k in SPEC_KEYS
+              if served.get(k) is not None and eff.get(k) is not None and served[k] != eff[k]}
+    if differ:
+        out.append(warning("served_flags_differ", {"flags": differ, "source": "the server's /server_info"},
+                           "the server runs other speculative flags than params.yaml describes: the figures belong to the "
+                           "server's flags, and the train-predicted tau to neither", "start the server with the spec.* flags, or set them to what it runs"))
     known = {a.get("rule") for a in listed}
     for rule, line in log_adjustments:
         if rule not in known:

@@ -36,11 +36,26 @@ GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL; SGLang frees GPU memory w
 LOG_TAIL_LINES = 40  # server log lines shown when it fails to start
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the OS picks it; another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
+    """A TCP port free right now on `host` (another process may still take it), at most `highest`.
+
+    The OS picks from its ephemeral range (often 32768-60999); a server that derives more ports
+    from its own (SGLang: port + 10000) needs a lower one, drawn here from 20000..highest.
+    """
+    if highest >= 65535:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    import random
+
+    for port in random.sample(range(20000, highest + 1), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise UserError(f"no free TCP port found in 20000..{highest} on {host}")
 
 
 def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:

@@ -136,6 +136,7 @@ class BenchParams:
     warmup: int
     concurrency: list[int]
     url: str
+    server_log: str  # backend url: path of the running server's log ("" = none)
     port: int
     startup_timeout_s: float
     tp_size: int

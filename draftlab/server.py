@@ -390,11 +390,28 @@ def load_engine(args) -> Engine:
         return Engine(model, tok, device, args.context_length)
     if args.speculative_algorithm != "EAGLE3":
         raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 only")
-    if not args.speculative_draft_model_path or None in (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens):
-        raise UserError("EAGLE3 needs --speculative-draft-model-path, --speculative-num-steps, --speculative-eagle-topk "
-                        "and --speculative-num-draft-tokens (give the effective values; draftlab.sglang_flags computes them)")
+    if not args.speculative_draft_model_path:
+        raise UserError("EAGLE3 needs --speculative-draft-model-path")
+    apply_sglang_rules(args, model.config.architectures[0])
     return SpecEngine(model, tok, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
                       args.speculative_eagle_topk, args.speculative_num_draft_tokens, args.sglang_version)
+
+
+def apply_sglang_rules(args, target_architecture: str) -> None:
+    """Fill and adjust the speculative flags in `args` as SGLang `args.sglang_version` does at start-up,
+    printing SGLang's own warning for each change, so that logs, /server_info and the engine agree
+    with what a real SGLang would run (draftlab.sglang_flags holds the rules)."""
+    from draftlab.sglang_flags import SpecFlags, resolve
+
+    res = resolve(SpecFlags(args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
+                            args.speculative_num_draft_tokens), target_architecture, args.sglang_version)
+    if res.errors:
+        raise UserError("; ".join(str(f) for f in res.errors))
+    for f in res.findings:
+        if f.sglang_message:
+            print(f"WARNING {f.sglang_message}", flush=True)
+    eff = res.effective
+    args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = eff.num_steps, eff.topk, eff.num_draft_tokens
 
 
 def launch_command(model_path: str, port: int, host: str = "127.0.0.1", **flags) -> list[str]:

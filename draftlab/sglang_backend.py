@@ -20,6 +20,7 @@ spec_accept_histogram -> spec_correct_drafts_histogram.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -55,6 +56,18 @@ MANAGED_FLAGS = {
 }
 
 
+# SGLang (0.5.14, measured) derives its gRPC port as --port + 10000 unless SGLANG_GRPC_PORT is
+# set, and refuses to start when that passes 65535: "SGLANG_GRPC_PORT (69419) must be between 1
+# and 65535" (ServerArgs._handle_deprecated_args). So its --port must be at most 55535.
+GRPC_PORT_OFFSET = 10000
+MAX_PORT = 65535 - GRPC_PORT_OFFSET
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port SGLang accepts as --port (see MAX_PORT)."""
+    return lifecycle.free_port(host, highest=MAX_PORT)
+
+
 def launch_argv(target_model: str, port: int, *, draft_model: str | None = None, flags: SpecFlags | None = None,
                 baseline: bool = False, host: str = "127.0.0.1", tp_size: int = 1, dtype: str = "auto",
                 extra_args: Sequence[str] = (), return_hidden_states: bool = False,
@@ -67,6 +80,9 @@ def launch_argv(target_model: str, port: int, *, draft_model: str | None = None,
     page_size, attention_backend) still apply, so both servers differ only in speculation.
     """
     check_extra_args(extra_args)
+    if port > MAX_PORT and not os.environ.get("SGLANG_GRPC_PORT"):
+        raise UserError(f"SGLang refuses --port {port}: it derives its gRPC port as port + {GRPC_PORT_OFFSET}, which must be "
+                        f"<= 65535; use a port <= {MAX_PORT} (bench.port) or set SGLANG_GRPC_PORT")
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(target_model), "--host", host,
             "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
     if not baseline:

@@ -364,7 +364,9 @@ def keep_kv(cache, n: int, path: list[int]) -> None:
     are gathered into place (they were computed at positions n + depth, which is where they stay).
     """
     if path == list(range(len(path))):
-        cache.crop(-(cache.get_seq_length() - n - len(path)))  # negative: drop that many from the end
+        drop = cache.get_seq_length() - n - len(path)
+        if drop > 0:  # never crop(0): transformers 5.8 (what SGLang 0.5.14 pins) reads it as "keep 0 tokens"
+            cache.crop(-drop)  # negative: drop that many from the end (the one meaning all releases share)
         return
     idx = torch.tensor(path, device=cache.layers[0].keys.device) + n
     for layer in cache.layers:

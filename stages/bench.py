@@ -26,8 +26,8 @@ from draftlab.export import load_exported
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.sglang_backend import Client, launch_argv, read_log, serve
-from draftlab.sglang_flags import effective_flags, requested_from_params
+from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve, server_accept_length
+from draftlab.sglang_flags import SpecFlags, resolve, requested_from_params
 from draftlab.sglang_layers import captured_physical
 from draftlab.target import load_target, resolve_device, target_info
 
@@ -107,12 +107,20 @@ def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, 
                     recs, w = B.run_requests(c, prompts[warmup:], sampling, n)
                     sweep.append({"concurrency": n, **B.speed(recs, w)})
             metas = [r["meta"] for r in records[mode]]
+            info = c.server_info()
             out[mode] = {"speed": B.speed(records[mode], wall[mode]), "spec": B.spec_figures(metas), "sweep": sweep,
-                         "server_accept_length": c.server_info().get("avg_spec_accept_length"), "metas": [m.raw for m in metas]}
+                         "server_accept_length": server_accept_length(info) or info.get("avg_spec_accept_length"),
+                         "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas]}
         return out
     finally:
         for c in clients.values():
             c.close()
+
+
+def served_flags(flags: SpecFlags) -> dict | None:
+    """The flags the speculative server reports in /server_info; None when it reports none of them."""
+    d = dataclasses.asdict(flags)
+    return d if any(d[k] is not None for k in ("algorithm", "num_steps", "topk", "num_draft_tokens")) else None
 
 
 def write_plots(out: Path, report: dict) -> None:
@@ -155,10 +163,15 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     target, tok = load_target(tp, device)
     info = target_info(target, tp)
     requested = requested_from_params(sp, bp)
-    res = effective_flags(requested, info["architecture"], version, on_adjust=sp.on_adjust,
-                          draft_architecture=(config.get("architectures") or [None])[0],
-                          draft_context_length=config.get("max_position_embeddings"),
-                          target_context_length=info["max_position_embeddings"], max_concurrency=max(bp.concurrency))
+    res = resolve(requested, info["architecture"], version, draft_architecture=(config.get("architectures") or [None])[0],
+                  draft_context_length=config.get("max_position_embeddings"),
+                  target_context_length=info["max_position_embeddings"], max_concurrency=max(bp.concurrency))
+    if bp.backend == "url":
+        # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
+        for f in res.errors + res.adjustments:
+            print(f"bench: warning: {f}")
+    else:
+        res.enforce(sp.on_adjust)  # before anything starts
     flags = res.effective
     if bp.backend == "reference" and (flags.algorithm != "EAGLE3" or flags.topk is None):
         raise UserError(f"the reference backend runs EAGLE3 with explicit num_steps/topk; got {dataclasses.asdict(flags)}")
@@ -194,6 +207,10 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
             spec = measure({"speculative": url}, bp, ids, sampling, bp.warmup)["speculative"]
     if not spec["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
+    if bp.backend == "url" and bp.server_log:
+        log = Path(bp.server_log)  # the running server's own log, read like a launched one's
+        if not log.exists():
+            raise UserError(f"bench.server_log: {log} not found; give the log file of the server at {bp.url}, or \"\"")
     server_log = read_log(log) if log.exists() else None
 
     # The offline isolation run: the same exported draft in-process, fed as the exported config says.
@@ -217,7 +234,8 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
         "sglang_version": version,
         "target": {k: info[k] for k in ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")},
         "draft_dir": str(draft),
-        "flags": {**res.as_dict(), "adjustments": [dataclasses.asdict(f) for f in res.adjustments], "on_adjust": sp.on_adjust},
+        "flags": {**res.as_dict(), "served": served_flags(spec["server_flags"]),
+                  "adjustments": [dataclasses.asdict(f) for f in res.adjustments], "on_adjust": sp.on_adjust},
         "baseline": {"tokens_per_s": baseline["speed"]} if baseline else None,
         "spec": {**spec["spec"], "tokens_per_s": spec["speed"]},
         "offline": {k: offline[k] for k in ("tau", "acceptance", "tokens_per_s")},

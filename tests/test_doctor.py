@@ -1,4 +1,5 @@
 """The wiring doctor names each train-vs-serve fault injected into the real outputs of a micro pipeline."""
+import dataclasses
 import json
 import shutil
 import threading
@@ -19,10 +20,12 @@ from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
 from draftlab.export import export_sglang
 from draftlab.extract import capture, render
+from draftlab.faults import FAULTS, miswire
 from draftlab.features import build_draft_vocab, count_tokens, pack_sequences, read_metadata, save_draft_vocab, write_shard
 from draftlab.manifest import build_manifest, with_lineage, write_manifest
 from draftlab.micro import save_micro_model
 from draftlab.params import CheckParams, TargetParams
+from draftlab.sglang_flags import SpecFlags, resolve
 from draftlab.target import chat_template_hash, load_tokenizer, target_info, tokenizer_hash
 
 L, H, V, VD = 8, 64, 256, 64
@@ -407,7 +410,7 @@ def stub_server(pipeline):
     from draftlab.lifecycle import free_port
 
     model = pipeline[1]
-    state = {"physical": PHYSICAL, "final": False}
+    state = {"physical": PHYSICAL, "final": False, "cached": 0}
     app = FastAPI()
 
     @app.post("/generate")
@@ -419,7 +422,8 @@ def stub_server(pipeline):
             _, final = capture(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [])
             live[:, 2 * H:] = final[0]
         block = live.bfloat16().float().tolist()
-        return {"text": "x", "output_ids": [5], "meta_info": {"completion_tokens": 1, "hidden_states": [block, block[-1]]}}
+        c = state["cached"]  # SGLang's prefix cache: no rows for the first c prompt tokens
+        return {"text": "x", "output_ids": [5], "meta_info": {"completion_tokens": 1, "cached_tokens": c, "hidden_states": [block[c:], block[-1]]}}
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -432,12 +436,16 @@ def stub_server(pipeline):
     thread.join(timeout=10)
 
 
-def test_http_parity_passes_for_a_server_feeding_the_trained_layers(pipeline, run, stub_server):
+@pytest.mark.parametrize("cached", [0, 3])
+def test_http_parity_passes_for_a_server_feeding_the_trained_layers(pipeline, run, stub_server, cached):
+    """cached=3: rows start after the prefix SGLang took from its radix cache (meta_info cached_tokens)."""
     url, state = stub_server
-    state.update(physical=PHYSICAL, final=False)
+    state.update(physical=PHYSICAL, final=False, cached=cached)
     d = diagnose(pipeline, run, server_url=url)
     assert d.errors == [] and finding(d, "live_parity_ok").evidence["source"] == url
     assert max(s["rel_err"] for s in d.parity["slots"]) < 0.02
+    assert d.parity["cached_tokens"] == cached * len(d.parity["sequences"])
+    state.update(cached=0)
 
 
 def test_http_parity_names_a_post_norm_capture_and_a_shift(pipeline, run, stub_server):
@@ -525,3 +533,45 @@ def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, mo
     (run / "params.yaml").write_text(PARAMS % "false")
     d = main(paths(run), run / "reports", load_model=lambda *_: model)
     assert names(d.errors) == ["eagle_config_missing", "layer_shift"]
+
+
+# --- the rehearsed faults (draftlab.faults): each one is named --------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_each_rehearsed_fault_is_named_by_the_check(pipeline, run, name):
+    fault = FAULTS[name]
+    fixed = miswire(run / "models/draft", run / "miswired", fault)
+    shutil.rmtree(run / "models/draft")
+    fixed.rename(run / "models/draft")
+    if fault.spec:  # what the bench of a server launched with these flags reports
+        spec = {k: v for k, v in fault.spec.items() if k != "on_adjust"}
+        res = resolve(SpecFlags(**{**FLAGS, **spec}), "LlamaForCausalLM", "0.5.14", draft_architecture="LlamaForCausalLMEagle3")
+        served = {**dataclasses.asdict(res.requested if fault.force_requested else res.effective)}
+        served["num_draft_tokens"] = res.effective.num_draft_tokens  # SGLang adjusts what it can
+        edit_bench(run, lambda b: b.update(flags={**res.as_dict(), "served": served, "on_adjust": fault.spec.get("on_adjust", "error"),
+                                                  "adjustments": [dataclasses.asdict(f) for f in res.adjustments]}))
+    found = names(diagnose(pipeline, run).findings)
+    assert set(fault.expect) & set(found), (name, found)
+
+
+def test_the_miswired_copy_changes_only_what_the_fault_says(pipeline, run):
+    src = run / "models/draft"
+    shifted = miswire(src, run / "a", FAULTS["ids_shifted"])
+    ids = lambda d: json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # noqa: E731
+    assert ids(shifted) == [i + 1 for i in ids(src)]
+    assert "eagle_config" not in json.loads((miswire(src, run / "b", FAULTS["no_eagle_config"]) / "config.json").read_text())
+    with safe_open(str(miswire(src, run / "c", FAULTS["d2t_dropped"]) / "model.safetensors"), "pt") as f:
+        kept = set(f.keys())
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        assert kept == set(f.keys()) - {"d2t"}
+    flags_only = miswire(src, run / "d", FAULTS["eagle_not_eagle3"])
+    assert (flags_only / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_a_server_running_other_flags_than_params_is_named(pipeline, run):
+    edit_bench(run, lambda b: b["flags"].update(served={**FLAGS, "num_steps": 2, "num_draft_tokens": 3}))
+    f = finding(diagnose(pipeline, run), "served_flags_differ")
+    assert f.evidence["flags"]["num_steps"] == {"effective": 3, "served": 2}
+    edit_bench(run, lambda b: b["flags"].update(served={**FLAGS, "algorithm": "EAGLE"}))
+    assert "served" in " ".join(finding(diagnose(pipeline, run), "eagle_instead_of_eagle3").evidence)

@@ -60,6 +60,24 @@ def test_baseline_is_transformers_greedy_generate(target, references):
         assert out[0, len(prompt):].tolist() == ref
 
 
+def test_a_fully_accepted_chain_keeps_the_cache_under_older_transformers_crop(target, references, monkeypatch):
+    """transformers 5.8 (the release SGLang 0.5.14 pins) reads cache.crop(0) as "keep 0 tokens":
+    a verify step that accepts every draft must not call it, or the next step sees no context."""
+    from transformers.cache_utils import DynamicLayer
+
+    def crop_5_8(self, max_length):  # transformers 5.8.1's DynamicLayer.crop
+        if max_length < 0:
+            max_length = self.get_seq_length() - abs(max_length)
+        if self.get_seq_length() > max_length:
+            self.keys, self.values = self.keys[..., :max_length, :], self.values[..., :max_length, :]
+
+    monkeypatch.setattr(DynamicLayer, "crop", crop_5_8)
+    for prompt, ref in zip(PROMPTS, references):
+        perfect = se.ScriptedDraft(prompt + ref, target.config.vocab_size, hit_rate=1.0, seed=0)
+        r = spec(target, perfect, prompt, (3, 1, 4), 24, ignore_eos=True)
+        assert r.output_ids == ref and r.accept_hist[-1] > 0  # full acceptances happened
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "steps%d-topk%d-tokens%d" % c)
 def test_greedy_output_equals_the_targets_for_any_draft(target, references, config):
     drafts = [random_draft(target, 1), random_draft(target, 2, draft_vocab=64)]

@@ -1,0 +1,472 @@
+#!/usr/bin/env python3
+"""One GPU session against a real SGLang server, driven by the project's own code.
+
+Phases, in order. Each writes under --results and leaves a done marker: a re-run skips what is
+done, and stops before a unit of work that would not fit in the time left (--budget-s), so the
+session can be spread over several machine calls (each at most 10 minutes).
+  pipeline   dvc.yaml's stages prompts..export, in a work dir whose params.yaml is the project's
+             plus the GPU overrides below (the draft the pipeline trains and exports)
+  bench      the bench stage, backend sglang: baseline and EAGLE3 servers from launch_argv
+  parity     an EAGLE3 server with --enable-return-hidden-states; the check stage with check.server_url
+  faults     per fault of draftlab.faults: the miswired draft or flags served, a few requests
+             (SGLang's symptom), the bench stage (backend url) and the check stage against it
+  sweep      a baseline and num_steps 1..7 (chain, CUDA graphs), one server at a time, same prompts
+  reference  the bench stage with the project's reference server on the same GPU, prompts, draft
+
+    python tools/sglang_h200.py --results .scratch/h200 --budget-s 540 --pack "$OUT/sglang-h200.tar.gz"
+    python tools/sglang_h200.py --backend reference --quick --results .scratch/dry   # the same flow on a CPU
+
+tools/sglang_h200.sh wraps the machine calls (wheel parts, install, this script).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftlab import lifecycle, server  # noqa: E402
+from draftlab.bench import render_prompts, spec_figures  # noqa: E402
+from draftlab.errors import UserError  # noqa: E402
+from draftlab.faults import FAULTS, miswire  # noqa: E402
+from draftlab.params import load_params  # noqa: E402
+from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve  # noqa: E402
+from draftlab.sglang_backend import free_port as sglang_free_port  # noqa: E402
+from draftlab.sglang_flags import SpecFlags, requested_from_params, resolve  # noqa: E402
+from draftlab.target import load_tokenizer  # noqa: E402
+
+PIPELINE = ["prompts", "synthesize", "extract", "standardize", "train", "export"]
+SWEEP_STEPS = [1, 2, 3, 4, 5, 6, 7]
+
+# The H200 run: everything in bf16 (what SGLang serves), SGLang's trimmed kernel set (no FA3),
+# CUDA-graph batch sizes and the KV pool kept small so that a server starts in seconds, not minutes.
+SGLANG_PARAMS = {
+    "target": {"dtype": "bfloat16"},
+    "bench": {"backend": "sglang", "dtype": "bfloat16", "attention_backend": "triton", "max_running_requests": 8,
+              "extra_server_args": ["--sampling-backend", "pytorch", "--grammar-backend", "none",
+                                    "--mem-fraction-static", "0.3", "--cuda-graph-max-bs", "8"],
+              "startup_timeout_s": 300.0},
+    "check": {"fail_on_error": False},
+}
+REFERENCE_PARAMS = {"bench": {"backend": "reference"}, "check": {"fail_on_error": False}}
+# --quick: a small run that exercises every phase in minutes on a CPU
+QUICK_PARAMS = {"prompts": {"num_prompts": 48, "eval_fraction": 0.25}, "synth": {"max_new_tokens": 96},
+                "train": {"epochs": 1}, "bench": {"num_prompts": 3, "max_new_tokens": 24, "warmup": 1},
+                "check": {"live_parity_samples": 2}}
+FAULT_PROMPTS = 8  # bench prompts per fault: the symptom, not a speed figure
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class Session:
+    def __init__(self, args):
+        self.args = args
+        self.results = Path(args.results).resolve()
+        self.work = self.results / "work"
+        self.logs = self.results / "logs"
+        self.deadline = time.monotonic() + args.budget_s
+        self.sglang = args.backend == "sglang"
+        self.overrides = merge(SGLANG_PARAMS if self.sglang else REFERENCE_PARAMS, QUICK_PARAMS if args.quick else {})
+        self.timings_path = self.results / "timings.json"
+        self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.exists() else {}
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                    "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def fits(self, unit: str, default_s: float) -> bool:
+        need = self.timings.get(unit, default_s)
+        if self.left() < need:
+            print(f"[h200] {unit}: {need:.0f} s expected, {self.left():.0f} s left: next call", flush=True)
+            return False
+        return True
+
+    def took(self, unit: str, seconds: float) -> None:
+        self.timings[unit] = round(seconds, 1)
+        self.timings_path.write_text(json.dumps(self.timings, indent=1))
+
+    def done(self, name: str) -> bool:
+        return (self.results / "done" / name).exists()
+
+    def mark(self, name: str) -> None:
+        (self.results / "done").mkdir(parents=True, exist_ok=True)
+        (self.results / "done" / name).write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    def write_params(self, work: Path, extra: dict | None = None) -> dict:
+        base = yaml.safe_load((ROOT / "params.yaml").read_text())
+        p = merge(merge(base, self.overrides), extra or {})
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+        return p
+
+    def run(self, argv: list[str], cwd: Path, log_name: str) -> None:
+        """A stage (or any project command) in `cwd`, output to logs/<log_name>.log; raises on failure."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{log_name}.log"
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            f.write("$ " + shlex.join(argv) + f"\n# cwd {cwd}\n")
+            f.flush()
+            rc = subprocess.run(argv, cwd=cwd, env=self.env, stdout=f, stderr=subprocess.STDOUT).returncode
+        print(f"[h200] {log_name}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+        if rc != 0:
+            raise UserError(f"{log_name} failed (rc {rc}); last lines of {log}:\n{lifecycle.log_tail(log, 25)}")
+
+    def stage(self, name: str, cwd: Path, log_name: str | None = None, replace: dict | None = None) -> None:
+        cmd = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][name]["cmd"]
+        for old, new in (replace or {}).items():
+            cmd = cmd.replace(old, new)
+        argv = shlex.split(cmd)
+        argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        self.run(argv, cwd, log_name or name)
+
+    def link_target(self, work: Path) -> None:
+        link = work / "models" / "tiny-target"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(ROOT / "models" / "tiny-target")
+
+    # --- servers ------------------------------------------------------------------------------
+
+    def params(self, work: Path):
+        return load_params(["target", "spec", "bench", "export"], work / "params.yaml")
+
+    def flags_for(self, p, **spec) -> tuple[SpecFlags, object]:
+        """(flags the project would launch with, the Resolution) for params `p` with spec changes."""
+        sp = dataclasses.replace(p.spec, **spec)
+        config = json.loads((self.work / "models/draft/config.json").read_text())
+        res = resolve(requested_from_params(sp, p.bench), "LlamaForCausalLM", p.export.sglang_version,
+                      draft_architecture=config["architectures"][0], draft_context_length=config.get("max_position_embeddings"),
+                      target_context_length=config.get("max_position_embeddings"), max_concurrency=max(p.bench.concurrency))
+        return res.effective, res
+
+    def server(self, p, draft: Path | None, flags: SpecFlags, log: Path, hidden: bool = False):
+        """A started server (context manager yielding its URL): SGLang, or the reference server.
+        draft None = a baseline server; `flags` still gives it the server-wide settings."""
+        port = sglang_free_port() if self.sglang else lifecycle.free_port()
+        model = str(self.work / p.target.model)
+        if self.sglang:
+            argv = launch_argv(model, port, draft_model=str(draft) if draft else None, flags=flags,
+                               baseline=draft is None, dtype=p.bench.dtype, extra_args=p.bench.extra_server_args,
+                               return_hidden_states=hidden)
+            cm = serve(argv, log, p.bench.startup_timeout_s, env=self.env)
+        else:
+            spec = {} if draft is None else {
+                "speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
+                "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
+                "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": p.export.sglang_version}
+            argv = server.launch_command(model, port, dtype=p.target.dtype, device=p.target.device, log_level="info",
+                                         enable_return_hidden_states=hidden, **spec)
+            cm = lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=p.bench.startup_timeout_s, env=self.env)
+        return _Started(cm, self, log.stem)
+
+    # --- phases -------------------------------------------------------------------------------
+
+    def phase_pipeline(self) -> bool:
+        self.write_params(self.work)
+        self.link_target(self.work)
+        for name in PIPELINE:
+            if self.done(f"pipeline-{name}"):
+                continue
+            if not self.fits(f"stage-{name}", 90):
+                return False
+            t0 = time.monotonic()
+            self.stage(name, self.work)
+            self.took(f"stage-{name}", time.monotonic() - t0)
+            self.mark(f"pipeline-{name}")
+        return True
+
+    def phase_bench(self) -> bool:
+        if not self.fits("bench", 300):
+            return False
+        t0 = time.monotonic()
+        self.write_params(self.work)
+        self.stage("bench", self.work)
+        self.took("bench", time.monotonic() - t0)
+        return True
+
+    def phase_parity(self) -> bool:
+        if not self.fits("parity", 150):
+            return False
+        t0 = time.monotonic()
+        p = self.params(self.work)
+        flags, _ = self.flags_for(p)
+        with self.server(p, self.work / "models/draft", flags, self.logs / "server-parity.log", hidden=True) as url:
+            self.write_params(self.work, {"check": {"server_url": url}})
+            try:
+                self.stage("check", self.work)
+                self.save_hidden_sample(url)
+            finally:
+                self.write_params(self.work)
+        self.took("parity", time.monotonic() - t0)
+        return True
+
+    def save_hidden_sample(self, url: str) -> None:
+        """One raw /generate answer with hidden states (a short prompt), kept as a parser fixture."""
+        row = json.loads((self.work / "data/prompts/eval.jsonl").read_text().splitlines()[0])
+        tok = load_tokenizer(str(self.work / "models/tiny-target"))
+        prompt = render_prompts(tok, [row])[0][:12]
+        with Client(url, 120) as c:
+            r = c._http.post(c.url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                                                        "return_hidden_states": True})
+        (self.results / "hidden_states_response.json").write_text(json.dumps({"input_ids": prompt, "response": r.json()}))
+
+    def phase_faults(self) -> bool:
+        for fault in FAULTS.values():
+            if self.done(f"fault-{fault.name}"):
+                continue
+            if not self.fits("fault", 120):
+                return False
+            t0 = time.monotonic()
+            self.rehearse(fault)
+            self.took("fault", time.monotonic() - t0)
+            self.mark(f"fault-{fault.name}")
+        return True
+
+    def rehearse(self, fault) -> None:
+        fdir = self.results / "faults" / fault.name
+        fwork = fdir / "work"
+        p = self.params(self.work)
+        draft = miswire(self.work / "models/draft", fwork / "models/draft", fault)
+        for sub in ("data", "reports/train"):
+            link = fwork / sub
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(self.work / sub)
+        self.link_target(fwork)
+        effective, res = self.flags_for(p, **{k: v for k, v in fault.spec.items() if k != "on_adjust"})
+        flags = res.requested if fault.force_requested else effective
+        log = fdir / "server.log"
+        record = {"fault": fault.name, "what": fault.what, "launched_flags": dataclasses.asdict(flags), "expect": list(fault.expect)}
+        rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines()[:FAULT_PROMPTS]]
+        prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows)
+        t0 = time.monotonic()
+        try:
+            with self.server(p, draft, flags, log, hidden=True) as url:
+                record["startup_s"] = round(time.monotonic() - t0, 1)
+                with Client(url, p.bench.request_timeout_s) as c:
+                    info = c.server_info()
+                    metas = [c.generate(x, {"max_new_tokens": p.bench.max_new_tokens, "temperature": 0})[1] for x in prompts]
+                record["server_flags"] = dataclasses.asdict(flags_from_server_info(info))
+                record["served"] = {k: v for k, v in spec_figures(metas).items() if k in ("tau", "accept_rate", "acceptance", "accept_hist")}
+                record["meta_info_sample"] = metas[0].raw
+                self.write_params(fwork, {"spec": fault.spec, "bench": {"backend": "url", "url": url, "server_log": str(log),
+                                                                       "num_prompts": FAULT_PROMPTS},
+                                          "check": {"server_url": url}})
+                try:
+                    self.stage("bench", fwork, f"fault-{fault.name}-bench")
+                    record["bench"] = "ok"
+                except UserError as e:
+                    record["bench"] = f"failed: {str(e).splitlines()[-1]}"
+                self.check(fwork, fault, record)
+        except UserError as e:
+            record["started"] = False
+            record["startup_error"] = str(e)[-3000:]
+            # What the bench stage itself would have said before launching these flags.
+            record["project_rules"] = [str(f) for f in res.errors + res.adjustments]
+            self.write_params(fwork, {"spec": fault.spec, "check": {"server_url": ""}})
+            self.check(fwork, fault, record)
+        else:
+            record["started"] = True
+        if log.exists():
+            parsed = read_log(log)
+            record["log_accept_len"] = [d.accept_len for d in parsed.decode if d.accept_len is not None]
+            record["log_adjustments"] = [dataclasses.asdict(a) for a in parsed.adjustments]
+            record["log_algorithm_lines"] = [ln.strip()[:300] for ln in log.read_text(errors="replace").splitlines()
+                                             if "speculative_algorithm" in ln][:2]
+        (fdir / "summary.json").write_text(json.dumps(record, indent=1, default=str))
+        print(f"[h200] fault {fault.name}: named={record.get('named')} served tau={record.get('served', {}).get('tau')}", flush=True)
+
+    def check(self, fwork: Path, fault, record: dict) -> None:
+        try:
+            self.stage("check", fwork, f"fault-{fault.name}-check")
+        except UserError as e:
+            record["check"] = f"failed: {str(e).splitlines()[-1]}"
+            return
+        wiring = json.loads((fwork / "reports/wiring.json").read_text())
+        found = [{"name": f["name"], "severity": f["severity"]} for f in wiring["findings"] if f["severity"] != "ok-info"]
+        record["findings"] = found
+        record["named"] = any(f["name"] in fault.expect for f in found)
+
+    def phase_sweep(self) -> bool:
+        p = self.params(self.work)
+        rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines()]
+        prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows[:p.bench.num_prompts + p.bench.warmup])
+        sampling = {"max_new_tokens": p.bench.max_new_tokens, "temperature": 0.0, "ignore_eos": p.bench.ignore_eos}
+        from stages.bench import measure
+
+        out = self.results / "sweep"
+        out.mkdir(parents=True, exist_ok=True)
+        for point in ["baseline", *SWEEP_STEPS]:
+            name = f"sweep-{point}"
+            if self.done(name):
+                continue
+            if not self.fits("sweep-point", 90):
+                return False
+            t0 = time.monotonic()
+            flags = self.flags_for(p, num_steps=5 if point == "baseline" else point)[0]
+            draft = None if point == "baseline" else self.work / "models/draft"
+            with self.server(p, draft, flags, out / f"server-{point}.log") as url:
+                startup = time.monotonic() - t0
+                got = measure({"m": url}, p.bench, prompts, sampling, p.bench.warmup)["m"]
+            fig = {"point": point, "flags": dataclasses.asdict(flags) if draft else None, "startup_s": round(startup, 1),
+                   "tokens_per_s": got["speed"]["median"], "speed": got["speed"], "spec": got["spec"] or None,
+                   "log_graph": [d.graph for d in read_log(out / f"server-{point}.log").decode][:3]}
+            (out / f"{point}.json").write_text(json.dumps(fig, indent=1))
+            self.took("sweep-point", time.monotonic() - t0)
+            self.mark(name)
+            self.write_sweep(out)
+        return True
+
+    def write_sweep(self, out: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        points = {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
+        base = points.get("baseline", {}).get("tokens_per_s")
+        lines = ["num_steps,tau,tokens_per_s,speedup"]
+        xs, taus, speedups = [], [], []
+        for s in SWEEP_STEPS:
+            f = points.get(str(s))
+            if not f:
+                continue
+            tau = (f["spec"] or {}).get("tau")
+            sp = f["tokens_per_s"] / base if base else None
+            lines.append(f"{s},{tau},{f['tokens_per_s']:.2f},{'' if sp is None else f'{sp:.3f}'}")
+            xs.append(s), taus.append(tau), speedups.append(sp)
+        (out / "sweep.csv").write_text("\n".join(lines) + "\n")
+        if not xs:
+            return
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+        ax[0].plot(xs, taus, "o-")
+        ax[0].set(title="served accept length tau", xlabel="num_steps (chain)", ylabel="tokens per verify")
+        if base:
+            ax[1].plot(xs, speedups, "o-")
+            ax[1].axhline(1.0, color="grey", lw=0.8)
+        ax[1].set(title=f"speedup vs the no-speculation baseline ({base or float('nan'):.0f} tok/s)", xlabel="num_steps (chain)")
+        fig.tight_layout()
+        fig.savefig(out / "sweep.png", dpi=110)
+        plt.close(fig)
+
+    def phase_reference(self) -> bool:
+        if not self.sglang:
+            return True  # the bench phase already ran the reference backend
+        if not self.fits("reference", 150):
+            return False
+        t0 = time.monotonic()
+        self.write_params(self.work, {"bench": {"backend": "reference"}})
+        try:
+            self.stage("bench", self.work, "bench-reference", replace={"reports/bench": "reports/bench-reference"})
+        finally:
+            self.write_params(self.work)
+        self.took("reference", time.monotonic() - t0)
+        return True
+
+    # --- results ------------------------------------------------------------------------------
+
+    def pack(self) -> None:
+        if not self.args.pack:
+            return
+        skip = {"data", "models", ".dvc", "__pycache__"}
+
+        def keep(info: tarfile.TarInfo):
+            parts = Path(info.name).parts
+            if any(x in skip for x in parts) or info.name.endswith((".safetensors", ".pt")):
+                return None
+            return info
+
+        dest = Path(self.args.pack)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.results, arcname=self.results.name, filter=keep)
+        os.replace(tmp, dest)
+        print(f"[h200] packed {dest} ({dest.stat().st_size / 1e6:.1f} MB)", flush=True)
+
+
+class _Started:
+    """serve() context that yields the URL and records the start-up time."""
+
+    def __init__(self, cm, session: Session, name: str):
+        self.cm, self.session, self.name = cm, session, name
+
+    def __enter__(self):
+        t0 = time.monotonic()
+        srv = self.cm.__enter__()
+        self.session.took(f"startup-{self.name}", time.monotonic() - t0)
+        return srv.url
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=".scratch/h200")
+    ap.add_argument("--backend", choices=["sglang", "reference"], default="sglang")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop before work that would end later than this")
+    ap.add_argument("--quick", action="store_true", help="small sizes: the whole flow in minutes on a CPU")
+    ap.add_argument("--phases", default="pipeline,bench,parity,faults,sweep,reference")
+    ap.add_argument("--pack", default="", help="write the results (no data, no weights) to this .tar.gz after each phase")
+    args = ap.parse_args()
+    s = Session(args)
+    s.results.mkdir(parents=True, exist_ok=True)
+    if s.sglang:
+        try:
+            import sglang
+            import torch
+            import transformers
+
+            versions = {"sglang": sglang.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        except Exception as e:  # the servers' own logs will say more
+            versions = {"error": f"{type(e).__name__}: {e}"}
+        (s.results / "versions.json").write_text(json.dumps({**versions, "python": sys.version.split()[0]}))
+        print(f"[h200] {versions}", flush=True)
+    status = 0
+    for phase in args.phases.split(","):
+        if s.done(phase):
+            continue
+        try:
+            finished = getattr(s, f"phase_{phase}")()
+        except UserError as e:
+            print(f"[h200] {phase} failed: {e}", flush=True)
+            (s.results / f"{phase}.error.txt").write_text(str(e))
+            status = 1
+            finished = phase not in ("pipeline",)  # nothing else runs without the pipeline
+            if not finished:
+                s.pack()
+                return status
+        if not finished:
+            break
+        s.mark(phase)
+        s.pack()
+    s.pack()
+    return status
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
