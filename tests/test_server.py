@@ -146,3 +146,24 @@ def test_reasoning_parser_splits_like_sglang():
     assert parse_reasoning("no reasoning here", "qwen3") == (None, "no reasoning here")
     assert parse_reasoning("step</think>answer", "deepseek-r1") == ("step", "answer")  # <think> was in the prompt
     assert parse_reasoning("<think>\ncut off mid", "qwen3") == ("\ncut off mid", "")
+
+
+def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
+    """Flags SGLang adjusts at start-up are adjusted the same way, with SGLang's own log line, so
+    the bench and the check read a reference-server log exactly as a real one."""
+    import argparse
+
+    from draftlab.server import apply_sglang_rules
+    from draftlab.sglang_backend import parse_log
+    from draftlab.sglang_flags import default_spec_params
+
+    args = argparse.Namespace(speculative_algorithm="EAGLE3", speculative_num_steps=1, speculative_eagle_topk=1,
+                              speculative_num_draft_tokens=16, sglang_version="0.5.14")
+    apply_sglang_rules(args, "LlamaForCausalLM")
+    assert args.speculative_num_draft_tokens == 2
+    assert "chain_draft_tokens" in [a.rule for a in parse_log(capsys.readouterr().out.splitlines()).adjustments]
+    unset = argparse.Namespace(speculative_algorithm="EAGLE3", speculative_num_steps=None, speculative_eagle_topk=None,
+                               speculative_num_draft_tokens=None, sglang_version="0.5.14")
+    apply_sglang_rules(unset, "LlamaForCausalLM")
+    assert (unset.speculative_num_steps, unset.speculative_eagle_topk, unset.speculative_num_draft_tokens) == \
+        default_spec_params("LlamaForCausalLM", "0.5.14")

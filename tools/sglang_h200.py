@@ -232,7 +232,11 @@ class Session:
         (self.results / "hidden_states_response.json").write_text(json.dumps({"input_ids": prompt, "response": r.json()}))
 
     def phase_faults(self) -> bool:
-        for fault in FAULTS.values():
+        chosen = self.args.faults.split(",") if self.args.faults else list(FAULTS)
+        unknown = sorted(set(chosen) - set(FAULTS))
+        if unknown:
+            raise UserError(f"--faults: unknown {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        for fault in (FAULTS[name] for name in chosen):
             if self.done(f"fault-{fault.name}"):
                 continue
             if not self.fits("fault", 120):
@@ -360,8 +364,13 @@ class Session:
         if not xs:
             return
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-        ax[0].plot(xs, taus, "o-")
-        ax[0].set(title="served accept length tau", xlabel="num_steps (chain)", ylabel="tokens per verify")
+        ax[0].plot(xs, taus, "o-", label="served (SGLang meta_info)" if self.sglang else "served")
+        train = self.work / "reports/train/metrics.json"
+        if train.exists():  # what training predicted for each chain length it unrolled
+            by = {int(k.split("_")[-1]): v for k, v in (json.loads(train.read_text()).get("tau_by_steps") or {}).items()}
+            ax[0].plot(sorted(by), [by[k] for k in sorted(by)], "s--", label="train-predicted")
+            ax[0].legend()
+        ax[0].set(title="accept length tau", xlabel="num_steps (chain)", ylabel="tokens per verify")
         if base:
             ax[1].plot(xs, speedups, "o-")
             ax[1].axhline(1.0, color="grey", lw=0.8)
@@ -429,6 +438,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop before work that would end later than this")
     ap.add_argument("--quick", action="store_true", help="small sizes: the whole flow in minutes on a CPU")
     ap.add_argument("--phases", default="pipeline,bench,parity,faults,sweep,reference")
+    ap.add_argument("--faults", default="", help="comma-separated names from draftlab.faults (default: all)")
     ap.add_argument("--pack", default="", help="write the results (no data, no weights) to this .tar.gz after each phase")
     args = ap.parse_args()
     s = Session(args)

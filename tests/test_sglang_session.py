@@ -1,0 +1,58 @@
+"""tools/sglang_h200.py, the real-SGLang session driver, end to end on a CPU against the reference server.
+
+The same code launched SGLang on the H200 (reports/sglang-h200/); here every server is the
+project's reference server, which applies SGLang's flag rules and prints SGLang's log lines.
+"""
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def session(results: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(ROOT / "tools" / "sglang_h200.py"), "--backend", "reference", "--quick",
+            "--results", str(results), "--pack", str(results.parent / "out" / "pack.tar.gz"), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    results = tmp_path_factory.mktemp("h200") / "results"
+    r = session(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return results, r
+
+
+def test_a_forced_flag_fault_is_served_recorded_and_named(rehearsal):
+    results, _ = rehearsal
+    s = json.loads((results / "faults/chain_draft_tokens_forced/summary.json").read_text())
+    assert s["started"] and s["named"] and s["launched_flags"]["num_draft_tokens"] == 16
+    assert s["server_flags"]["num_draft_tokens"] == 2  # what the server ran, from /server_info
+    assert "chain_draft_tokens" in [a["rule"] for a in s["log_adjustments"]]  # the server's own line
+    bench = json.loads((results / "faults/chain_draft_tokens_forced/work/reports/bench.json").read_text())
+    assert bench["backend"] == "url" and bench["flags"]["served"]["num_draft_tokens"] == 2
+    assert bench["server_log"].endswith("server.log") and bench["spec"]["tau"] >= 1.0
+
+
+def test_live_parity_ran_against_a_server_and_passed(rehearsal):
+    results, _ = rehearsal
+    wiring = json.loads((results / "work/reports/wiring.json").read_text())
+    ok = [f for f in wiring["findings"] if f["name"] == "live_parity_ok"]
+    assert ok and ok[0]["evidence"]["source"].startswith("http://127.0.0.1:")
+
+
+def test_results_pack_without_data_or_weights_and_a_rerun_resumes(rehearsal):
+    results, _ = rehearsal
+    with tarfile.open(results.parent / "out" / "pack.tar.gz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("faults/chain_draft_tokens_forced/summary.json") for n in names)
+    assert not any(n.endswith(".safetensors") or "/data/" in n for n in names)
+    again = session(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
+    assert again.returncode == 0 and "rc 0" not in again.stdout  # everything was done: nothing ran
+    short = session(results, "--phases", "sweep", "--budget-s", "1")
+    assert short.returncode == 0 and "next call" in short.stdout and not (results / "done" / "sweep").exists()
