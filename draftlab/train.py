@@ -110,22 +110,31 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_labels(final_hidden: torch.Tensor, head: torch.Tensor, d2t: torch.Tensor, chunk: int = 4096):
+def target_labels(final_hidden: torch.Tensor, head: torch.Tensor, d2t: torch.Tensor, chunk: int = 4096,
+                  dtype: torch.dtype = torch.float32):
     """The target's view of the next token at every position j (over token j+1).
 
     Returns (logits over the draft vocab [B, T, Vd] float32, top-1 target token id over the FULL
     vocab [B, T]). The top-1 is what greedy verification compares the draft's proposal with.
+    dtype: of the projection onto the vocab. bf16 under autocast on GPUs: the serving target's
+    own precision, and 13x faster than fp32 for an 8B head (41.8 -> 3.1 ms per 2048 rows on an
+    H200, reports/perf/); the logits are returned in fp32 either way.
     """
     B, T, H = final_hidden.shape
-    rows = final_hidden.reshape(-1, H).float()
-    head = head.float()
+    rows = final_hidden.reshape(-1, H).to(dtype)
+    head = head.to(dtype)
     keep = draft_to_target(d2t)
     logits, top1 = [], []
     for a in range(0, rows.shape[0], chunk):
         full = rows[a : a + chunk] @ head.T
-        logits.append(full[:, keep])
+        logits.append(full[:, keep].float())
         top1.append(full.argmax(-1))
     return torch.cat(logits).view(B, T, -1), torch.cat(top1).view(B, T)
+
+
+def labels_dtype(autocast: bool) -> torch.dtype:
+    """The soft labels' projection runs in the precision the draft trains in (see target_labels)."""
+    return torch.bfloat16 if autocast else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
     for a in range(0, len(mine), batch_size):
         batch = collate([dataset[i] for i in mine[a : a + batch_size]], device)
-        labels = target_labels(batch["final_hidden"], head, draft.d2t)
+        labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
         counts = step_token_counts(batch["loss_mask"], ttt.steps, 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt(batch, labels, counts)
@@ -292,7 +301,7 @@ def fit(
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
             batch = collate([train_ds[i] for i in batches[b][rank::world]], device)
-            labels = target_labels(batch["final_hidden"], head, draft.d2t)
+            labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
             counts = step_token_counts(batch["loss_mask"], tp.ttt_steps, world)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, tp.lr, tp.warmup_ratio, tp.min_lr_ratio)

@@ -427,7 +427,7 @@ def train_flops(cfg, B: int, T: int, steps: int, scored: list[int], V: int) -> d
 
 def training(P) -> None:
     from draftlab.draft import DraftConfig
-    from draftlab.train import TTT, init_draft, step_token_counts, target_labels
+    from draftlab.train import TTT, init_draft, labels_dtype, step_token_counts, target_labels
 
     dev, S = P["device"], "training"
     device = torch.device(dev)
@@ -468,7 +468,7 @@ def training(P) -> None:
 
             def one(acc: bool):
                 t0 = time.perf_counter()
-                labels = target_labels(batch["final_hidden"], head, draft.d2t)
+                labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
                 sync(dev)
                 t1 = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -499,7 +499,7 @@ def training(P) -> None:
             record(S, f"{p}_seq", T)
             record(S, f"{p}_step_s", step_s, "s per optimizer step")
             record(S, f"{p}_tokens_per_s", B * T / step_s, "tok/s")
-            record(S, f"{p}_labels_s", split["labels"] / iters, "s (target_labels, fp32 over the full vocab)")
+            record(S, f"{p}_labels_s", split["labels"] / iters, f"s (target_labels over the full vocab, {labels_dtype(autocast)})")
             record(S, f"{p}_fwd_bwd_s", split["fwd_bwd"] / iters, "s")
             record(S, f"{p}_optimizer_s", split["opt"] / iters, "s (clip + AdamW)")
             record(S, f"{p}_model_flops", float(f["model_flops"]))
