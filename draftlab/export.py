@@ -22,7 +22,7 @@ from safetensors.torch import save as st_save
 
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json
+from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab.sglang_layers import ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -131,7 +131,7 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physica
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    atomic_write_bytes(tmp / WEIGHTS, st_save(tensors, metadata={"format": "pt"}))
+    atomic_write_bytes(tmp / WEIGHTS, canonical_safetensors(st_save(tensors, metadata={"format": "pt"})))
     atomic_write_json(tmp / "config.json", config)
     # Read it back the way every later stage will: the same tensors, or no export at all.
     loaded = load_exported(tmp, dtype=torch_dtype)[0].state_dict()

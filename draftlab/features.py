@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_write_bytes
+from draftlab.fsutil import atomic_write_bytes, canonical_safetensors
 
 SHARD_DTYPES = {
     "input_ids": (torch.int64,),
@@ -70,7 +70,7 @@ def write_shard(path: str | Path, arrays: dict[str, torch.Tensor], metadata: dic
         raise ValueError(f"seq_offsets must rise from 0 to T={T}")
     meta = {key: json.dumps(value) for key, value in metadata.items()}
     tensors = {name: t.contiguous() for name, t in arrays.items()}
-    atomic_write_bytes(path, st_save(tensors, metadata=meta))
+    atomic_write_bytes(path, canonical_safetensors(st_save(tensors, metadata=meta)))
 
 
 def pack_sequences(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -138,7 +138,7 @@ def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "draft 
 
 def save_draft_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     check_draft_vocab(d2t, t2d, str(path))
-    atomic_write_bytes(path, st_save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}))
+    atomic_write_bytes(path, canonical_safetensors(st_save({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()})))
 
 
 def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

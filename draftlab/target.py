@@ -95,9 +95,20 @@ def target_fingerprint(tp) -> dict:
     return {"model": tp.model, "revision": tp.revision}
 
 
+def load_config(tp):
+    """The target's transformers config alone: no weights read (for target_info before a server starts)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(**_source(tp.model, tp.revision))
+    except OSError as e:
+        raise UserError(f"target.model {tp.model!r}: cannot load its config ({e})") from None
+
+
 def target_info(model, tp) -> dict:
-    """Architecture facts later stages need (export, check) without loading the model again."""
-    cfg = model.config
+    """Architecture facts later stages need (export, check) without loading the model again.
+    `model`: the loaded model, or only its config (load_config)."""
+    cfg = getattr(model, "config", model)
     text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     return {
         "model": tp.model,

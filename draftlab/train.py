@@ -31,7 +31,7 @@ from tqdm import tqdm
 from draftlab.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, draft_to_target
-from draftlab.fsutil import atomic_write_bytes, atomic_write_json
+from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab.metrics import acceptance_counts, chain_tau, conditional_acceptance
 
 WEIGHTS = "draft.safetensors"
@@ -354,7 +354,7 @@ def init_draft(cfg: DraftConfig, embed: torch.Tensor, head: torch.Tensor, d2t: t
 def save_draft(out_dir: str | Path, draft: Eagle3Draft) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out_dir / WEIGHTS, st_save({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}))
+    atomic_write_bytes(out_dir / WEIGHTS, canonical_safetensors(st_save({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()})))
     atomic_write_json(out_dir / CONFIG, draft.config.to_dict())
 
 

@@ -29,7 +29,7 @@ from draftlab.params import as_dict, load_params
 from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve, server_accept_length
 from draftlab.sglang_flags import SpecFlags, resolve, requested_from_params
 from draftlab.sglang_layers import captured_physical
-from draftlab.target import load_target, resolve_device, target_info
+from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
 
 
 def read_eval_prompts(prompts: Path, n: int) -> list[dict]:
@@ -160,8 +160,10 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     export_manifest = read_manifest(draft)
     config = json.loads((draft / "config.json").read_text())
     device = resolve_device(tp.device)
-    target, tok = load_target(tp, device)
-    info = target_info(target, tp)
+    # The config and tokenizer only: the weights load after every server has stopped, so that a
+    # GPU holds one copy of the target at a time (SGLang sizes its KV pool from free memory).
+    tok = load_tokenizer(tp.model, tp.revision)
+    info = target_info(load_config(tp), tp)
     requested = requested_from_params(sp, bp)
     res = resolve(requested, info["architecture"], version, draft_architecture=(config.get("architectures") or [None])[0],
                   draft_context_length=config.get("max_position_embeddings"),
@@ -214,6 +216,7 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     server_log = read_log(log) if log.exists() else None
 
     # The offline isolation run: the same exported draft in-process, fed as the exported config says.
+    target, _ = load_target(tp, device)
     embed = target.get_input_embeddings().weight
     d, _ = load_exported(draft, embed=embed, dtype=embed.dtype)
     d.to(device)

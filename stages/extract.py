@@ -21,6 +21,7 @@ from draftlab import extract as X
 from draftlab import sglang_layers
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
+from draftlab.fsutil import canonicalize_safetensors_file
 from draftlab.manifest import build_manifest, read_manifest, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, resolve_device, target_fingerprint, target_info, tokenizer_hash
@@ -105,6 +106,7 @@ def main(synth: Path, out: Path) -> None:
             smeta = {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])}
             tmp = path.with_name(path.name + ".tmp")
             save_file(tensors, str(tmp), metadata=smeta)
+            canonicalize_safetensors_file(tmp)  # the same bytes on every recompute
             tmp.replace(path)  # atomic: a shard is either complete or absent
             tokens_done += len(tensors["input_ids"])
             bytes_written += path.stat().st_size

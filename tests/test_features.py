@@ -69,3 +69,40 @@ def test_draft_vocab_round_trip_and_consistency_check(tmp_path):
         save_draft_vocab(tmp_path / "x.safetensors", d2t, wrong)
     with pytest.raises(UserError, match="standardize"):
         load_draft_vocab(tmp_path / "missing")
+
+
+WRITE_ONE_SHARD = """
+import sys, torch
+from draftlab.features import pack_sequences, write_shard
+seqs = [{"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.bool),
+         "aux_hidden": torch.ones(5, 6).bfloat16(), "final_hidden": torch.zeros(5, 2).bfloat16()}]
+meta = {"physical_layers": [1, 2, 3], "hidden_size": 2, "num_layers": 4, "architecture": "LlamaForCausalLM",
+        "vocab_size": 16, "row_ids": ["a"], "config_hash": "c" * 64, "dtype": "bfloat16"}
+write_shard(sys.argv[1], pack_sequences(seqs), meta)
+"""
+
+
+def test_a_recomputed_shard_has_the_same_bytes(tmp_path):
+    """safetensors orders its metadata by a per-process hash; ours are sorted, so DVC sees no change."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b", "c"):
+        subprocess.run([sys.executable, "-c", WRITE_ONE_SHARD, str(tmp_path / name)], check=True)
+    blobs = {(tmp_path / n).read_bytes() for n in "abc"}
+    assert len(blobs) == 1
+
+
+def test_canonical_header_keeps_tensors_and_metadata_and_works_in_place(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save, save_file
+
+    from draftlab.fsutil import canonical_safetensors, canonicalize_safetensors_file
+
+    tensors = {"z": torch.arange(7), "a": torch.randn(3, 5).bfloat16(), "m": torch.ones(2, dtype=torch.bool)}
+    meta = {f"k{i}": str(i) * i for i in range(9)} | {"unicode": "é"}
+    save_file(tensors, str(tmp_path / "f"), metadata=meta)
+    canonicalize_safetensors_file(tmp_path / "f")
+    assert (tmp_path / "f").read_bytes() == canonical_safetensors(save(tensors, metadata=meta))
+    with safe_open(str(tmp_path / "f"), "pt") as f:
+        assert f.metadata() == meta and all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
