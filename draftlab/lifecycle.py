@@ -11,11 +11,15 @@ ourselves. stdout and stderr go to one log file, which is kept. On exit of the `
 normal or not (exception, Ctrl-C, SIGTERM from `dvc` or a job scheduler), the whole group gets
 SIGTERM, then SIGKILL after a grace period.
 
-Not covered: a `kill -9` of this process cannot run any cleanup; the server then keeps running.
+A `kill -9` of this process cannot run any cleanup, and the server keeps running. So each
+server's process group and argv are written next to its log (`<log>.pid`), and the next serve()
+with the same log stops a server that a killed run left behind before starting its own (only when
+that process still runs the recorded argv, so a reused pid is never touched).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -140,6 +144,8 @@ def serve(
         raise TypeError("argv must be a non-empty list of arguments, not a shell string")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    pidfile = log_path.with_name(log_path.name + ".pid")
+    stop_left_behind(pidfile, grace_s)
     with open(log_path, "wb") as log, _sigterm_as_exit():
         try:
             proc = subprocess.Popen(
@@ -154,10 +160,35 @@ def serve(
             raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
         srv = Server(url.rstrip("/"), proc, log_path)
         try:
+            pidfile.write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
             wait_healthy(srv, startup_timeout_s)
             yield srv
         finally:
             stop(srv, grace_s)
+            pidfile.unlink(missing_ok=True)
+
+
+def stop_left_behind(pidfile: Path, grace_s: float = GRACE_S) -> None:
+    """Stop the server recorded in `pidfile` if it still runs its recorded argv (a run killed with -9)."""
+    try:
+        rec = json.loads(pidfile.read_text())
+        pgid, argv = int(rec["pgid"]), [str(a) for a in rec["argv"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        with open(f"/proc/{pgid}/cmdline", "rb") as f:
+            running = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        running = None
+    if running == argv and _group_alive(pgid):
+        print(f"lifecycle: stopping a server an earlier, killed run left running (pid {pgid}: {' '.join(argv)[:200]})", flush=True)
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

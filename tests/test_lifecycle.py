@@ -1,4 +1,5 @@
 """Starting and stopping servers: healthy before use, a clear error with the log, nothing left running."""
+import json
 import os
 import signal
 import sys
@@ -152,3 +153,39 @@ def test_free_port_is_bindable_on_loopback():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+KILLED_RUN = """
+import os, signal, sys
+from draftlab.lifecycle import serve
+argv, url, log = sys.argv[1:-2], sys.argv[-2], sys.argv[-1]
+with serve(argv, url, log, startup_timeout_s=30):
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no cleanup runs
+"""
+
+
+def test_a_server_left_by_a_killed_run_is_stopped_by_the_next_one(fake, tmp_path):
+    import subprocess
+
+    make, started_pids = fake
+    argv, url, log = make()
+    argv = [str(a) for a in argv]
+    r = subprocess.run([sys.executable, "-c", KILLED_RUN, *argv, url, str(log)], cwd=os.getcwd(), timeout=60)
+    assert r.returncode == -signal.SIGKILL
+    orphans = started_pids()
+    assert not any(dead(p) for p in orphans) and httpx.get(url + "/health").status_code == 200  # still serving
+    assert log.with_name(log.name + ".pid").exists()
+    argv2, url2, _ = make()
+    with serve(argv2, url2, log, startup_timeout_s=30):
+        assert wait_dead(orphans, within_s=0.5)  # stopped before the new one started
+    assert not log.with_name(log.name + ".pid").exists()
+
+
+def test_a_pidfile_naming_another_program_stops_nothing(fake):
+    make, started_pids = fake
+    argv, url, log = make()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.with_name(log.name + ".pid").write_text(json.dumps({"pgid": os.getpid(), "argv": ["not", "this"]}))
+    with serve(argv, url, log, startup_timeout_s=30):
+        pass
+    assert not dead(os.getpid())
