@@ -10,6 +10,7 @@ import pytest
 
 from draftlab.errors import UserError
 from draftlab.lifecycle import free_port
+from draftlab.sglang_backend import free_port as sglang_free_port
 from draftlab.sglang_backend import (
     Client,
     check_extra_args,
@@ -119,7 +120,7 @@ def test_serve_runs_the_argv_through_lifecycle_and_stops_it(tmp_path):
     python = tmp_path / "python"
     python.write_text(f"#!{sys.executable}\n" + FAKE_SGLANG)
     python.chmod(0o755)
-    argv = launch_argv("models/t", free_port(), draft_model="models/d", flags=EFFECTIVE, python=str(python))
+    argv = launch_argv("models/t", sglang_free_port(), draft_model="models/d", flags=EFFECTIVE, python=str(python))
     with serve(argv, tmp_path / "logs" / "sglang.log", startup_timeout_s=20) as srv:
         assert srv.url == f"http://127.0.0.1:{value_after(argv, '--port')}"
         with Client(srv.url, timeout_s=5) as c:
