@@ -165,10 +165,14 @@ def live_parity(run: Run, cp, version: str, load_model=load_local_target) -> tup
 
 def _live_parity(run: Run, cp, version: str, load_model) -> tuple[dict | None, list[Finding]]:
     seqs, meta = stored_sequences(run.paths.features, cp.live_parity_samples)
+    target = (run.bench or {}).get("target") or run.target
     if cp.server_url:
         capture = http_capture(cp.server_url, int(meta["hidden_size"]), cp.request_timeout_s)
-        return run_parity(seqs, meta, capture, cp.server_url), []
-    target = (run.bench or {}).get("target") or run.target
+        try:  # every layer of the local target names what a mismatching slot really is
+            reference = reference_states(load_model(target["model"], target.get("revision")))
+        except (UserError, RuntimeError, KeyError):  # not loadable here (or no memory beside the server)
+            reference = None
+        return run_parity(seqs, meta, capture, cp.server_url, reference), []
     ids = layer_ids_of(run.draft_config or {})
     try:
         live = captured_physical(run.target["architecture"], int(run.target["num_layers"]), ids, version)

@@ -144,9 +144,11 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physica
 
 
 def config_from_exported(config: dict) -> DraftConfig:
+    """The draft's shapes from config.json. Without eagle_config ids it loads as SGLang loads it
+    (fc over SGLang's 3 default layers): serving it shows the fault, the check names it."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if config.get("architectures") != [ARCHITECTURE] or not ids:
-        raise UserError(f"not an SGLang EAGLE-3 draft config: architectures {config.get('architectures')}, eagle_config {config.get('eagle_config')}")
+    if config.get("architectures") != [ARCHITECTURE]:
+        raise UserError(f"not an SGLang EAGLE-3 draft config: architectures {config.get('architectures')} (want [{ARCHITECTURE!r}])")
     return DraftConfig(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -157,7 +159,7 @@ def config_from_exported(config: dict) -> DraftConfig:
         vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-        num_aux_layers=len(ids),
+        num_aux_layers=len(ids) if ids else SGLANG_AUX_LAYERS,
         max_position_embeddings=config["max_position_embeddings"],
         rope_theta=config.get("rope_theta", 10000.0),
         rope_scaling=config.get("rope_scaling"),

@@ -456,6 +456,11 @@ def test_http_parity_names_a_post_norm_capture_and_a_shift(pipeline, run, stub_s
     state.update(physical=[4, 6, 7], final=False)  # a server two layers deeper: slots 0 and 1 equal stored slots 1 and 2
     slots = finding(diagnose(pipeline, run, server_url=url), "layer_shift").evidence["slots"]
     assert [(s["trained_physical"], s["matches_physical"]) for s in slots[:2]] == [(2, 4), (4, 6)]
+    assert slots[2]["matches_physical"] == 7  # a layer the features never held: named from the local target's layers
+    state.update(physical=[3, 5, 7])  # ids shifted by one: no live slot equals any stored one
+    slots = finding(diagnose(pipeline, run, server_url=url), "layer_shift").evidence["slots"]
+    assert [s["matches_physical"] for s in slots] == [3, 5, 7]
+    state.update(physical=PHYSICAL)
 
 
 def test_parity_cli_against_a_server(pipeline, stub_server, capsys):

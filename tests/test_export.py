@@ -168,3 +168,27 @@ def test_export_stage_refuses_layers_sglang_cannot_capture(tmp_path, monkeypatch
     with pytest.raises(UserError, match="physical layer 8"):
         main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
     assert not (tmp_path / "draft").exists() and not (tmp_path / "export.json").exists()
+
+
+def test_a_draft_without_eagle_config_serves_on_sglangs_default_layers(tmp_path):
+    """SGLang starts such a draft silently on its default layers; the reference engine does the same."""
+    import json
+    import types
+
+    from draftlab.draft import DraftConfig, Eagle3Draft
+    from draftlab.micro import make_micro_model
+    from draftlab.params import TargetParams
+    from draftlab.server import SpecEngine
+    from draftlab.target import target_info
+
+    target = make_micro_model("llama", num_layers=8, seed=0)
+    target.config.architectures = ["LlamaForCausalLM"]
+    info = {**target_info(target, TargetParams("m", None, "float32", "cpu")), "physical_layers": [2, 4, 6]}
+    draft = Eagle3Draft(DraftConfig.from_target(info, 3, 64), embed_weight=target.get_input_embeddings().weight.detach())
+    export_sglang(draft, tmp_path / "d", info, [2, 4, 6], "0.5.14")
+    config = json.loads((tmp_path / "d/config.json").read_text())
+    config.pop("eagle_config")
+    (tmp_path / "d/config.json").write_text(json.dumps(config))
+    assert load_exported(tmp_path / "d")[0].fc.weight.shape[1] == 3 * info["hidden_size"]
+    engine = SpecEngine(target, types.SimpleNamespace(eos_token_id=None), "cpu", 512, str(tmp_path / "d"), 3, 1, 4, "0.5.14")
+    assert engine.physical == [2, 4, 5]  # SGLang 0.5.14's default for 8 layers, as measured
