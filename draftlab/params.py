@@ -135,6 +135,7 @@ class BenchParams:
     ignore_eos: bool
     warmup: int
     concurrency: list[int]
+    side_by_side: bool  # sglang: both servers up at once, requests alternating
     url: str
     server_log: str  # backend url: path of the running server's log ("" = none)
     port: int

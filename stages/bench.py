@@ -192,15 +192,16 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     log = out / "server-spec.log"
     base_log = out / "server-baseline.log"
     print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
-    if bp.backend == "reference":
-        # Both servers up at once (CPU, small): requests alternate between them.
+    if bp.backend == "reference" or (bp.backend == "sglang" and bp.side_by_side):
+        # Both servers up at once: requests alternate between them, so a change in the machine's
+        # load hits both alike (SGLang: the second server sizes its KV pool from what the first left).
         print("bench: and a baseline server (no speculation); requests alternate between the two")
         with start(bp.backend, bp, tp, draft, flags, version, base_log, speculative=False) as base_url, \
              start(bp.backend, bp, tp, draft, flags, version, log, speculative=True) as url:
             got = measure({"baseline": base_url, "speculative": url}, bp, ids, sampling, bp.warmup)
         baseline, spec = got["baseline"], got["speculative"]
     else:
-        # One accelerator: one server at a time, baseline first.
+        # One server at a time (bench.side_by_side: false), baseline first.
         baseline = None
         if bp.backend != "url":
             with start(bp.backend, bp, tp, draft, flags, version, base_log, speculative=False) as base_url:

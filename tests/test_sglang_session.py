@@ -56,3 +56,17 @@ def test_results_pack_without_data_or_weights_and_a_rerun_resumes(rehearsal):
     assert again.returncode == 0 and "rc 0" not in again.stdout  # everything was done: nothing ran
     short = session(results, "--phases", "sweep", "--budget-s", "1")
     assert short.returncode == 0 and "next call" in short.stdout and not (results / "done" / "sweep").exists()
+
+
+def test_a_sweep_point_is_a_paired_ratio_against_a_baseline_served_alongside(rehearsal):
+    results, _ = rehearsal
+    r = session(results, "--phases", "sweep", "--steps", "1,2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for steps in (1, 2):
+        point = json.loads((results / "sweep" / f"{steps}.json").read_text())
+        assert point["flags"]["num_steps"] == steps and point["flags"]["num_draft_tokens"] == steps + 1
+        assert point["speedup"] == pytest.approx(point["tokens_per_s"] / point["baseline_tokens_per_s"])
+        assert point["spec"]["tau"] >= 1.0 and point["baseline_speed"]["requests"] == point["speed"]["requests"]
+    rows = (results / "sweep" / "sweep.csv").read_text().splitlines()
+    assert rows[0] == "num_steps,tau,tokens_per_s,speedup" and [x.split(",")[0] for x in rows[1:]] == ["1", "2"]
+    assert (results / "sweep" / "sweep.png").stat().st_size > 0

@@ -54,7 +54,7 @@ SWEEP_STEPS = [1, 2, 3, 4, 5, 6, 7]
 # CUDA-graph batch sizes and the KV pool kept small so that a server starts in seconds, not minutes.
 SGLANG_PARAMS = {
     "target": {"dtype": "bfloat16"},
-    "bench": {"backend": "sglang", "dtype": "bfloat16", "attention_backend": "triton", "max_running_requests": 8,
+    "bench": {"backend": "sglang", "side_by_side": True, "dtype": "bfloat16", "attention_backend": "triton", "max_running_requests": 8,
               "extra_server_args": ["--sampling-backend", "pytorch", "--grammar-backend", "none",
                                     "--mem-fraction-static", "0.3", "--cuda-graph-max-bs", "8"],
               "startup_timeout_s": 300.0},
@@ -83,6 +83,7 @@ class Session:
         self.logs = self.results / "logs"
         self.deadline = time.monotonic() + args.budget_s
         self.sglang = args.backend == "sglang"
+        self.steps = [int(x) for x in getattr(args, "steps", "").split(",") if x] or SWEEP_STEPS
         self.overrides = merge(SGLANG_PARAMS if self.sglang else REFERENCE_PARAMS, QUICK_PARAMS if args.quick else {})
         self.timings_path = self.results / "timings.json"
         self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.exists() else {}
@@ -313,6 +314,8 @@ class Session:
         record["named"] = any(f["name"] in fault.expect for f in found)
 
     def phase_sweep(self) -> bool:
+        """Each chain length against a baseline server that stays up alongside: requests alternate
+        between the two, so every point's speedup is a paired ratio (the machine's load drifts)."""
         p = self.params(self.work)
         rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines()]
         prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows[:p.bench.num_prompts + p.bench.warmup])
@@ -321,25 +324,28 @@ class Session:
 
         out = self.results / "sweep"
         out.mkdir(parents=True, exist_ok=True)
-        for point in ["baseline", *SWEEP_STEPS]:
-            name = f"sweep-{point}"
-            if self.done(name):
-                continue
-            if not self.fits("sweep-point", 90):
-                return False
-            t0 = time.monotonic()
-            flags = self.flags_for(p, num_steps=5 if point == "baseline" else point)[0]
-            draft = None if point == "baseline" else self.work / "models/draft"
-            with self.server(p, draft, flags, out / f"server-{point}.log") as url:
-                startup = time.monotonic() - t0
-                got = measure({"m": url}, p.bench, prompts, sampling, p.bench.warmup)["m"]
-            fig = {"point": point, "flags": dataclasses.asdict(flags) if draft else None, "startup_s": round(startup, 1),
-                   "tokens_per_s": got["speed"]["median"], "speed": got["speed"], "spec": got["spec"] or None,
-                   "log_graph": [d.graph for d in read_log(out / f"server-{point}.log").decode][:3]}
-            (out / f"{point}.json").write_text(json.dumps(fig, indent=1))
-            self.took("sweep-point", time.monotonic() - t0)
-            self.mark(name)
-            self.write_sweep(out)
+        todo = [s for s in self.steps if not self.done(f"sweep-{s}")]
+        if not todo or not self.fits("sweep-point", 90):
+            return not todo
+        with self.server(p, None, self.flags_for(p)[0], out / "server-baseline.log") as base_url:
+            for point in todo:
+                if not self.fits("sweep-point", 90):
+                    return False
+                t0 = time.monotonic()
+                flags = self.flags_for(p, num_steps=point)[0]
+                with self.server(p, self.work / "models/draft", flags, out / f"server-{point}.log") as url:
+                    startup = time.monotonic() - t0
+                    got = measure({"baseline": base_url, "speculative": url}, p.bench, prompts, sampling, p.bench.warmup)
+                spec, base = got["speculative"], got["baseline"]
+                fig = {"point": point, "flags": dataclasses.asdict(flags), "startup_s": round(startup, 1),
+                       "tokens_per_s": spec["speed"]["median"], "baseline_tokens_per_s": base["speed"]["median"],
+                       "speedup": spec["speed"]["median"] / base["speed"]["median"], "speed": spec["speed"],
+                       "baseline_speed": base["speed"], "spec": spec["spec"] or None,
+                       "log_graph": [d.graph for d in read_log(out / f"server-{point}.log").decode][:3]}
+                (out / f"{point}.json").write_text(json.dumps(fig, indent=1))
+                self.took("sweep-point", time.monotonic() - t0)
+                self.mark(f"sweep-{point}")
+                self.write_sweep(out)
         return True
 
     def write_sweep(self, out: Path) -> None:
@@ -349,7 +355,7 @@ class Session:
         import matplotlib.pyplot as plt
 
         points = {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
-        base = points.get("baseline", {}).get("tokens_per_s")
+        base = points.get("baseline", {}).get("tokens_per_s")  # an unpaired baseline (older sessions)
         lines = ["num_steps,tau,tokens_per_s,speedup"]
         xs, taus, speedups = [], [], []
         for s in SWEEP_STEPS:
@@ -357,7 +363,7 @@ class Session:
             if not f:
                 continue
             tau = (f["spec"] or {}).get("tau")
-            sp = f["tokens_per_s"] / base if base else None
+            sp = f.get("speedup") or (f["tokens_per_s"] / base if base else None)
             lines.append(f"{s},{tau},{f['tokens_per_s']:.2f},{'' if sp is None else f'{sp:.3f}'}")
             xs.append(s), taus.append(tau), speedups.append(sp)
         (out / "sweep.csv").write_text("\n".join(lines) + "\n")
@@ -371,10 +377,12 @@ class Session:
             ax[0].plot(sorted(by), [by[k] for k in sorted(by)], "s--", label="train-predicted")
             ax[0].legend()
         ax[0].set(title="accept length tau", xlabel="num_steps (chain)", ylabel="tokens per verify")
-        if base:
+        if any(x is not None for x in speedups):
             ax[1].plot(xs, speedups, "o-")
             ax[1].axhline(1.0, color="grey", lw=0.8)
-        ax[1].set(title=f"speedup vs the no-speculation baseline ({base or float('nan'):.0f} tok/s)", xlabel="num_steps (chain)")
+        paired = "baseline" not in points
+        ax[1].set(title="speedup vs a baseline served alongside (paired)" if paired else
+                  f"speedup vs the no-speculation baseline ({base or float('nan'):.0f} tok/s)", xlabel="num_steps (chain)")
         fig.tight_layout()
         fig.savefig(out / "sweep.png", dpi=110)
         plt.close(fig)
@@ -438,6 +446,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop before work that would end later than this")
     ap.add_argument("--quick", action="store_true", help="small sizes: the whole flow in minutes on a CPU")
     ap.add_argument("--phases", default="pipeline,bench,parity,faults,sweep,reference")
+    ap.add_argument("--steps", default=",".join(map(str, SWEEP_STEPS)), help="sweep: the chain lengths (num_steps)")
     ap.add_argument("--faults", default="", help="comma-separated names from draftlab.faults (default: all)")
     ap.add_argument("--pack", default="", help="write the results (no data, no weights) to this .tar.gz after each phase")
     args = ap.parse_args()
@@ -457,7 +466,7 @@ def main() -> int:
         print(f"[h200] {versions}", flush=True)
     status = 0
     for phase in args.phases.split(","):
-        if s.done(phase):
+        if s.done(phase) and phase not in ("faults", "sweep"):  # those two keep a marker per fault / point
             continue
         try:
             finished = getattr(s, f"phase_{phase}")()
