@@ -167,11 +167,15 @@ def config_from_exported(config: dict) -> DraftConfig:
     )
 
 
-def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Draft, dict]:
+def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                  as_sglang: bool = False) -> tuple[Eagle3Draft, dict]:
     """(draft, config.json) from an exported directory, checked against the same contract.
 
     The directory holds no embedding: pass the target's (`embed`, [vocab, H]) or call
     draft.set_embedding() before running it. This is the only way the project loads a draft.
+    as_sglang: load what SGLang 0.5.14 would serve rather than refuse it: without d2t, SGLang
+    keeps no hot-token map and reads the draft's ids as target ids (LlamaForCausalLMEagle3.
+    load_weights sets hot_token_id only from d2t), so d2t becomes all zeros (the identity).
     """
     path = Path(path)
     if not (path / "config.json").exists() or not (path / WEIGHTS).exists():
@@ -180,6 +184,10 @@ def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: to
     cfg = config_from_exported(config)
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if as_sglang and "d2t" not in tensors:
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+        tensors.setdefault("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
+        print(f"WARNING {path / WEIGHTS} has no d2t: draft ids are served as target ids, as SGLang does", flush=True)
     check_tensors(tensors, cfg, DTYPES[config.get("torch_dtype", "bfloat16")], where=str(path / WEIGHTS))
     draft = Eagle3Draft(cfg)
     draft.load_state_dict({k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in tensors.items()})

@@ -133,7 +133,7 @@ class SpecEngine(Engine):
         from draftlab.sglang_layers import captured_physical
 
         embed = model.get_input_embeddings().weight
-        self.draft, config = load_exported(draft_path, embed=embed, dtype=embed.dtype)
+        self.draft, config = load_exported(draft_path, embed=embed, dtype=embed.dtype, as_sglang=True)
         self.draft.to(device)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

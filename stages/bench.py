@@ -219,7 +219,7 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     # The offline isolation run: the same exported draft in-process, fed as the exported config says.
     target, _ = load_target(tp, device)
     embed = target.get_input_embeddings().weight
-    d, _ = load_exported(draft, embed=embed, dtype=embed.dtype)
+    d, _ = load_exported(draft, embed=embed, dtype=embed.dtype, as_sglang=True)  # as served, faults included
     d.to(device)
     ids_cfg = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     physical = captured_physical(info["architecture"], info["num_layers"], ids_cfg, version)

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from draftlab.draft import KVCache
 from draftlab.errors import UserError
 from draftlab.export import export_sglang, load_exported
-from tiny_features import K, V, make_draft
+from tiny_features import K, V, VD, make_draft
 
 TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
 
@@ -192,3 +192,19 @@ def test_a_draft_without_eagle_config_serves_on_sglangs_default_layers(tmp_path)
     assert load_exported(tmp_path / "d")[0].fc.weight.shape[1] == 3 * info["hidden_size"]
     engine = SpecEngine(target, types.SimpleNamespace(eos_token_id=None), "cpu", 512, str(tmp_path / "d"), 3, 1, 4, "0.5.14")
     assert engine.physical == [2, 4, 5]  # SGLang 0.5.14's default for 8 layers, as measured
+
+
+def test_a_draft_without_d2t_is_refused_or_served_as_sglang_serves_it(tmp_path, capsys):
+    """The export contract refuses it; the serving path (reference server, bench's offline run)
+    maps draft ids to the same target ids, as SGLang does with no hot-token map."""
+    draft = make_draft(seed=3)
+    export_sglang(draft, tmp_path / "d", TARGET, [2, 4, 6], "0.5.14", dtype="float32")
+    weights = tmp_path / "d" / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "d2t"}
+    save_file(tensors, str(weights))
+    with pytest.raises(UserError, match="missing d2t"):
+        load_exported(tmp_path / "d")
+    served, _ = load_exported(tmp_path / "d", as_sglang=True)
+    assert torch.equal(served.d2t, torch.zeros(VD, dtype=torch.long)) and "no d2t" in capsys.readouterr().out
+    assert all(torch.equal(served.state_dict()[k], v.float()) for k, v in tensors.items() if k != "t2d")

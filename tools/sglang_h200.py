@@ -464,6 +464,8 @@ def main() -> int:
             versions = {"error": f"{type(e).__name__}: {e}"}
         (s.results / "versions.json").write_text(json.dumps({**versions, "python": sys.version.split()[0]}))
         print(f"[h200] {versions}", flush=True)
+    if (s.work / "params.yaml").exists():
+        s.write_params(s.work)  # this code's params (a key added since an earlier call included)
     status = 0
     for phase in args.phases.split(","):
         if s.done(phase) and phase not in ("faults", "sweep"):  # those two keep a marker per fault / point
