@@ -121,18 +121,19 @@ def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callab
     return capture
 
 
-def inprocess_capture(model, physical: list[int]) -> Callable[[list[int]], torch.Tensor]:
-    """The reference engine's capture path: AuxCapture hooks at `physical` (ascending concatenation)."""
+def inprocess_capture(model, physical: list[int]) -> Callable[[list[int]], tuple[torch.Tensor, int]]:
+    """The reference engine's capture path: AuxCapture hooks at `physical` (ascending concatenation).
+    Returns (rows, 0): every prompt position, like a server with nothing cached."""
     from draftlab.extract import AuxCapture
 
     base, _, _ = decoder_layers(model)
     device = next(model.parameters()).device
 
     @torch.no_grad()  # not inference_mode: callers may edit the result in place
-    def capture(ids: list[int]) -> torch.Tensor:
+    def capture(ids: list[int]) -> tuple[torch.Tensor, int]:
         with AuxCapture(model, physical) as cap:
             base(input_ids=torch.tensor([ids], device=device), use_cache=False)
-            return cap.take()[0].float().cpu()
+            return cap.take()[0].float().cpu(), 0
 
     return capture
 
@@ -167,11 +168,10 @@ def run_parity(seqs: list[StoredSequence], meta: dict, capture: Callable, source
     acc = [{"d2": 0.0, "s2": 0.0, "max": 0.0, "cos": [], "live": [], "stored": [], "cand": {}} for _ in range(k)]
     for seq in seqs:
         try:
-            live = capture(seq.input_ids)
+            live, start = capture(seq.input_ids)  # rows from prompt position `start` (a server's prefix cache)
         except (UserError, ValueError) as e:
             result["error"] = {"kind": "unreachable", "message": str(e)}
             return result
-        live, start = live if isinstance(live, tuple) else (live, 0)  # rows from position `start` (prefix cache)
         if live.shape[-1] != k * H:
             result["error"] = {"kind": "width", "message": f"the live capture is {live.shape[-1]} wide, the features {k} x {H} = {k * H}",
                                "live_width": int(live.shape[-1]), "stored_width": k * H}

@@ -9,13 +9,11 @@ import math
 import re
 
 from draftlab.doctor_findings import Finding, error, info, warning
+from draftlab.sglang_flags import SPEC_KEYS
 
 # SGLang prints its resolved ServerArgs at start-up ("speculative_algorithm='EAGLE'"); a logged
 # command line reads "--speculative-algorithm EAGLE".
 _ALGORITHM_IN_LOG = re.compile(r"speculative[_-]algorithm['\"]?(?:\s*[=:]\s*|\s+)['\"]?([A-Za-z0-9_]+)")
-
-
-SPEC_KEYS = ("algorithm", "num_steps", "topk", "num_draft_tokens")
 
 
 def _flags(bench: dict, which: str) -> dict:

@@ -62,21 +62,19 @@ def atomic_replace_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike)
 # header's keys (the data and its offsets untouched) makes the bytes a function of the content.
 
 
-def _sorted_header(header_json: bytes, size: int | None = None) -> bytes:
+def _sorted_header(header_json: bytes) -> bytes:
     header = json.loads(header_json)
     meta = header.pop("__metadata__", None)
     ordered = {"__metadata__": dict(sorted(meta.items()))} if meta is not None else {}
     ordered.update(sorted(header.items()))
-    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
-    if size is None:
-        return text + b" " * (-(8 + len(text)) % 8)  # data 8-byte aligned, as safetensors writes it
-    return text + b" " * (size - len(text)) if len(text) <= size else b""
+    return json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def canonical_safetensors(blob: bytes) -> bytes:
     """`blob` (safetensors bytes) with its header in sorted key order."""
     n = int.from_bytes(blob[:8], "little")
     text = _sorted_header(blob[8:8 + n])
+    text += b" " * (-(8 + len(text)) % 8)  # data 8-byte aligned, as safetensors writes it
     return len(text).to_bytes(8, "little") + text + blob[8 + n:]
 
 
@@ -84,9 +82,9 @@ def canonicalize_safetensors_file(path: str | os.PathLike) -> None:
     """The same for a file, rewriting only its header (a multi-GB shard is not read again)."""
     with open(path, "r+b") as f:
         n = int.from_bytes(f.read(8), "little")
-        text = _sorted_header(f.read(n), size=n)
-        if text:  # same length as before: the usual case (same keys and values, other order)
+        text = _sorted_header(f.read(n))
+        if len(text) <= n:  # the usual case: same keys and values in another order, same length
             f.seek(8)
-            f.write(text)
+            f.write(text + b" " * (n - len(text)))
             return
     Path(path).write_bytes(canonical_safetensors(Path(path).read_bytes()))

@@ -275,7 +275,10 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
 
     @app.get("/server_info")
     def server_info():
-        return {**server_args, **engine.info(), "internal_states": [{}], "version": VERSION}
+        info = engine.info()
+        # SGLang reports its running accept length inside internal_states[0]; so does this server.
+        return {**server_args, **info, "internal_states": [{"avg_spec_accept_length": info.get("avg_spec_accept_length")}],
+                "version": VERSION}
 
     @app.get("/v1/models")
     def models():

@@ -61,6 +61,9 @@ class SpecFlags:
     attention_backend: str | None = None  # --attention-backend; None = SGLang picks from the GPU
 
 
+SPEC_KEYS = ("algorithm", "num_steps", "topk", "num_draft_tokens")  # the flags that decide speculation itself
+
+
 @dataclass(frozen=True)
 class Setup:
     """What else SGLang looks at: the models, its version, its environment; and the benchmark."""

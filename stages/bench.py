@@ -27,7 +27,7 @@ from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve, server_accept_length
-from draftlab.sglang_flags import SpecFlags, resolve, requested_from_params
+from draftlab.sglang_flags import SPEC_KEYS, SpecFlags, requested_from_params, resolve
 from draftlab.sglang_layers import captured_physical
 from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
 
@@ -42,23 +42,29 @@ def read_eval_prompts(prompts: Path, n: int) -> list[dict]:
     return rows[:n]
 
 
-def start(backend: str, bp, tp, draft: Path, flags, version: str, log: Path, speculative: bool):
-    """Context manager yielding the base URL of a started (or given) server."""
+def start(backend: str, bp, tp, draft: Path, flags, version: str, log: Path, speculative: bool,
+          hidden: bool = False, port: int | None = None):
+    """Context manager yielding the base URL of a started (or given) server.
+
+    hidden: start it with --enable-return-hidden-states (live parity). port: None = bench.port
+    for SGLang, a free one for the reference server.
+    """
     if backend == "url":
         if not bp.url:
             raise UserError("bench.backend is 'url' but bench.url is empty; give the base URL of a running server")
         return _given(bp.url)
-    port = bp.port if backend == "sglang" else lifecycle.free_port()
+    port = port or (bp.port if backend == "sglang" else lifecycle.free_port())
     if backend == "sglang":
         argv = launch_argv(tp.model, port, draft_model=str(draft), flags=flags, baseline=not speculative,
-                           tp_size=bp.tp_size, dtype=bp.dtype, extra_args=bp.extra_server_args)
+                           tp_size=bp.tp_size, dtype=bp.dtype, extra_args=bp.extra_server_args, return_hidden_states=hidden)
         return _url(serve(argv, log, bp.startup_timeout_s), port)
     spec = {}
     if speculative:
         spec = {"speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
                 "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
                 "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": version}
-    argv = server.launch_command(tp.model, port, dtype=tp.dtype, device=tp.device, log_level="warning", **spec)
+    argv = server.launch_command(tp.model, port, dtype=tp.dtype, device=tp.device, log_level="warning",
+                                 enable_return_hidden_states=hidden, **spec)
     return _url(lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=bp.startup_timeout_s), port)
 
 
@@ -109,7 +115,7 @@ def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, 
             metas = [r["meta"] for r in records[mode]]
             info = c.server_info()
             out[mode] = {"speed": B.speed(records[mode], wall[mode]), "spec": B.spec_figures(metas), "sweep": sweep,
-                         "server_accept_length": server_accept_length(info) or info.get("avg_spec_accept_length"),
+                         "server_accept_length": server_accept_length(info),
                          "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas]}
         return out
     finally:
@@ -120,7 +126,7 @@ def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, 
 def served_flags(flags: SpecFlags) -> dict | None:
     """The flags the speculative server reports in /server_info; None when it reports none of them."""
     d = dataclasses.asdict(flags)
-    return d if any(d[k] is not None for k in ("algorithm", "num_steps", "topk", "num_draft_tokens")) else None
+    return d if any(d[k] is not None for k in SPEC_KEYS) else None
 
 
 def write_plots(out: Path, report: dict) -> None:
@@ -172,6 +178,8 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
         # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
         for f in res.errors + res.adjustments:
             print(f"bench: warning: {f}")
+        if bp.server_log and not Path(bp.server_log).exists():
+            raise UserError(f"bench.server_log: {bp.server_log} not found; give the log file of the server at {bp.url}, or \"\"")
     else:
         res.enforce(sp.on_adjust)  # before anything starts
     flags = res.effective
@@ -212,8 +220,6 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     if bp.backend == "url" and bp.server_log:
         log = Path(bp.server_log)  # the running server's own log, read like a launched one's
-        if not log.exists():
-            raise UserError(f"bench.server_log: {log} not found; give the log file of the server at {bp.url}, or \"\"")
     server_log = read_log(log) if log.exists() else None
 
     # The offline isolation run: the same exported draft in-process, fed as the exported config says.

@@ -417,7 +417,7 @@ def stub_server(pipeline):
     def generate(body: dict):
         ids = body["input_ids"]
         assert body["return_hidden_states"] and body["sampling_params"]["temperature"] == 0
-        live = inprocess_capture(model, state["physical"])(ids)
+        live, _ = inprocess_capture(model, state["physical"])(ids)
         if state["final"]:
             _, final = capture(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [])
             live[:, 2 * H:] = final[0]

@@ -37,15 +37,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftlab import lifecycle, server  # noqa: E402
+from draftlab import lifecycle  # noqa: E402
 from draftlab.bench import render_prompts, spec_figures  # noqa: E402
 from draftlab.errors import UserError  # noqa: E402
 from draftlab.faults import FAULTS, miswire  # noqa: E402
 from draftlab.params import load_params  # noqa: E402
-from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve  # noqa: E402
+from draftlab.sglang_backend import Client, flags_from_server_info, read_log  # noqa: E402
 from draftlab.sglang_backend import free_port as sglang_free_port  # noqa: E402
 from draftlab.sglang_flags import SpecFlags, requested_from_params, resolve  # noqa: E402
 from draftlab.target import load_tokenizer  # noqa: E402
+from stages.bench import measure, start  # noqa: E402  (the bench stage's own launch and measurement)
 
 PIPELINE = ["prompts", "synthesize", "extract", "standardize", "train", "export"]
 SWEEP_STEPS = [1, 2, 3, 4, 5, 6, 7]
@@ -87,8 +88,10 @@ class Session:
         self.overrides = merge(SGLANG_PARAMS if self.sglang else REFERENCE_PARAMS, QUICK_PARAMS if args.quick else {})
         self.timings_path = self.results / "timings.json"
         self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.exists() else {}
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                    "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+        self._prompts = None
+        # Every stage and server this session starts inherits these.
+        os.environ.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                          PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
 
     # --- bookkeeping ------------------------------------------------------------------------
 
@@ -128,7 +131,7 @@ class Session:
         with open(log, "w") as f:
             f.write("$ " + shlex.join(argv) + f"\n# cwd {cwd}\n")
             f.flush()
-            rc = subprocess.run(argv, cwd=cwd, env=self.env, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(argv, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
         print(f"[h200] {log_name}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
         if rc != 0:
             raise UserError(f"{log_name} failed (rc {rc}); last lines of {log}:\n{lifecycle.log_tail(log, 25)}")
@@ -156,30 +159,28 @@ class Session:
         """(flags the project would launch with, the Resolution) for params `p` with spec changes."""
         sp = dataclasses.replace(p.spec, **spec)
         config = json.loads((self.work / "models/draft/config.json").read_text())
-        res = resolve(requested_from_params(sp, p.bench), "LlamaForCausalLM", p.export.sglang_version,
+        target_arch = json.loads((self.work / p.target.model / "config.json").read_text())["architectures"][0]
+        res = resolve(requested_from_params(sp, p.bench), target_arch, p.export.sglang_version,
                       draft_architecture=config["architectures"][0], draft_context_length=config.get("max_position_embeddings"),
                       target_context_length=config.get("max_position_embeddings"), max_concurrency=max(p.bench.concurrency))
         return res.effective, res
 
     def server(self, p, draft: Path | None, flags: SpecFlags, log: Path, hidden: bool = False):
-        """A started server (context manager yielding its URL): SGLang, or the reference server.
-        draft None = a baseline server; `flags` still gives it the server-wide settings."""
+        """A started server (context manager yielding its URL), launched as the bench stage launches
+        one: SGLang, or the reference server. draft None = a baseline server; `flags` still gives
+        it the server-wide settings."""
+        tp = dataclasses.replace(p.target, model=str(self.work / p.target.model))  # this process runs elsewhere
         port = sglang_free_port() if self.sglang else lifecycle.free_port()
-        model = str(self.work / p.target.model)
-        if self.sglang:
-            argv = launch_argv(model, port, draft_model=str(draft) if draft else None, flags=flags,
-                               baseline=draft is None, dtype=p.bench.dtype, extra_args=p.bench.extra_server_args,
-                               return_hidden_states=hidden)
-            cm = serve(argv, log, p.bench.startup_timeout_s, env=self.env)
-        else:
-            spec = {} if draft is None else {
-                "speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
-                "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
-                "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": p.export.sglang_version}
-            argv = server.launch_command(model, port, dtype=p.target.dtype, device=p.target.device, log_level="info",
-                                         enable_return_hidden_states=hidden, **spec)
-            cm = lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=p.bench.startup_timeout_s, env=self.env)
+        cm = start("sglang" if self.sglang else "reference", p.bench, tp, draft, flags, p.export.sglang_version, log,
+                   speculative=draft is not None, hidden=hidden, port=port)
         return _Started(cm, self, log.stem)
+
+    def prompts(self, n: int | None = None) -> list[list[int]]:
+        """The first `n` eval prompts as token ids (the tokenizer is loaded once per session)."""
+        if self._prompts is None:
+            rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines() if x.strip()]
+            self._prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows)
+        return self._prompts[:n]
 
     # --- phases -------------------------------------------------------------------------------
 
@@ -224,13 +225,10 @@ class Session:
 
     def save_hidden_sample(self, url: str) -> None:
         """One raw /generate answer with hidden states (a short prompt), kept as a parser fixture."""
-        row = json.loads((self.work / "data/prompts/eval.jsonl").read_text().splitlines()[0])
-        tok = load_tokenizer(str(self.work / "models/tiny-target"))
-        prompt = render_prompts(tok, [row])[0][:12]
+        prompt = self.prompts(1)[0][:12]
         with Client(url, 120) as c:
-            r = c._http.post(c.url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                                                        "return_hidden_states": True})
-        (self.results / "hidden_states_response.json").write_text(json.dumps({"input_ids": prompt, "response": r.json()}))
+            _, meta = c.generate(prompt, {"max_new_tokens": 2, "temperature": 0}, return_hidden_states=True)
+        (self.results / "hidden_states_response.json").write_text(json.dumps({"input_ids": prompt, "response": {"meta_info": meta.raw}}))
 
     def phase_faults(self) -> bool:
         chosen = self.args.faults.split(",") if self.args.faults else list(FAULTS)
@@ -263,12 +261,11 @@ class Session:
         flags = res.requested if fault.force_requested else effective
         log = fdir / "server.log"
         record = {"fault": fault.name, "what": fault.what, "launched_flags": dataclasses.asdict(flags), "expect": list(fault.expect)}
-        rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines()[:FAULT_PROMPTS]]
-        prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows)
+        prompts = self.prompts(FAULT_PROMPTS)
         t0 = time.monotonic()
         try:
             with self.server(p, draft, flags, log, hidden=True) as url:
-                record["startup_s"] = round(time.monotonic() - t0, 1)
+                record.update(started=True, startup_s=round(time.monotonic() - t0, 1))
                 with Client(url, p.bench.request_timeout_s) as c:
                     info = c.server_info()
                     metas = [c.generate(x, {"max_new_tokens": p.bench.max_new_tokens, "temperature": 0})[1] for x in prompts]
@@ -285,14 +282,14 @@ class Session:
                     record["bench"] = f"failed: {str(e).splitlines()[-1]}"
                 self.check(fwork, fault, record)
         except UserError as e:
-            record["started"] = False
-            record["startup_error"] = str(e)[-3000:]
-            # What the bench stage itself would have said before launching these flags.
-            record["project_rules"] = [str(f) for f in res.errors + res.adjustments]
-            self.write_params(fwork, {"spec": fault.spec, "check": {"server_url": ""}})
-            self.check(fwork, fault, record)
-        else:
-            record["started"] = True
+            if record.get("started"):  # it ran, then a request failed
+                record["error"] = str(e)[-3000:]
+            else:
+                record.update(started=False, startup_error=str(e)[-3000:])
+                # What the bench stage itself would have said before launching these flags.
+                record["project_rules"] = [str(f) for f in res.errors + res.adjustments]
+                self.write_params(fwork, {"spec": fault.spec, "check": {"server_url": ""}})
+                self.check(fwork, fault, record)
         if log.exists():
             parsed = read_log(log)
             record["log_accept_len"] = [d.accept_len for d in parsed.decode if d.accept_len is not None]
@@ -317,10 +314,8 @@ class Session:
         """Each chain length against a baseline server that stays up alongside: requests alternate
         between the two, so every point's speedup is a paired ratio (the machine's load drifts)."""
         p = self.params(self.work)
-        rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines()]
-        prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows[:p.bench.num_prompts + p.bench.warmup])
+        prompts = self.prompts(p.bench.num_prompts + p.bench.warmup)
         sampling = {"max_new_tokens": p.bench.max_new_tokens, "temperature": 0.0, "ignore_eos": p.bench.ignore_eos}
-        from stages.bench import measure
 
         out = self.results / "sweep"
         out.mkdir(parents=True, exist_ok=True)
@@ -431,9 +426,9 @@ class _Started:
 
     def __enter__(self):
         t0 = time.monotonic()
-        srv = self.cm.__enter__()
+        url = self.cm.__enter__()
         self.session.took(f"startup-{self.name}", time.monotonic() - t0)
-        return srv.url
+        return url
 
     def __exit__(self, *exc):
         return self.cm.__exit__(*exc)
