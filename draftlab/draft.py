@@ -186,14 +186,16 @@ class TTTCache:
         self.vs.append(v)
         groups = q.shape[1] // k.shape[1]
         T = q.shape[2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        q = q * (1.0 / math.sqrt(q.shape[-1]))  # scaled once: [B, h, T, hd] is small next to the [T, T] scores
         k0, v0 = repeat_kv(self.ks[0], groups), repeat_kv(self.vs[0], groups)
-        scores = [torch.matmul(q, k0.transpose(2, 3)) * scale]  # [B, h, T, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores[0] = scores[0].masked_fill(~causal, float("-inf"))
+        scores = [torch.matmul(q, k0.transpose(2, 3)).masked_fill_(~causal, float("-inf"))]  # [B, h, T, T]
         for kj in self.ks[1:]:
-            scores.append((q * repeat_kv(kj, groups)).sum(-1, keepdim=True) * scale)  # [B, h, T, 1]
-        p = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+            scores.append((q * repeat_kv(kj, groups)).sum(-1, keepdim=True))  # [B, h, T, 1]
+        # The [B, h, T, T + i] softmax dominates this attention's memory traffic: it runs in the
+        # scores' own dtype (bf16 under autocast; float32 accumulation inside the kernel), not in
+        # a float32 copy, which halves the bytes moved and the activations kept for backward.
+        p = torch.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=q.dtype)
         out = torch.matmul(p[..., :T], v0)
         for j, vj in enumerate(self.vs[1:]):
             out = out + p[..., T + j : T + j + 1] * repeat_kv(vj, groups)

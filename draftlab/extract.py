@@ -126,11 +126,68 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
     return shards
 
 
+class HostCopier:
+    """Captured states to host memory, overlapped with the next batch's forward on a GPU.
+
+    On an H200 the pageable copy of one batch's states took as long as the forward itself
+    (0.48 s against 0.47 s for 16k tokens of an 8B target, reports/perf/), so a serial copy
+    halves extraction. On CUDA, start() queues the copy into pinned buffers on a side stream
+    and returns at once; wait() blocks only when the host needs the rows. On a CPU it is a
+    plain cast.
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def start(self, tensors: list[torch.Tensor], dtype) -> tuple[list[torch.Tensor], object]:
+        if not self.cuda:
+            return [x.to(dtype) for x in tensors], None
+        self.stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # the forward that made them
+        host = []
+        with torch.cuda.stream(self.stream):
+            for x in tensors:
+                x.record_stream(self.stream)  # the forward's memory stays ours until the copy is done
+                y = x.to(dtype)
+                h = torch.empty(y.shape, dtype=dtype, pin_memory=True)
+                h.copy_(y, non_blocking=True)
+                host.append(h)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return host, done
+
+    @staticmethod
+    def wait(handle) -> list[torch.Tensor]:
+        host, done = handle
+        if done is not None:
+            done.synchronize()
+        return host
+
+
 def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: list[int], batch_size: int, dtype, device) -> dict:
-    """Hidden states for `rows` (ids, mask), packed without padding: one tensor per name."""
+    """Hidden states for `rows` (ids, mask), packed without padding: one tensor per name.
+
+    Batch b's states travel to the host while batch b+1's forward runs (HostCopier); each row
+    is then copied once, into its place in the shard's preallocated tensors.
+    """
     pad = 0
-    out = {layer_key(i): [] for i in physical}
-    out["final_hidden"] = []
+    names = [layer_key(i) for i in physical] + ["final_hidden"]
+    offsets = [0]
+    for ids, _ in rows:
+        offsets.append(offsets[-1] + len(ids))
+    out: dict[str, torch.Tensor] = {}
+    copier = HostCopier(device)
+
+    def unpack(first: int, handle) -> None:
+        host = copier.wait(handle)
+        if not out:
+            out.update({name: torch.empty(offsets[-1], h.shape[-1], dtype=dtype) for name, h in zip(names, host)})
+        for j in range(host[0].shape[0]):
+            a, b = offsets[first + j], offsets[first + j + 1]
+            for name, h in zip(names, host):
+                out[name][a:b] = h[j, : b - a]
+
+    pending = None
     for b in range(0, len(rows), batch_size):
         batch = rows[b : b + batch_size]
         T = max(len(ids) for ids, _ in batch)
@@ -140,16 +197,15 @@ def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: lis
             ids[j, : len(r)] = torch.tensor(r)
             att[j, : len(r)] = 1
         aux, final = capture(model, ids.to(device), att.to(device), physical)
-        for j, (r, _) in enumerate(batch):
-            n = len(r)
-            for i in physical:
-                out[layer_key(i)].append(aux[i][j, :n].to("cpu", dtype))
-            out["final_hidden"].append(final[j, :n].to("cpu", dtype))
-    tensors = {k: torch.cat(v) for k, v in out.items()}
+        handle = (b, copier.start([aux[i] for i in physical] + [final], dtype))
+        del aux, final
+        if pending is not None:
+            unpack(*pending)  # the previous batch, copied while this one's forward ran
+        pending = handle
+    if pending is not None:
+        unpack(*pending)
+    tensors = dict(out)
     tensors["input_ids"] = torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.long)
     tensors["loss_mask"] = torch.tensor([m for _, mask in rows for m in mask], dtype=torch.bool)
-    offsets = [0]
-    for ids, _ in rows:
-        offsets.append(offsets[-1] + len(ids))
     tensors["seq_offsets"] = torch.tensor(offsets, dtype=torch.long)
     return tensors

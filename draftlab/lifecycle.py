@@ -146,6 +146,7 @@ def serve(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pidfile = log_path.with_name(log_path.name + ".pid")
     stop_left_behind(pidfile, grace_s)
+    refuse_taken_port(url)
     with open(log_path, "wb") as log, _sigterm_as_exit():
         try:
             proc = subprocess.Popen(
@@ -166,6 +167,20 @@ def serve(
         finally:
             stop(srv, grace_s)
             pidfile.unlink(missing_ok=True)
+
+
+def refuse_taken_port(url: str) -> None:
+    """Stop before launching when something already listens at `url`'s port: /health would then
+    answer for that other server, and every figure would be measured on it."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    host, port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((host, port)) == 0:
+            raise UserError(f"port {port} on {host} is already in use (another server is listening there); "
+                            "stop it, or choose another port (bench.port for SGLang)")
 
 
 def stop_left_behind(pidfile: Path, grace_s: float = GRACE_S) -> None:

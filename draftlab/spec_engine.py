@@ -40,6 +40,7 @@ counts behind a_i in draftlab.metrics.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -159,7 +160,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
     if max_new_tokens <= 0:
         return SpecResult([], finish, 0, hist, proposed, accepted, 0.0, 0.0, 0.0, time.perf_counter() - t_start)
 
-    with AuxCapture(target, physical_layers) as aux:
+    with AuxCapture(target, physical_layers) as aux, attention_kernels(device):  # the draft's attention too
         # Prefill: the target over the prompt; its last logits give the first token.
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).view(1, -1)
         n = prompt.shape[1]  # tokens in the target's KV cache; the pending token sits at position n
@@ -384,7 +385,26 @@ def new_cache(target) -> DynamicCache:
 
 def target_forward(target, input_ids, cache, **kw) -> torch.Tensor:
     """Logits of one cached target forward."""
-    return target(input_ids=input_ids, use_cache=True, **{_cache_arg(type(target)): cache}, **kw).logits
+    with attention_kernels(target.device):
+        return target(input_ids=input_ids, use_cache=True, **{_cache_arg(type(target)): cache}, **kw).logits
+
+
+AVOID_CUDNN_ATTENTION = True  # tools/perf_h200.py turns it off to measure the difference
+
+
+def attention_kernels(device):
+    """SDPA without its cuDNN backend on CUDA (a no-op elsewhere).
+
+    Decoding changes the KV length at every step. On an H200 (torch 2.11), SDPA chose cuDNN for
+    the 8B target's 1-token decode, which spent about 1.4 ms of host time per layer per step;
+    with the KV length held fixed the same forward took half the time (reports/perf/). Flash and
+    memory-efficient attention have no such per-shape cost.
+    """
+    if not AVOID_CUDNN_ATTENTION or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @functools.lru_cache(maxsize=None)

@@ -155,25 +155,28 @@ class TTT(nn.Module):
         B, T = ids.shape
         target_logits, target_top1 = labels
         positions = torch.arange(T, device=ids.device).expand(B, T)
+        # Row t at step i: embeds token t+1+i, predicts token t+2+i, scored iff it is an
+        # assistant token; the target's view of it is at position t+1+i. Rope position t+i.
+        # The scored rows of every step as flat indices into [B*T], found once per batch: one
+        # host sync here instead of several inside each step, so the GPU queue never drains.
+        valid = torch.stack([shift(loss_mask, 2 + i, False).flatten() for i in range(self.steps)])  # [K, B*T]
+        where = valid.nonzero()
+        rows = where[:, 1].split(valid.sum(1).tolist())
+        target_p = torch.softmax(target_logits.flatten(0, 1).float(), dim=-1)  # once, not once per step
+        target_top1 = target_top1.flatten()
         cache = TTTCache()
         state = draft.project(batch["aux_hidden"])
         loss = torch.zeros((), device=ids.device)
-        ce_sums, correct, valid = [], [], []
+        ce_sums = []
+        correct = torch.zeros_like(valid)
         for i in range(self.steps):
-            # Row t at step i: embeds token t+1+i, predicts token t+2+i, scored iff it is an
-            # assistant token; the target's view of it is at position t+1+i. Rope position t+i.
-            scored = shift(loss_mask, 2 + i, False)
             state = draft.step(shift(ids, 1 + i), state, positions + i, cache)
-            logits = draft.logits(state[scored]).float()  # only rows that count: [N_i, Vd]
-            p = torch.softmax(shift(target_logits, 1 + i)[scored], dim=-1)
-            ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
+            r, seen = rows[i], rows[i] + 1 + i  # the rows that count, and where the target's view of each sits
+            logits = draft.logits(state.flatten(0, 1)[r]).float()  # only rows that count: [N_i, Vd]
+            ce = -(target_p[seen] * torch.log_softmax(logits, dim=-1)).sum(-1)
             loss = loss + self.decay**i * ce.sum() * world / token_counts[i].clamp(min=1)
-            hit = torch.zeros(B, T, dtype=torch.bool, device=ids.device)
-            hit[scored] = draft.to_target(logits.argmax(-1)) == shift(target_top1, 1 + i)[scored]
+            correct[i, r] = draft.to_target(logits.argmax(-1)) == target_top1[seen]
             ce_sums.append(ce.detach().sum())
-            correct.append(hit)
-            valid.append(scored)
-        correct, valid = torch.stack(correct).flatten(1), torch.stack(valid).flatten(1)
         accepted, reached = acceptance_counts(correct, valid)
         stats = torch.stack([torch.stack(ce_sums), valid.sum(1).float(), (correct & valid).sum(1).float(), accepted.float(), reached.float()])
         return loss, stats  # stats [5, K]: ce sum, scored tokens, top-1 hits, accepted, reached
@@ -205,6 +208,11 @@ def summarize(stats: torch.Tensor, decay: float) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # The loop
+
+
+def new_optimizer(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; fused into one kernel per step on CUDA (an 8B draft's update: 10 ms unfused on an H200)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 def lr_at(step: int, total: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
@@ -265,7 +273,7 @@ def fit(
     ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay)
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tp.lr, weight_decay=tp.weight_decay, betas=(0.9, 0.95))
+    opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
     steps_per_epoch = len(train_ds) // tp.batch_size
     total = steps_per_epoch * tp.epochs
 

@@ -27,6 +27,7 @@ from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve, server_accept_length
+from draftlab.sglang_backend import free_port as sglang_free_port
 from draftlab.sglang_flags import SPEC_KEYS, SpecFlags, requested_from_params, resolve
 from draftlab.sglang_layers import captured_physical
 from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
@@ -204,8 +205,9 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
         # Both servers up at once: requests alternate between them, so a change in the machine's
         # load hits both alike (SGLang: the second server sizes its KV pool from what the first left).
         print("bench: and a baseline server (no speculation); requests alternate between the two")
+        spec_port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
         with start(bp.backend, bp, tp, draft, flags, version, base_log, speculative=False) as base_url, \
-             start(bp.backend, bp, tp, draft, flags, version, log, speculative=True) as url:
+             start(bp.backend, bp, tp, draft, flags, version, log, speculative=True, port=spec_port) as url:
             got = measure({"baseline": base_url, "speculative": url}, bp, ids, sampling, bp.warmup)
         baseline, spec = got["baseline"], got["speculative"]
     else:

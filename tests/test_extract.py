@@ -75,3 +75,17 @@ def test_plan_shards_sorted_and_complete():
     flat = [lengths[i] for s in plan for i in s]
     assert flat == sorted(flat)
     assert plan == X.plan_shards(lengths, shard_tokens=45)
+
+
+def test_shard_is_the_same_whatever_the_batching():
+    """Rows of several batches land in their own places (the copy of batch b overlaps batch b+1)."""
+    model = make_micro_model("llama", num_layers=4)
+    rows = [([5, 6, 7], [False, True, True]), ([8, 9, 10, 11, 12], [False] * 2 + [True] * 3), ([13, 14], [True, True])]
+    one = X.extract_shard(model, rows, [1, 3], batch_size=1, dtype=torch.float32, device="cpu")
+    all_ = X.extract_shard(model, rows, [1, 3], batch_size=3, dtype=torch.float32, device="cpu")
+    assert one.keys() == all_.keys()
+    for k in one:
+        torch.testing.assert_close(one[k], all_[k], rtol=1e-5, atol=1e-5)
+    half = X.extract_shard(model, rows, [1, 3], batch_size=2, dtype=torch.bfloat16, device="cpu")
+    assert half["hidden.1"].dtype == torch.bfloat16 and half["hidden.1"].shape == (10, one["hidden.1"].shape[1])
+    torch.testing.assert_close(half["final_hidden"].float(), one["final_hidden"], rtol=2e-2, atol=2e-2)

@@ -189,3 +189,16 @@ def test_a_pidfile_naming_another_program_stops_nothing(fake):
     with serve(argv, url, log, startup_timeout_s=30):
         pass
     assert not dead(os.getpid())
+
+
+def test_a_port_already_in_use_is_refused_before_launch(fake, tmp_path):
+    """Otherwise /health would answer for the other server, and it would be measured instead."""
+    make, _ = fake
+    argv, url, log = make()
+    with serve(argv, url, log, startup_timeout_s=30):
+        marker = tmp_path / "started"
+        second = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+        with pytest.raises(UserError, match=r"port \d+ on 127.0.0.1 is already in use"):
+            with serve(second, url, tmp_path / "logs" / "second.log", startup_timeout_s=30):
+                pass
+        assert not marker.exists()  # nothing was launched

@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NUMERIC = {
     "ceilings": ["matmul_tflops", "copy_gbs"],
     "extraction": ["T16_tokens_per_s", "T16_fraction_of_floor", "T16_bytes_per_token_stored", "T16_store_write_gbs",
-                   "T32_tokens_per_s", "T32_peak_mem_gb"],
+                   "T32_tokens_per_s", "T32_peak_mem_gb", "T16_stage_tokens_per_s", "T32_stage_vs_capture"],
     "spec": ["baseline_tokens_per_s", "bandwidth_floor_tokens_per_s", "baseline_fraction_of_floor",
              "oracle_s1_speedup", "oracle_s3_tau", "null_s3_tokens_per_s", "oracle_s3_overhead_ms_per_step"],
-    "decode_profile": ["decode_host_ms", "decode_gpu_ms", "labels_bf16_ms"],
-    "training": ["B1_tokens_per_s", "B1_mfu", "B1_model_flops", "B1_peak_mem_gb"],
+    "decode_profile": ["decode_host_ms", "decode_gpu_ms", "labels_bf16_ms", "engine_decode_cudnn_ratio"],
+    "decode_graph": ["eager_ms_per_token", "eager_fraction_of_floor", "engine_ms_per_token"],
+    "training": ["B1_tokens_per_s", "B1_mfu", "B1_model_flops", "B1_peak_mem_gb", "B1_gemm_share"],
 }
 
 
@@ -35,6 +36,9 @@ def test_quick_run_writes_every_section_with_numbers(tmp_path):
     # The oracle draft is accepted every time: tau = num_steps + 1 (the bonus token included).
     assert res["spec"]["oracle_s3_tau"] == 4.0 and res["spec"]["null_s3_tau"] < 1.5
     assert res["extraction"]["T16_bytes_per_token_stored"] == (3 + 1) * 64 * 2
+    # The static-cache decode measures the same computation as the engine.
+    assert res["decode_graph"]["eager_logits_rel_err"] < 1e-4 and res["decode_graph"]["eager_matches_engine"] == 1
+    assert 0 < res["training"]["B1_gemm_share"] < 1 and res["training"]["B1_top_ops_ms"]
     emb = res["embedded"]
     assert "error" not in emb, emb.get("error")
     if emb["skipped"]:  # models/draft is a DVC output: absent on a fresh checkout

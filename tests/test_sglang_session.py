@@ -4,6 +4,8 @@ The same code launched SGLang on the H200 (reports/sglang-h200/); here every ser
 project's reference server, which applies SGLang's flag rules and prints SGLang's log lines.
 """
 import json
+import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -12,12 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+STANDIN = ROOT / "tests" / "fixtures" / "sglang_standin"  # `python -m sglang.launch_server` -> the reference server
 
 
-def session(results: Path, *extra: str) -> subprocess.CompletedProcess:
+def session(results: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, str(ROOT / "tools" / "sglang_h200.py"), "--backend", "reference", "--quick",
             "--results", str(results), "--pack", str(results.parent / "out" / "pack.tar.gz"), *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=1500)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,18 @@ def test_a_sweep_point_is_a_paired_ratio_against_a_baseline_served_alongside(reh
     rows = (results / "sweep" / "sweep.csv").read_text().splitlines()
     assert rows[0] == "num_steps,tau,tokens_per_s,speedup" and [x.split(",")[0] for x in rows[1:]] == ["1", "2"]
     assert (results / "sweep" / "sweep.png").stat().st_size > 0
+
+
+def test_the_sglang_bench_runs_its_real_launches_side_by_side_on_two_ports(rehearsal):
+    """The GPU session's bench phase, SGLang's argv and all, with a stand-in for SGLang: the
+    baseline and the speculative server are up together, so they must listen on two ports."""
+    results, _ = rehearsal
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)])}
+    r = session(results, "--backend", "sglang", "--phases", "bench", env=env)
+    assert r.returncode == 0 and "bench: rc 0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    bench = json.loads((results / "work/reports/bench.json").read_text())
+    assert bench["backend"] == "sglang" and bench["flags"]["served"]["num_steps"] == bench["flags"]["effective"]["num_steps"]
+    assert bench["baseline"]["tokens_per_s"]["requests"] == bench["spec"]["tokens_per_s"]["requests"] and bench["speedup"] > 0
+    logs = results / "work/reports/bench"
+    ports = [re.search(r"sglang stand-in: --port (\d+)", (logs / f"server-{m}.log").read_text()).group(1) for m in ("baseline", "spec")]
+    assert ports[0] != ports[1]

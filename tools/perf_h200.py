@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -101,14 +102,16 @@ def plan(quick: bool) -> dict:
             physical=[0, 1, 2], extract_lengths=[16, 32], extract_tokens=64, extract_iters=1,
             train_vocab=512, train_draft_vocab=128, train_seq=32, train_batches=[1], train_iters=1, ttt_steps=3,
             spec_prompt=8, spec_new=12, spec_steps=[1, 3], embedded_prompts=2, embedded_new=8, stable_greedy=True,
+            decode_new=6, graph_new=8, profile_batch=1,
         )
     return dict(
         device="cuda", dtype=torch.bfloat16, matmul_n=8192, copy_mb=4096, mm_warm=3, mm_iters=10,
         target=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
         physical=[2, 16, 29], extract_lengths=[512, 2048], extract_tokens=16384, extract_iters=3,
-        train_vocab=128256, train_draft_vocab=32000, train_seq=2048, train_batches=[1, 2], train_iters=4, ttt_steps=7,
+        train_vocab=128256, train_draft_vocab=32000, train_seq=2048, train_batches=[1, 2, 4], train_iters=4, ttt_steps=7,
         spec_prompt=64, spec_new=128, spec_steps=[1, 3, 5, 7], embedded_prompts=16, embedded_new=128, stable_greedy=True,
+        decode_new=32, graph_new=128, profile_batch=2,
     )
 
 
@@ -239,6 +242,18 @@ def extraction(P, model) -> None:
         record(S, f"{p}_d2h_gbs", nbytes / d2h / 1e9, "GB/s")
         del aux, final, host, ids, mask
         free(dev)
+        # The stage's own path: extract_shard over a shard of 4 batches, host copies included
+        # (they overlap the next batch's forward on a GPU), into the shard's host tensors.
+        from draftlab.extract import extract_shard
+
+        rows = [(torch.randint(0, c.vocab_size, (T,), generator=g).tolist(), [True] * T) for _ in range(4 * B)]
+        times = timed(lambda: extract_shard(model, rows, P["physical"], B, torch.bfloat16, dev), dev, 1, 1)
+        stage_tok_s = len(rows) * T / times[0]
+        record(S, f"{p}_stage_tokens_per_s", stage_tok_s, "tok/s (extract_shard: forward + host copies, 4 batches)")
+        record(S, f"{p}_stage_fraction_of_floor", stage_tok_s / floor)
+        record(S, f"{p}_stage_vs_capture", stage_tok_s / tok_s, "(1.0 = the host copies cost nothing)")
+        del rows
+        free(dev)
 
 
 def stabilize(model, scale: float = 4.0) -> None:
@@ -330,6 +345,21 @@ def decode_profile(P, model) -> None:
         log(prof.key_averages().table(sort_by=sort, row_limit=10))
     except Exception as e:  # noqa: BLE001
         record(S, "profiler_error", f"{type(e).__name__}: {e}"[:300])
+    # The engine's decode with SDPA's cuDNN backend allowed (the old behaviour) and avoided (now),
+    # alternated twice so that a change in the machine's load hits both.
+    from draftlab import spec_engine as se
+
+    plist = prompt[0].tolist()
+    per = {True: [], False: []}
+    for _ in range(2):
+        for avoid in (False, True):
+            se.AVOID_CUDNN_ATTENTION = avoid
+            r = se.baseline_generate(model, plist, P["decode_new"], ignore_eos=True)
+            per[avoid].append((r.total_s - r.prefill_s) / max(1, len(r.output_ids) - 1))
+    se.AVOID_CUDNN_ATTENTION = True
+    record(S, "engine_decode_ms_cudnn_allowed", min(per[False]) * 1e3, f"ms per token (baseline_generate, {P['decode_new']} tokens, best of 2)")
+    record(S, "engine_decode_ms_cudnn_avoided", min(per[True]) * 1e3, "ms per token (the engine's default now)")
+    record(S, "engine_decode_cudnn_ratio", min(per[False]) / min(per[True]), "(allowed / avoided)")
     # The soft labels in bf16 instead of fp32 (train.target_labels' cost on one 2048-token batch).
     H, V = model.config.hidden_size, model.config.vocab_size
     rows = torch.randn(P["train_seq"], H, device=dev)
@@ -426,7 +456,7 @@ def train_flops(cfg, B: int, T: int, steps: int, scored: list[int], V: int) -> d
 
 def training(P) -> None:
     from draftlab.draft import DraftConfig
-    from draftlab.train import TTT, init_draft, labels_dtype, step_token_counts, target_labels
+    from draftlab.train import TTT, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
 
     dev, S = P["device"], "training"
     device = torch.device(dev)
@@ -449,7 +479,7 @@ def training(P) -> None:
     steps = P["ttt_steps"]
     ttt = TTT(draft, steps, 0.8)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = new_optimizer(params, 1e-4, 0.0, device)  # what train.fit uses (fused AdamW on CUDA)
     record(S, "draft_params", sum(p.numel() for p in params))
     record(S, "ttt_steps", steps)
     record(S, "autocast_bf16", autocast)
@@ -508,6 +538,8 @@ def training(P) -> None:
                    "(draft FLOPs / forward+backward time)")
             record(S, f"{p}_peak_mem_gb", peak_gb(dev), "GB")
             RESULTS[S]["flop_params"] = f["params"]
+            if B == P["profile_batch"]:
+                profile_step(S, p, lambda: one(False), dev)
         except Exception as e:  # noqa: BLE001 - keep the other batch size
             record(S, f"{p}_error", f"{type(e).__name__}: {e}"[:500])
             traceback.print_exc()
@@ -515,6 +547,175 @@ def training(P) -> None:
             batch = None
             opt.zero_grad(set_to_none=True)
             free(dev)
+
+
+GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm"}
+
+
+def profile_step(S: str, p: str, fn, dev) -> None:
+    """Where one training step's device time goes: the GEMM share and the top operators (self time)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(dev).type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            fn()
+            sync(dev)
+
+        def self_us(e):
+            for name in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+                v = getattr(e, name, None)
+                if v:
+                    return float(v)
+            return 0.0
+
+        ops = sorted(((e.key, self_us(e)) for e in prof.key_averages()), key=lambda x: -x[1])
+        total = sum(t for _, t in ops)
+        gemm = sum(t for k, t in ops if k in GEMM_OPS)
+        record(S, f"{p}_profiled_device_ms", total / 1e3, "ms (sum of operators' self time in one step)")
+        record(S, f"{p}_gemm_share", gemm / total if total else float("nan"), "(matrix-multiply operators' share of it)")
+        RESULTS[S][f"{p}_top_ops_ms"] = [[k, round(t / 1e3, 3)] for k, t in ops[:12]]
+        save()
+        log(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.device(dev).type == "cuda" else "self_cpu_time_total",
+                                      row_limit=15))
+    except Exception as e:  # noqa: BLE001
+        record(S, f"{p}_profiler_error", f"{type(e).__name__}: {e}"[:300])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4b. Decode over a static KV cache, eager and as a CUDA graph (what the engine leaves on the table)
+
+
+class StaticDecode:
+    """Greedy 1-token decode of a transformers Llama over a preallocated KV cache.
+
+    Every tensor a step touches has a fixed address and the step never asks the host anything,
+    so it can be captured once as a CUDA graph and replayed per token, as SGLang serves. The
+    weights and layer modules are the model's own; only the cache and the loop are new. This
+    measures what the engine's eager transformers decode leaves on the table; it is not the engine.
+    """
+
+    def __init__(self, model, max_len: int):
+        c = model.config
+        self.model, self.max_len = model, max_len
+        self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
+        self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dev, dt = model.device, model.dtype
+        self.k = torch.zeros(c.num_hidden_layers, 1, self.nkv, max_len, self.hd, dtype=dt, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(1, c.vocab_size, dtype=torch.float32, device=dev)
+        self.slots = torch.arange(max_len, device=dev)
+        self.graph = None
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> int:
+        from draftlab.spec_engine import new_cache, target_forward
+
+        cache = new_cache(self.model)
+        logits = target_forward(self.model, torch.tensor([prompt], device=self.model.device), cache, logits_to_keep=1)
+        n = len(prompt)
+        for i, layer in enumerate(cache.layers):
+            self.k[i, :, :, :n] = layer.keys
+            self.v[i, :, :, :n] = layer.values
+        self.pos.fill_(n)
+        self.tok.copy_(logits[:, -1].argmax(-1).view(1, 1))
+        return int(self.tok)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        base = self.model.model
+        x = base.embed_tokens(self.tok)
+        cos, sin = base.rotary_emb(x, self.pos.view(1, 1))
+        mask = (self.slots <= self.pos).view(1, 1, 1, -1)
+        g = self.nh // self.nkv
+        for i, layer in enumerate(base.layers):
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = at.q_proj(h).view(1, 1, self.nh, self.hd).transpose(1, 2)
+            k = at.k_proj(h).view(1, 1, self.nkv, self.hd).transpose(1, 2)
+            v = at.v_proj(h).view(1, 1, self.nkv, self.hd).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            self.k[i].index_copy_(2, self.pos, k)
+            self.v[i].index_copy_(2, self.pos, v)
+            o = F.scaled_dot_product_attention(q, self.k[i].repeat_interleave(g, 1), self.v[i].repeat_interleave(g, 1), attn_mask=mask)
+            x = x + at.o_proj(o.transpose(1, 2).reshape(1, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.logits.copy_(self.model.lm_head(base.norm(x))[:, -1].float())
+        self.tok.copy_(self.logits.argmax(-1).view(1, 1))
+        self.pos.add_(1)
+
+    def capture(self) -> None:
+        """Record one step as a CUDA graph (after warm-up steps on a side stream, then undone)."""
+        state = (self.k, self.v, self.pos, self.tok, self.logits)
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def decode(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            self.graph.replay() if self.graph is not None else self.step()
+            out.append(int(self.tok))  # the token on the host every step, as a real decode loop needs it
+        return out
+
+
+def decode_graph(P, model) -> None:
+    from draftlab import spec_engine as se
+
+    dev, S = P["device"], "decode_graph"
+    counts = param_counts(model)
+    step_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - counts["embed"] * next(model.parameters()).element_size()
+    floor = copy_rate(P) / step_bytes
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(10, model.config.vocab_size, (P["spec_prompt"],), generator=g).tolist()
+    new = P["graph_new"]
+    ref = se.baseline_generate(model, prompt, new + 1, ignore_eos=True)
+    sd = StaticDecode(model, -(-(len(prompt) + new + 8) // 64) * 64)  # slots in whole 64s: aligned for the attention kernels
+    with se.attention_kernels(dev), torch.inference_mode():
+        # The same computation as the engine: logits of the static step against the engine's own
+        # forward, fed the same tokens, for a few steps.
+        x = sd.prefill(prompt)
+        cache = se.new_cache(model)
+        se.target_forward(model, torch.tensor([prompt], device=dev), cache)
+        err = 0.0
+        for _ in range(4):
+            want = se.target_forward(model, torch.tensor([[x]], device=dev), cache, logits_to_keep=1)[0, -1].float()
+            sd.tok.fill_(x)
+            sd.step()
+            err = max(err, float((sd.logits[0] - want).norm() / want.norm()))
+            x = int(want.argmax())
+        record(S, "eager_logits_rel_err", err, "(static step vs the engine's forward, 4 steps, max)")
+        modes = ["eager"] + (["graph"] if dev == "cuda" else [])
+        for mode in modes:
+            first = sd.prefill(prompt)
+            if mode == "graph":
+                t0 = time.perf_counter()
+                sd.capture()
+                record(S, "capture_s", time.perf_counter() - t0, "s")
+                first = sd.prefill(prompt)  # the cache as it was before the warm-up
+            sync(dev)
+            t0 = time.perf_counter()
+            toks = sd.decode(new)
+            sync(dev)
+            ms = (time.perf_counter() - t0) / new * 1e3
+            record(S, f"{mode}_matches_engine", int([first] + toks == ref.output_ids), "(same tokens as baseline_generate)")
+            record(S, f"{mode}_ms_per_token", ms, "ms")
+            record(S, f"{mode}_tokens_per_s", 1e3 / ms, "tok/s")
+            record(S, f"{mode}_fraction_of_floor", (1e3 / ms) / floor, f"(floor {floor:.1f} tok/s)")
+    record(S, "engine_ms_per_token", (ref.total_s - ref.prefill_s) / max(1, len(ref.output_ids) - 1) * 1e3, "ms (baseline_generate, same prompt)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,12 +798,17 @@ Machine: {machine}
   the base model, no lm_head). `fraction_incl_attention` adds 4 x T x H FLOPs per layer per token.
 - Bytes stored per token: (k + 1) x H x 2 (k aux layers and the final hidden, bf16); the write bandwidth
   is that times the measured tokens/s. `d2h` times the copy of one batch's captured layers to pageable host
-  memory, which `extract_shard` does after every batch.
+  memory. `stage_*`: `draftlab.extract.extract_shard` itself (what the extract stage runs) over a shard of 4 batches
+  of the same size, host copies included: on CUDA each batch's copy to pinned memory runs on a side stream while
+  the next batch's forward runs; `stage_vs_capture` = its tokens/s over the capture-only rate.
 
 ## Training step (draft of the same target: H 4096, target vocab {V}, draft vocab {Vd}, 3 aux layers)
-- One optimizer step of `draftlab.train`: `target_labels` (fp32, full vocab) + `TTT` forward ({steps} steps,
-  bf16 autocast) + backward + grad clip + AdamW; random aux/final hidden states; loss mask False on the first
-  1/8 of each sequence (a prompt). 2 warm-up steps, then the mean of {titers}.
+- One optimizer step of `draftlab.train`: `target_labels` (full vocab, bf16 on CUDA as `train.fit` runs it) + `TTT`
+  forward ({steps} steps, bf16 autocast) + backward + grad clip + AdamW (`train.new_optimizer`: fused on CUDA);
+  random aux/final hidden states; loss mask False on the first 1/8 of each sequence (a prompt). 2 warm-up steps,
+  then the mean of {titers}. One step at batch {pbatch} under torch.profiler: `gemm_share` = self device time of the
+  matrix-multiply operators (aten::mm, bmm, addmm, baddbmm) / self device time of all operators; `top_ops_ms` lists
+  the 12 largest.
 - FLOPs counted per optimizer step (B sequences of T tokens, N_i = rows scored at TTT step i):
   - per token per TTT step, forward: 2 x (q,k,v,o + MLP params) + attention 4 x T x (heads x head_dim)
     (q: 2H -> heads x hd, k,v: 2H -> kv_heads x hd, o: heads x hd -> H; MLP 3 x H x I)
@@ -626,6 +832,14 @@ Machine: {machine}
 ## Decode profile
 - One decode step of the 8B-shaped target: host time until the forward call returns, GPU time (CUDA events),
   wall time to the token; torch.profiler tables in log.txt. Soft labels fp32 vs bf16 on one 2048-row batch.
+- `engine_decode_ms_cudnn_*`: `baseline_generate` ({dnew} tokens) with SDPA's cuDNN backend allowed and avoided
+  (`spec_engine.AVOID_CUDNN_ATTENTION`), alternated twice, best of 2 each; ms per decode token without the prefill.
+
+## Decode over a static KV cache (`decode_graph`)
+- `StaticDecode`: the model's own modules and weights over a preallocated KV cache ({gnew} greedy tokens after a
+  {plen}-token prompt). Checked first: its logits against the engine's forward fed the same tokens (4 steps, max
+  relative error). Then timed eagerly and, on CUDA, as one captured CUDA graph replayed per token (the token read on
+  the host every step). Fraction of floor as for the baseline decode. Runs before `spec` rescales the embedding.
 
 ## Embedded default
 - models/tiny-target with the exported models/draft (if present), num_steps 5, topk 1, {eprompts} held-out prompts
@@ -654,7 +868,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few iterations")
-    ap.add_argument("--sections", default="ceilings,extraction,decode_profile,spec,training,embedded")
+    ap.add_argument("--sections", default="ceilings,extraction,decode_profile,spec,decode_graph,training,embedded")
     args = ap.parse_args(argv)
     OUT = Path(args.out)
     P = plan(args.quick)
@@ -672,7 +886,8 @@ def main(argv=None) -> int:
         n=P["matmul_n"], warm=P["mm_warm"], iters=P["mm_iters"], copy_mb=P["copy_mb"], physical=P["physical"],
         tok=P["extract_tokens"], eiters=P["extract_iters"], V=P["train_vocab"], Vd=P["train_draft_vocab"],
         steps=P["ttt_steps"], titers=P["train_iters"], new=P["spec_new"], plen=P["spec_prompt"],
-        spec_steps=P["spec_steps"], eprompts=P["embedded_prompts"], enew=P["embedded_new"]))
+        spec_steps=P["spec_steps"], eprompts=P["embedded_prompts"], enew=P["embedded_new"], pbatch=P["profile_batch"],
+        dnew=P["decode_new"], gnew=P["graph_new"]))
     log(f"perf_h200: {RESULTS['meta']['mode']} on {RESULTS['meta']['machine']}")
     wanted = args.sections.split(",")
     t_all = time.perf_counter()
@@ -692,7 +907,7 @@ def main(argv=None) -> int:
 
     section("ceilings", ceilings, P)
     model = None
-    if {"extraction", "spec", "decode_profile"} & set(wanted):
+    if {"extraction", "spec", "decode_profile", "decode_graph"} & set(wanted):
         try:
             t0 = time.perf_counter()
             model = build_target(P)
@@ -703,6 +918,7 @@ def main(argv=None) -> int:
     if model is not None:
         section("extraction", extraction, P, model)
         section("decode_profile", decode_profile, P, model)
+        section("decode_graph", decode_graph, P, model)  # before spec, which rescales the embedding
         section("spec", spec, P, model)
         del model
         free(P["device"])

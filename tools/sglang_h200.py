@@ -58,7 +58,9 @@ SGLANG_PARAMS = {
     "bench": {"backend": "sglang", "side_by_side": True, "dtype": "bfloat16", "attention_backend": "triton", "max_running_requests": 8,
               "extra_server_args": ["--sampling-backend", "pytorch", "--grammar-backend", "none",
                                     "--mem-fraction-static", "0.3", "--cuda-graph-max-bs", "8"],
-              "startup_timeout_s": 300.0},
+              # Every start took 53-66 s on the H200 (2026-11-29): a server not up in 3 minutes is
+              # not coming, and a request of 128 tokens takes under a second; fail early, not late.
+              "startup_timeout_s": 180.0, "request_timeout_s": 90.0},
     "check": {"fail_on_error": False},
 }
 REFERENCE_PARAMS = {"bench": {"backend": "reference"}, "check": {"fail_on_error": False}}
@@ -86,6 +88,8 @@ class Session:
         self.sglang = args.backend == "sglang"
         self.steps = [int(x) for x in getattr(args, "steps", "").split(",") if x] or SWEEP_STEPS
         self.overrides = merge(SGLANG_PARAMS if self.sglang else REFERENCE_PARAMS, QUICK_PARAMS if args.quick else {})
+        if self.sglang:  # the bench stage's baseline SGLang listens on bench.port: one that is free here
+            self.overrides = merge(self.overrides, {"bench": {"port": sglang_free_port()}})
         self.timings_path = self.results / "timings.json"
         self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.exists() else {}
         self._prompts = None
