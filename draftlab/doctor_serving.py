@@ -35,8 +35,9 @@ def check_algorithm(bench: dict | None, draft_config: dict, server_log: str | No
     if not seen:
         return []
     return [error("eagle_instead_of_eagle3", {"draft_architecture": arch, **seen},
-                  "the draft is an EAGLE-3 checkpoint but the server runs EAGLE: it starts without error, skips fc, and "
-                  "acceptance collapses to about 1 token per step; SGLang never infers EAGLE3 from the checkpoint",
+                  "the draft is an EAGLE-3 checkpoint but the server runs EAGLE: it starts without error, skips fc (the draft "
+                  "is fed one hidden state instead of the aux layers) and acceptance collapses (SGLang 0.5.14 served "
+                  "the embedded default at tau 1.6 instead of 3.3); SGLang never infers EAGLE3 from the checkpoint",
                   "set spec.algorithm: EAGLE3 (--speculative-algorithm EAGLE3)")]
 
 

@@ -21,7 +21,7 @@ from draftlab.errors import UserError
 from draftlab.export import export_sglang
 from draftlab.extract import capture, render
 from draftlab.faults import FAULTS, miswire
-from draftlab.features import build_draft_vocab, count_tokens, pack_sequences, read_metadata, save_draft_vocab, write_shard
+from draftlab.features import build_draft_vocab, count_tokens, load_draft_vocab, pack_sequences, read_metadata, save_draft_vocab, write_shard
 from draftlab.manifest import build_manifest, with_lineage, write_manifest
 from draftlab.micro import save_micro_model
 from draftlab.params import CheckParams, TargetParams
@@ -254,6 +254,9 @@ def test_reduced_vocab_without_d2t_is_named(pipeline, run):
     edit_weights(run, lambda t: t.pop("d2t"))
     f = finding(diagnose(pipeline, run), "d2t_missing")
     assert f.evidence["draft_vocab_size"] == VD and f.evidence["vocab_size"] == V and "draft ids as target ids" in f.cause
+    # The cost follows from the training vocab: the draft ids whose token is not their own index.
+    d2t, _ = load_draft_vocab(run / "data/features/draft_vocab.safetensors")
+    assert f.evidence["draft_ids_misread"] == int((d2t != 0).sum()) and f"of the {VD} draft ids" in f.cause
 
 
 def test_all_zero_d2t_with_a_reduced_vocab_is_named(pipeline, run):

@@ -14,7 +14,7 @@ NUMERIC = {
                    "T32_tokens_per_s", "T32_peak_mem_gb", "T16_stage_tokens_per_s", "T32_stage_vs_capture"],
     "spec": ["baseline_tokens_per_s", "bandwidth_floor_tokens_per_s", "baseline_fraction_of_floor",
              "oracle_s1_speedup", "oracle_s3_tau", "null_s3_tokens_per_s", "oracle_s3_overhead_ms_per_step"],
-    "decode_profile": ["decode_host_ms", "decode_gpu_ms", "labels_bf16_ms", "engine_decode_cudnn_ratio"],
+    "decode_profile": ["decode_host_ms", "decode_gpu_ms", "labels_bf16_ms", "engine_decode_cudnn_cold_ratio"],
     "decode_graph": ["eager_ms_per_token", "eager_fraction_of_floor", "engine_ms_per_token"],
     "training": ["B1_tokens_per_s", "B1_mfu", "B1_model_flops", "B1_peak_mem_gb", "B1_gemm_share"],
 }
