@@ -146,8 +146,8 @@ def check_d2t(config: dict, d2t: torch.Tensor | None, training_d2t: torch.Tensor
             return [error("d2t_missing", {**ev, "d2t": None}, cause + ", so every draft id i that stands for another token "
                           "than target id i is proposed as the wrong token", fix)]
         # How much that costs depends on the vocab: draft id i keeps its meaning only where d2t[i] == 0.
-        # (The embedded default's draft vocab is 95% target ids 0..1023: SGLang 0.5.14 served tau 3.22
-        # instead of 3.33 without d2t, reports/sglang-h200/.)
+        # (The embedded default's draft vocab is 95% target ids 0..1023: SGLang 0.5.14 served the same
+        # tau with and without d2t on the same prompts, reports/sglang-h200/.)
         misread = int((training_d2t != 0).sum())
         share = misread / max(1, len(training_d2t))
         impact = ("almost every proposal is a wrong token and acceptance collapses" if share > 0.5 else

@@ -42,14 +42,6 @@ CONFIG = "draft_config.json"
 # Processes and devices
 
 
-def setup_distributed(device_type: str) -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group when launched by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,7 +203,7 @@ def summarize(stats: torch.Tensor, decay: float) -> dict:
 
 
 def new_optimizer(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; fused into one kernel per step on CUDA (an 8B draft's update: 10 ms unfused on an H200)."""
+    """AdamW; fused on CUDA (an 8B draft's clip + update on an H200: 10.3 ms unfused, 5.6 ms fused)."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
@@ -256,12 +248,14 @@ def fit(
     rank: int = 0,
     world: int = 1,
     stop_after_steps: int | None = None,
+    on_step=None,
 ) -> list[dict]:
     """Train `draft` in place with TrainParams `tp`; returns the per-epoch history.
 
     Resumes from `resume_path` when it holds a checkpoint of the same `run_key` (the stage's
     config hash); a checkpoint of any other run is ignored. `stop_after_steps` stops early as an
-    interruption would (tests).
+    interruption would (tests). `on_step(step, global_loss, seconds)` is called after every
+    optimizer step (tools/scale_h200x2.py records the loss curve with it).
     """
     if tp.batch_size % world:
         raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")
@@ -326,6 +320,8 @@ def fit(
                 dist.all_reduce(global_loss)
             running = [running[0] + global_loss.item(), running[1] + 1]
             tokens = int(batch["input_ids"].numel()) * world
+            if on_step is not None:
+                on_step(step, global_loss.item(), time.perf_counter() - t0)
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{global_loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             if tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0:

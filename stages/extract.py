@@ -1,9 +1,13 @@
 """Stage extract: capture the target's hidden states at the capture layers, in safetensors shards.
 
     python -m stages.extract --synth data/synth --out data/hidden
+    torchrun --nproc-per-node 8 -m stages.extract ...    (data parallel: one process and one writer per GPU)
 Reads params sections: target, capture, extract.
 Resumable: shards are written atomically one by one; a re-run keeps every shard whose header
 carries this run's config hash and computes only the missing ones.
+Data parallel: the shard plan depends only on the data, so every process plans the same shards
+and writes every world-th one (shard s by rank s % world); the shards are those one process
+writes, and rank 0 writes the manifest once all have finished.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftlab import extract as X
-from draftlab import sglang_layers
+from draftlab import parallel, sglang_layers
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
@@ -54,6 +58,8 @@ def main(synth: Path, out: Path) -> None:
     params = load_params(["target", "capture", "extract"])
     tp, xp = params.target, params.extract
     device = resolve_device(tp.device)
+    rank, world = parallel.setup_distributed(torch.device(device).type)
+    device = parallel.local_device(device) if world > 1 else device
     model, tok = load_target(tp, device)
     info = target_info(model, tp)
     # Refuse a layer spec SGLang cannot serve before any compute.
@@ -93,12 +99,14 @@ def main(synth: Path, out: Path) -> None:
                 )
         plan = X.plan_shards([len(ids) for ids, _ in rendered], xp.shard_tokens)
         (out / split).mkdir(exist_ok=True)
-        for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
-            if int(old.stem.split("-")[1]) >= len(plan):
-                old.unlink()
+        if rank == 0:
+            for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
+                if int(old.stem.split("-")[1]) >= len(plan):
+                    old.unlink()
         counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(len(i) for i, _ in rendered)}
-        bar = tqdm(plan, desc=f"extract {split}", unit="shard")
-        for s, idx in enumerate(bar):
+        mine = [(s, idx) for s, idx in enumerate(plan) if s % world == rank]
+        bar = tqdm(mine, desc=f"extract {split}" + (f" (rank {rank} of {world})" if world > 1 else ""), unit="shard", position=rank)
+        for s, idx in bar:
             path = out / split / f"shard-{s:05d}.safetensors"
             if shard_is_done(path, config_hash):
                 continue
@@ -111,7 +119,11 @@ def main(synth: Path, out: Path) -> None:
             tokens_done += len(tensors["input_ids"])
             bytes_written += path.stat().st_size
             bar.set_postfix(tok_s=f"{tokens_done / (time.time() - t0):.0f}")
-    seconds = time.time() - t0
+    tokens_done, bytes_written = (int(x) for x in parallel.all_sum([tokens_done, bytes_written], device, world))
+    seconds = time.time() - t0  # after the sum: the slowest process's time
+    if rank != 0:
+        parallel.finish(world)
+        return
     per_token = bytes_written / tokens_done if tokens_done else None
     manifest["info"] = {
         "target": info,
@@ -121,9 +133,10 @@ def main(synth: Path, out: Path) -> None:
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
         "bytes_per_token": round(per_token, 1) if per_token else None,
-        "device": device,
+        "device": device if world == 1 else f"{torch.device(device).type} x {world} processes",
     }
     write_manifest(out, manifest)
+    parallel.finish(world)
     if tokens_done:
         print(f"extract: {tokens_done} tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
               f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from draftlab import parallel
 from draftlab import train as T
 from draftlab.cli import run_stage
 from draftlab.draft import DraftConfig
@@ -89,7 +90,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         raise UserError(f"train.ttt_steps must be >= 1, got {trp.ttt_steps}")
 
     device = T.resolve_device(trp.device)
-    rank, world = T.setup_distributed(device.type)
+    rank, world = parallel.setup_distributed(device.type)
     inputs = {"features": fm["config_hash"], "target": target_fingerprint(tp)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
     draft = T.init_draft(cfg, embed, head, d2t, t2d, trp.seed)

@@ -45,9 +45,10 @@ def set_params(root, section, **kw):
     (root / "params.yaml").write_text(yaml.safe_dump(p))
 
 
-def extract(root):
-    return subprocess.run([sys.executable, "-m", "stages.extract", "--synth", "synth", "--out", "hidden"], cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+def extract(root, out="hidden", nproc=1):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
+    return subprocess.run(launcher + ["-m", "stages.extract", "--synth", "synth", "--out", out], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
 
 
 def digest(path: Path) -> str:
@@ -61,8 +62,8 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def digests(root) -> dict:
-    return {p.relative_to(root).as_posix(): digest(p) for p in sorted((root / "hidden").rglob("shard-*.safetensors"))}
+def digests(root, out="hidden") -> dict:
+    return {p.relative_to(root / out).as_posix(): digest(p) for p in sorted((root / out).rglob("shard-*.safetensors"))}
 
 
 def test_interrupted_extraction_resumes_to_the_same_shards(project):
@@ -115,3 +116,17 @@ def test_bad_json_in_answers_names_file_and_line(project):
         f.write("{torn line\n")
     r = extract(project)
     assert r.returncode == 2 and "train.jsonl:13: not valid JSON" in r.stderr
+
+
+def test_two_processes_write_the_shards_one_process_writes(project):
+    """torchrun: each process writes every other shard; together they are the single process's
+    shards, byte for byte, and one manifest with the same config hash and the summed counts."""
+    one, two = extract(project, "one"), extract(project, "two", nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert "extract train (rank 0 of 2)" in two.stderr and "extract train (rank 1 of 2)" in two.stderr
+    assert len(digests(project, "one")) >= 4 and digests(project, "two") == digests(project, "one")
+    for a, b in zip(sorted((project / "one").rglob("*.safetensors")), sorted((project / "two").rglob("*.safetensors"))):
+        assert a.read_bytes() == b.read_bytes()
+    m1, m2 = (json.loads((project / d / "manifest.json").read_text()) for d in ("one", "two"))
+    assert m1["config_hash"] == m2["config_hash"] and m1["info"]["counts"] == m2["info"]["counts"]
+    assert m2["info"]["bytes_per_token"] == m1["info"]["bytes_per_token"] and m2["info"]["device"] == "cpu x 2 processes"

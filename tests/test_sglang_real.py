@@ -2,8 +2,8 @@
 
 tests/fixtures/sglang/h200/ holds files the pipeline's own run produced (tools/sglang_h200.py;
 figures in reports/sglang-h200/): the EAGLE3 and baseline server logs of the bench stage, the
-log of a server launched with topk=1, num_steps=1, num_draft_tokens=16, the log of a launch
-SGLang refused at start-up, six /generate meta_info answers, and one /generate answer with
+log of a server launched with topk=1, num_steps=1, num_draft_tokens=16, the log of the EAGLE-3
+draft served with --speculative-algorithm EAGLE (2026-12-01), the log of a launch SGLang refused at start-up, six /generate meta_info answers, and one /generate answer with
 return_hidden_states for a 12-token prompt of which SGLang's radix cache already held 3.
 """
 import json
@@ -63,6 +63,18 @@ def test_the_real_server_args_line_names_the_algorithm_it_ran():
     config = {"architectures": ["LlamaForCausalLMEagle3"]}
     assert check_algorithm(None, config, log) == []
     assert check_algorithm(None, config, log.replace("speculative_algorithm='EAGLE3'", "speculative_algorithm='EAGLE'"))
+
+
+def test_the_real_eagle_launch_is_named_from_its_log_alone():
+    """SGLang 0.5.14 served the EAGLE-3 draft as EAGLE without a warning (tau 1.6 instead of 3.3):
+    its server_args line is the only trace, and it also filled in the chain's draft tokens."""
+    log = (H200 / "server-eagle.log").read_text()
+    assert _ALGORITHM_IN_LOG.findall(log) == ["EAGLE"]
+    found = check_algorithm(None, {"architectures": ["LlamaForCausalLMEagle3"]}, log)
+    assert [f.name for f in found] == ["eagle_instead_of_eagle3"] and found[0].evidence["server log"] == "speculative_algorithm=EAGLE"
+    parsed = read_log(H200 / "server-eagle.log")
+    assert [a.rule for a in parsed.adjustments] == ["chain_draft_tokens"]
+    assert parsed.decode and max(d.accept_len for d in parsed.decode) < 2.5  # collapsed: EAGLE3 served 3.3
 
 
 def test_hidden_states_rows_start_after_the_prefix_cache():

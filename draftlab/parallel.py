@@ -1,0 +1,47 @@
+"""Processes launched by torchrun: rank, world size, the device of each, sums over all of them.
+
+One process per GPU (`torchrun --nproc-per-node N -m stages.train ...` or `-m stages.extract`);
+NCCL on CUDA, gloo on CPUs. Launched without torchrun, everything here is a no-op for one process.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed(device_type: str) -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group when launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def local_device(device: str) -> str:
+    """This process's GPU under torchrun ("cuda" -> "cuda:LOCAL_RANK"); CPU work splits the threads."""
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    if device == "cpu":
+        per = max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(per)  # several processes share the cores: never oversubscribe
+    return device
+
+
+def all_sum(values: list[float], device: str, world: int) -> list[float]:
+    """Element-wise sum over all processes (the values themselves for one process)."""
+    if world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def finish(world: int) -> None:
+    """Wait for every process, then leave the group."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
