@@ -20,7 +20,8 @@ def setup_distributed(device_type: str) -> tuple[int, int]:
 
 
 def local_device(device: str) -> str:
-    """This process's GPU under torchrun ("cuda" -> "cuda:LOCAL_RANK"); CPU work splits the threads."""
+    """This process's device: "cuda" -> "cuda:LOCAL_RANK" (cuda:0 alone); on a CPU, the torch
+    threads split between the processes of this host (unchanged alone)."""
     if device == "cuda":
         index = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(index)

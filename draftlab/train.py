@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from draftlab.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, draft_to_target
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
+from draftlab import parallel
 from draftlab.metrics import acceptance_counts, chain_tau, conditional_acceptance
 
 WEIGHTS = "draft.safetensors"
@@ -45,15 +45,13 @@ CONFIG = "draft_config.json"
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("train.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    from draftlab.target import cpu_threads
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if name == "cpu":
+        from draftlab.target import cpu_threads
 
-    # Several processes (torchrun) share the cores: split them, never oversubscribe.
-    torch.set_num_threads(max(1, cpu_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    return torch.device(name)
+        torch.set_num_threads(cpu_threads())
+    return torch.device(parallel.local_device(name))  # under torchrun: this process's GPU, its share of the cores
 
 
 def use_autocast(setting: str, device: torch.device) -> bool:

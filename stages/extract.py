@@ -59,7 +59,7 @@ def main(synth: Path, out: Path) -> None:
     tp, xp = params.target, params.extract
     device = resolve_device(tp.device)
     rank, world = parallel.setup_distributed(torch.device(device).type)
-    device = parallel.local_device(device) if world > 1 else device
+    device = parallel.local_device(device)
     model, tok = load_target(tp, device)
     info = target_info(model, tp)
     # Refuse a layer spec SGLang cannot serve before any compute.
@@ -121,28 +121,25 @@ def main(synth: Path, out: Path) -> None:
             bar.set_postfix(tok_s=f"{tokens_done / (time.time() - t0):.0f}")
     tokens_done, bytes_written = (int(x) for x in parallel.all_sum([tokens_done, bytes_written], device, world))
     seconds = time.time() - t0  # after the sum: the slowest process's time
-    if rank != 0:
-        parallel.finish(world)
-        return
-    per_token = bytes_written / tokens_done if tokens_done else None
-    manifest["info"] = {
-        "target": info,
-        "chat_template_sha256": meta["chat_template_sha256"],
-        "tokenizer_sha256": meta["tokenizer_sha256"],
-        "counts": counts,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
-        "bytes_per_token": round(per_token, 1) if per_token else None,
-        "device": device if world == 1 else f"{torch.device(device).type} x {world} processes",
-    }
-    write_manifest(out, manifest)
+    if rank == 0:  # one manifest, once every process has written its shards
+        per_token = bytes_written / tokens_done if tokens_done else None
+        manifest["info"] = {
+            "target": info,
+            "chat_template_sha256": meta["chat_template_sha256"],
+            "tokenizer_sha256": meta["tokenizer_sha256"],
+            "counts": counts,
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
+            "bytes_per_token": round(per_token, 1) if per_token else None,
+            "device": device if world == 1 else f"{torch.device(device).type} x {world} processes",
+        }
+        write_manifest(out, manifest)
+        if tokens_done:
+            print(f"extract: {tokens_done} tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
+                  f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")
+        else:
+            print(f"extract: all shards already present for config {config_hash[:12]} -> {out}")
     parallel.finish(world)
-    if tokens_done:
-        print(f"extract: {tokens_done} tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
-              f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")
-    else:
-        print(f"extract: all shards already present for config {config_hash[:12]} -> {out}")
-
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

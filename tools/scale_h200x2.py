@@ -54,8 +54,8 @@ def record(key: str, value, out: Path) -> None:
     tmp.replace(out / "results.json")
 
 
-def launch(argv: list[str], log: Path, nproc: int, env: dict | None = None) -> float:
-    """Run `argv` (a python module or script and its args) in `nproc` processes; seconds taken."""
+def launch(argv: list[str], cwd: Path, log: Path, nproc: int, env: dict | None = None) -> float:
+    """Run `argv` (a python module or script and its args) in `nproc` processes in `cwd`; seconds taken."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,7 @@ def launch(argv: list[str], log: Path, nproc: int, env: dict | None = None) -> f
     with open(log, "w") as f:
         f.write("$ " + " ".join(head + argv) + "\n")
         f.flush()
-        rc = subprocess.run(head + argv, cwd=log.parent.parent / "work", env=full_env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(head + argv, cwd=cwd, env=full_env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{log.name}: rc {rc}; last lines:\n" + "\n".join(log.read_text().splitlines()[-25:]))
     return time.perf_counter() - t0
@@ -144,7 +144,7 @@ def training(P: dict, out: Path, nprocs: int) -> None:
     runs = {}
     for n in (1, nprocs):
         res = work / f"train-{n}.json"
-        launch([str(Path(__file__).resolve()), "--worker-train", str(work), str(res)], out / "logs" / f"train-{n}.log", n)
+        launch([str(Path(__file__).resolve()), "--worker-train", str(work), str(res)], work, out / "logs" / f"train-{n}.log", n)
         runs[n] = json.loads(res.read_text())
     steady = {n: r["steps"][2:] or r["steps"] for n, r in runs.items()}  # the first two steps warm up
     tps = {n: runs[n]["tokens_per_step"] * len(s) / sum(x[2] for x in s) for n, s in steady.items()}
@@ -229,7 +229,7 @@ def extraction(P: dict, out: Path, nprocs: int, quick: bool) -> None:
         dest = work / f"hidden-{n}"
         shutil.rmtree(dest, ignore_errors=True)
         env = {"CUDA_VISIBLE_DEVICES": "0"} if n == 1 and not quick else {}
-        secs = launch(["-m", "stages.extract", "--synth", "synth", "--out", dest.name], out / "logs" / f"extract-{n}.log", n, env)
+        secs = launch(["-m", "stages.extract", "--synth", "synth", "--out", dest.name], work, out / "logs" / f"extract-{n}.log", n, env)
         info = json.loads((dest / "manifest.json").read_text())["info"]
         found[n] = shard_digests(dest)
         record(f"extraction.tokens_per_s_{n}proc", info["tokens_per_s"], out)

@@ -28,7 +28,7 @@ case "$cmd" in
     shift
     mkdir -p /root/pool && cp ".sglang-wheels/p$k"/* /root/pool/
     echo "part $k received: $(ls /root/pool | wc -l) wheels in /root/pool"
-    [ "${1:-}" = run ] && shift && exec bash "$0" run "$@"
+    if [ "${1:-}" = run ]; then shift; exec bash "$0" run "$@"; fi  # (a bare `[ ] &&` would exit 1 without `run`)
     ;;
   run)
     t0=$(date +%s)
