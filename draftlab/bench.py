@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from draftlab.metrics import chain_tau, conditional_acceptance, pooled_tau
-from draftlab.sglang_backend import Client, GenerateMeta
+from draftlab.sglang.client import Client, GenerateMeta
 
 
 def render_prompts(tok, rows: list[dict]) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 Each fault is one mistake a user makes by hand after a correct export; rehearsing it against a
 real server records what SGLang does (it starts, it refuses, it silently adjusts) and whether
-the wiring check names it. tools/sglang_h200.py runs them; the doctor tests assert the names.
+the wiring check names it. tools/sglang_h200.py runs them; the check tests assert the names.
 
     miswire(Path("models/draft"), Path("faults/ids_shifted/draft"), FAULTS["ids_shifted"])
 """
@@ -16,7 +16,7 @@ from typing import Callable
 
 from safetensors.torch import load_file, save_file
 
-from draftlab.export import WEIGHTS
+from draftlab.sglang.checkpoint import WEIGHTS
 
 
 def _shift_ids(config: dict) -> None:

@@ -129,8 +129,8 @@ class SpecEngine(Engine):
     def __init__(self, model, tokenizer, device, context_length, draft_path: str, num_steps: int, topk: int,
                  num_draft_tokens: int, sglang_version: str):
         super().__init__(model, tokenizer, device, context_length)
-        from draftlab.export import load_exported
-        from draftlab.sglang_layers import captured_physical
+        from draftlab.sglang.checkpoint import load_exported
+        from draftlab.sglang.layers import captured_physical
 
         embed = model.get_input_embeddings().weight
         self.draft, config = load_exported(draft_path, embed=embed, dtype=embed.dtype, as_sglang=True)
@@ -403,8 +403,8 @@ def load_engine(args) -> Engine:
 def apply_sglang_rules(args, target_architecture: str) -> None:
     """Fill and adjust the speculative flags in `args` as SGLang `args.sglang_version` does at start-up,
     printing SGLang's own warning for each change, so that logs, /server_info and the engine agree
-    with what a real SGLang would run (draftlab.sglang_flags holds the rules)."""
-    from draftlab.sglang_flags import SpecFlags, resolve
+    with what a real SGLang would run (draftlab.sglang.flags holds the rules)."""
+    from draftlab.sglang.flags import SpecFlags, resolve
 
     res = resolve(SpecFlags(args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
                             args.speculative_num_draft_tokens), target_architecture, args.sglang_version)

@@ -5,7 +5,7 @@ Reads params sections: target, spec, bench, and export.sglang_version (whose rul
 
 One client for every backend: `reference` starts the project's own server (CPU or GPU),
 `sglang` launches `python -m sglang.launch_server`, `url` measures a server already running.
-Before anything starts, the flags SGLang would really run are computed (draftlab.sglang_flags);
+Before anything starts, the flags SGLang would really run are computed (draftlab.sglang.flags);
 with spec.on_adjust: error a request SGLang would silently change stops here.
 """
 from __future__ import annotations
@@ -18,18 +18,19 @@ from pathlib import Path
 
 import torch
 
-from draftlab import bench as B
-from draftlab import lifecycle, server, spec_engine  # noqa: F401 (spec_engine: hashed as code this stage runs)
+from draftlab import bench
+from draftlab import lifecycle, server
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
-from draftlab.export import load_exported
+from draftlab.sglang.checkpoint import load_exported
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.sglang_backend import Client, flags_from_server_info, launch_argv, read_log, serve, server_accept_length
-from draftlab.sglang_backend import free_port as sglang_free_port
-from draftlab.sglang_flags import SPEC_KEYS, SpecFlags, requested_from_params, resolve
-from draftlab.sglang_layers import captured_physical
+from draftlab.sglang.launch import launch_argv, read_log, serve
+from draftlab.sglang.client import Client, flags_from_server_info, server_accept_length
+from draftlab.sglang.launch import free_port as sglang_free_port
+from draftlab.sglang.flags import SPEC_KEYS, SpecFlags, requested_from_params, resolve
+from draftlab.sglang.layers import captured_physical
 from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
 
 
@@ -98,12 +99,12 @@ def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, 
     clients = {mode: Client(url, bp.request_timeout_s) for mode, url in urls.items()}
     try:
         for c in clients.values():
-            B.run_requests(c, prompts[:warmup], sampling)  # compile/caches warm; not counted
+            bench.run_requests(c, prompts[:warmup], sampling)  # compile/caches warm; not counted
         records = {mode: [] for mode in clients}
         wall = dict.fromkeys(clients, 0.0)
         for p in prompts[warmup:]:
             for mode, c in clients.items():
-                recs, w = B.run_requests(c, [p], sampling)
+                recs, w = bench.run_requests(c, [p], sampling)
                 records[mode] += recs
                 wall[mode] += w
         out = {}
@@ -111,11 +112,11 @@ def measure(urls: dict[str, str], bp, prompts: list[list[int]], sampling: dict, 
             sweep = []
             for n in bp.concurrency:
                 if n > 1:
-                    recs, w = B.run_requests(c, prompts[warmup:], sampling, n)
-                    sweep.append({"concurrency": n, **B.speed(recs, w)})
+                    recs, w = bench.run_requests(c, prompts[warmup:], sampling, n)
+                    sweep.append({"concurrency": n, **bench.speed(recs, w)})
             metas = [r["meta"] for r in records[mode]]
             info = c.server_info()
-            out[mode] = {"speed": B.speed(records[mode], wall[mode]), "spec": B.spec_figures(metas), "sweep": sweep,
+            out[mode] = {"speed": bench.speed(records[mode], wall[mode]), "spec": bench.spec_figures(metas), "sweep": sweep,
                          "server_accept_length": server_accept_length(info),
                          "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas]}
         return out
@@ -189,7 +190,7 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     rows = read_eval_prompts(prompts, bp.num_prompts + bp.warmup)
     if len(rows) <= bp.warmup:
         raise UserError(f"{prompts / 'eval.jsonl'} has {len(rows)} prompts, not more than bench.warmup={bp.warmup}")
-    ids = B.render_prompts(tok, rows)
+    ids = bench.render_prompts(tok, rows)
     sampling = {"max_new_tokens": bp.max_new_tokens, "temperature": 0.0, "ignore_eos": bp.ignore_eos}
     inputs = {"export": export_manifest["config_hash"], "prompts": read_manifest(prompts)["config_hash"]}
     used = as_dict(params)
@@ -233,10 +234,10 @@ def main(draft: Path, prompts: Path, out: Path, metrics: Path) -> None:
     physical = captured_physical(info["architecture"], info["num_layers"], ids_cfg, version)
     eos = {target.generation_config.eos_token_id, tok.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
-    offline = B.offline_run(target, d, ids[bp.warmup:], flags, physical, bp.max_new_tokens, eos, bp.ignore_eos)
-    costs = B.measure_costs(target, d, ids[bp.warmup], physical)
+    offline = bench.offline_run(target, d, ids[bp.warmup:], flags, physical, bp.max_new_tokens, eos, bp.ignore_eos)
+    costs = bench.measure_costs(target, d, ids[bp.warmup], physical)
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
-    advice = B.advise(acceptance, costs)
+    advice = bench.advise(acceptance, costs)
     best = max(advice, key=lambda r: r["predicted_speedup"])
     ran = next((r for r in advice if r["num_steps"] == flags.num_steps and flags.topk == 1), None)
 

@@ -1,9 +1,9 @@
-"""Stage check: the wiring doctor. Proves that capture, export and serving agree, or names the fault.
+"""Stage check: the wiring check. Proves that capture, export and serving agree, or names the fault.
 
     python -m stages.check --synth data/synth --hidden data/hidden --features data/features \
         --train-metrics reports/train/metrics.json --draft models/draft --bench reports/bench.json --out reports
 Reads params section: check.
-Writes reports/wiring.json (findings + config_hash + key settings), reports/wiring.md (the same,
+Writes reports/check.json (findings + config_hash + key settings), reports/check.md (the same,
 readable) and reports/summary.md (the whole run on one page). Exits non-zero when a finding is
 an error, unless check.fail_on_error is false; the reports are written either way.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftlab import doctor, spec_engine  # noqa: F401 (spec_engine: in-process parity; hashed as code)
+from draftlab.check import diagnose
 from draftlab.cli import run_stage
-from draftlab.doctor_report import summary_markdown, wiring_markdown
+from draftlab.check.report import summary_markdown, check_markdown
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, with_lineage
@@ -34,28 +34,28 @@ def check_params(cp) -> None:
             raise UserError(f"params.yaml: {msg}")
 
 
-def main(paths: doctor.Paths, out: Path, load_model=doctor.load_local_target) -> doctor.Diagnosis:
+def main(paths: diagnose.Paths, out: Path, load_model=diagnose.load_local_target) -> diagnose.Diagnosis:
     params = load_params(["check"])
     cp = params.check
     check_params(cp)
-    d = doctor.diagnose(paths, cp, load_model)
+    d = diagnose.diagnose(paths, cp, load_model)
     run = d.run
     inputs = {name: (m or {}).get("config_hash") for name, m in (
         ("synth", run.synth), ("extract", run.hidden), ("features", run.features), ("train", run.train_metrics),
         ("export", run.export_manifest), ("bench", run.bench))}
     manifest = build_manifest("check", as_dict(params), inputs, __file__)
-    report = with_lineage(doctor.report_dict(d), manifest, d.settings)
+    report = with_lineage(diagnose.report_dict(d), manifest, d.settings)
     report["inputs"] = inputs
-    atomic_write_json(out / "wiring.json", report)
-    atomic_write_text(out / "wiring.md", wiring_markdown(d.findings, d.parity, d.settings, manifest["config_hash"]))
+    atomic_write_json(out / "check.json", report)
+    atomic_write_text(out / "check.md", check_markdown(d.findings, d.parity, d.settings, manifest["config_hash"]))
     atomic_write_text(out / "summary.md", summary_markdown(run, d.findings, manifest["config_hash"], out))
     for f in d.findings:
         if f.severity != "ok-info":
             print(f"check: {f.severity}: {f.name}: {f.cause}")
-    print(f"check: {report['counts']['error']} error(s), {report['counts']['warning']} warning(s) -> {out / 'wiring.md'}, {out / 'summary.md'}")
+    print(f"check: {report['counts']['error']} error(s), {report['counts']['warning']} warning(s) -> {out / 'check.md'}, {out / 'summary.md'}")
     if d.errors and cp.fail_on_error:
         raise UserError(f"wiring check found {len(d.errors)} error(s): {', '.join(f.name for f in d.errors)}; "
-                        f"see {out / 'wiring.md'} (or set check.fail_on_error: false)")
+                        f"see {out / 'check.md'} (or set check.fail_on_error: false)")
     return d
 
 
@@ -69,5 +69,5 @@ if __name__ == "__main__":
     ap.add_argument("--bench", type=Path, default=Path("reports/bench.json"))
     ap.add_argument("--out", type=Path, default=Path("reports"))
     a = ap.parse_args()
-    paths = doctor.Paths(a.synth, a.hidden, a.features, a.train_metrics, a.draft, a.bench)
+    paths = diagnose.Paths(a.synth, a.hidden, a.features, a.train_metrics, a.draft, a.bench)
     run_stage(main, paths, a.out)

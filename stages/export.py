@@ -12,7 +12,7 @@ from pathlib import Path
 
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
-from draftlab.export import export_sglang
+from draftlab.sglang.checkpoint import export_sglang
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params

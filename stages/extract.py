@@ -21,8 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from draftlab import extract as X
-from draftlab import parallel, sglang_layers
+from draftlab import extract
+from draftlab import parallel
+from draftlab.sglang.layers import physical_from_spec, validate_capture
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
@@ -63,8 +64,8 @@ def main(synth: Path, out: Path) -> None:
     model, tok = load_target(tp, device)
     info = target_info(model, tp)
     # Refuse a layer spec SGLang cannot serve before any compute.
-    physical = sglang_layers.physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
-    sglang_layers.validate_capture(info["architecture"], info["num_layers"], physical)
+    physical = physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
+    validate_capture(info["architecture"], info["num_layers"], physical)
     info["physical_layers"] = physical
     synth_manifest = read_manifest(synth)
     inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(tp)}
@@ -90,14 +91,14 @@ def main(synth: Path, out: Path) -> None:
     t0, tokens_done, bytes_written, counts = time.time(), 0, 0, {}
     for split in ("train", "eval"):
         rows = read_rows(synth / f"{split}.jsonl")
-        rendered = [X.render(tok, r["messages"]) for r in rows]
+        rendered = [extract.render(tok, r["messages"]) for r in rows]
         for r, (ids, _) in zip(rows, rendered):
             if len(ids) > limit:
                 raise UserError(
                     f"{synth / (split + '.jsonl')}: row {r['id']} has {len(ids)} tokens, more than "
                     f"extract.max_length/context {limit}; raise extract.max_length or shorten synth.max_new_tokens"
                 )
-        plan = X.plan_shards([len(ids) for ids, _ in rendered], xp.shard_tokens)
+        plan = extract.plan_shards([len(ids) for ids, _ in rendered], xp.shard_tokens)
         (out / split).mkdir(exist_ok=True)
         if rank == 0:
             for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
@@ -110,7 +111,7 @@ def main(synth: Path, out: Path) -> None:
             path = out / split / f"shard-{s:05d}.safetensors"
             if shard_is_done(path, config_hash):
                 continue
-            tensors = X.extract_shard(model, [rendered[i] for i in idx], physical, xp.batch_size, dtype, device)
+            tensors = extract.extract_shard(model, [rendered[i] for i in idx], physical, xp.batch_size, dtype, device)
             smeta = {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])}
             tmp = path.with_name(path.name + ".tmp")
             save_file(tensors, str(tmp), metadata=smeta)

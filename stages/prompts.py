@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftlab import prompts as P
+from draftlab import prompts
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
@@ -26,10 +26,10 @@ def main(out: Path, metrics: Path) -> None:
     if not 0.0 < pp.eval_fraction < 1.0:
         raise UserError(f"params.yaml: prompts.eval_fraction must be between 0 and 1, got {pp.eval_fraction}")
     if pp.source == "builtin":
-        ps = P.builtin_prompts(pp.num_prompts, pp.seed)
+        ps = prompts.builtin_prompts(pp.num_prompts, pp.seed)
         inputs = {"source": "builtin"}
     else:
-        ps = P.read_prompt_file(pp.source)
+        ps = prompts.read_prompt_file(pp.source)
         inputs = {"source": pp.source, "source_sha256": dir_hash(pp.source)}
     if ps.bad:
         listed = "\n  ".join(str(b) for b in ps.bad[:MAX_LISTED])
@@ -42,7 +42,7 @@ def main(out: Path, metrics: Path) -> None:
         print(f"warning: skipped {len(ps.bad)} bad prompt row(s):\n  {listed}{more}", file=sys.stderr)
     if not ps.rows:
         raise UserError(f"prompts.source {pp.source}: no valid prompts")
-    train, evals = P.split(ps.rows, pp.eval_fraction)
+    train, evals = prompts.split(ps.rows, pp.eval_fraction)
     if not train or not evals:
         raise UserError(
             f"prompts: split gave {len(train)} train and {len(evals)} eval prompts; "

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from draftlab import features as F
+from draftlab import features
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
 from draftlab.extract import layer_key
@@ -75,17 +75,17 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             fmeta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
                      "architecture": target["architecture"], "vocab_size": target["vocab_size"],
                      "row_ids": json.loads(meta["row_ids"])}
-            F.write_shard(out / split / path.name, arrays, {**fmeta, "config_hash": manifest["config_hash"]})
+            features.write_shard(out / split / path.name, arrays, {**fmeta, "config_hash": manifest["config_hash"]})
             masked_ids[split].append(t["input_ids"][t["loss_mask"]])
             if split == "train":
-                counts += F.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
+                counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
                 for i in physical:
                     norms[str(i)].append(t[layer_key(i)].float().norm(dim=-1))
                 norms["final"].append(t["final_hidden"].float().norm(dim=-1))
             n_tok += len(t["input_ids"])
         split_tokens[split] = n_tok
-    d2t, t2d = F.build_draft_vocab(counts, n_vocab)
-    F.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
+    d2t, t2d = features.build_draft_vocab(counts, n_vocab)
+    features.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
     # Share of answer tokens the draft can propose at all: an upper bound on acceptance.
     coverage = {s: (t2d[torch.cat(ids)].float().mean().item() if ids else None) for s, ids in masked_ids.items()}
     stats = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab import synth as S
+from draftlab import synth
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, read_manifest, write_manifest
@@ -42,7 +42,7 @@ def make_backend(tp, sp):
     if sp.backend == "hf":
         device = resolve_device(tp.device)
         model, tok = load_target(tp, device)
-        return S.HFBackend(model, tok, sp, device)
+        return synth.HFBackend(model, tok, sp, device)
     from transformers import AutoConfig
 
     tok = load_tokenizer(tp.model, tp.revision)  # the target's own tokenizer: context check, hashes, think layout
@@ -51,7 +51,7 @@ def make_backend(tp, sp):
     except OSError as e:
         raise UserError(f"target.model {tp.model!r}: cannot load its config ({e})") from None
     context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
-    return S.OpenAIBackend(tok, sp, context, api_key=os.environ.get(sp.api_key_env) or None)
+    return synth.OpenAIBackend(tok, sp, context, api_key=os.environ.get(sp.api_key_env) or None)
 
 
 def main(prompts_dir: Path, out: Path) -> None:
@@ -59,16 +59,16 @@ def main(prompts_dir: Path, out: Path) -> None:
     tp, sp = params.target, params.synth
     check(sp)
     upstream = read_manifest(prompts_dir)
-    splits = {s: S.read_prompts(prompts_dir / f"{s}.jsonl") for s in S.SPLITS}
+    splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
     inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(tp)}
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
     backend = make_backend(tp, sp)
     tok = backend.tokenizer
-    S.check_context(splits, tok, backend.context_length, sp.max_new_tokens)
+    synth.check_context(splits, tok, backend.context_length, sp.max_new_tokens)
 
     sampling = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens, "seed": sp.seed}
 
-    def make_row(prompt, ans: S.Answer) -> dict:
+    def make_row(prompt, ans: synth.Answer) -> dict:
         row = {
             "id": prompt["id"],
             "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
@@ -85,8 +85,8 @@ def main(prompts_dir: Path, out: Path) -> None:
     def progress(split, total, initial):
         return tqdm(total=total, initial=initial, desc=f"synthesize {split}", unit="row", dynamic_ncols=True)
 
-    key = S.resume_key(dataclasses.asdict(tp), dataclasses.asdict(sp), inputs)
-    stats = S.synthesize(splits, backend, out, key, make_row, progress)
+    key = synth.resume_key(dataclasses.asdict(tp), dataclasses.asdict(sp), inputs)
+    stats = synth.synthesize(splits, backend, out, key, make_row, progress)
     counts = stats["counts"]
     n_in = sum(c["input"] for c in counts.values())
     n_ok = sum(c["ok"] for c in counts.values())

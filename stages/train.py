@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from draftlab import parallel
-from draftlab import train as T
+from draftlab import train
 from draftlab.cli import run_stage
 from draftlab.draft import DraftConfig
 from draftlab.errors import UserError
@@ -89,20 +89,20 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     if trp.ttt_steps < 1:
         raise UserError(f"train.ttt_steps must be >= 1, got {trp.ttt_steps}")
 
-    device = T.resolve_device(trp.device)
+    device = train.resolve_device(trp.device)
     rank, world = parallel.setup_distributed(device.type)
     inputs = {"features": fm["config_hash"], "target": target_fingerprint(tp)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
-    draft = T.init_draft(cfg, embed, head, d2t, t2d, trp.seed)
+    draft = train.init_draft(cfg, embed, head, d2t, t2d, trp.seed)
     t0 = time.time()
-    history = T.fit(draft, head.float(), train_ds, eval_ds, trp, resume_dir / "last.pt", manifest["config_hash"], device, rank, world)
+    history = train.fit(draft, head.float(), train_ds, eval_ds, trp, resume_dir / "last.pt", manifest["config_hash"], device, rank, world)
     seconds = time.time() - t0
     if rank == 0:
         last = history[-1]
         tmp = out.with_name(f".{out.name}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        T.save_draft(tmp, draft)
+        train.save_draft(tmp, draft)
         manifest["info"] = {"draft": cfg.to_dict(), "physical_layers": physical, "history": history,
                             "seconds": round(seconds, 1), "processes": world, "device": str(device),
                             "train_sequences": len(train_ds), "eval_sequences": len(eval_ds)}

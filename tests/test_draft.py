@@ -3,8 +3,8 @@ import torch
 
 from draftlab.draft import DraftConfig, KVCache, Rotary, TTTCache
 from draftlab.errors import UserError
-from draftlab.export import expected_tensors
-from draftlab.micro import make_micro_model
+from draftlab.sglang.checkpoint import expected_tensors
+from tests.support.micro import make_micro_model
 from tiny_features import H, K, V, VD, make_draft
 
 def test_parameters_are_exactly_sglangs_names_and_shapes_without_the_embedding():

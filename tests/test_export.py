@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from draftlab.draft import KVCache
 from draftlab.errors import UserError
-from draftlab.export import export_sglang, load_exported
+from draftlab.sglang.checkpoint import export_sglang, load_exported
 from tiny_features import K, V, VD, make_draft
 
 TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
@@ -176,7 +176,7 @@ def test_a_draft_without_eagle_config_serves_on_sglangs_default_layers(tmp_path)
     import types
 
     from draftlab.draft import DraftConfig, Eagle3Draft
-    from draftlab.micro import make_micro_model
+    from tests.support.micro import make_micro_model
     from draftlab.params import TargetParams
     from draftlab.server import SpecEngine
     from draftlab.target import target_info

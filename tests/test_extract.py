@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from draftlab import extract as X
-from draftlab.micro import make_micro_model, make_micro_tokenizer
+from draftlab import extract
+from tests.support.micro import make_micro_model, make_micro_tokenizer
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -13,7 +13,7 @@ def test_capture_equals_output_hidden_states(arch):
     att = torch.ones_like(ids)
     att[1, 8:] = 0  # right padding in the second row
     physical = [0, 1, 3, 5, 6]  # embedding, layer outputs, and L = after the final norm
-    aux, final = X.capture(model, ids, att, physical)
+    aux, final = extract.capture(model, ids, att, physical)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
     assert len(ref) == 7
@@ -26,7 +26,7 @@ def test_packed_shard_matches_unpadded_forward():
     """Batched, padded extraction gives each row the states of its own unpadded forward."""
     model = make_micro_model("llama", num_layers=4)
     rows = [([5, 6, 7, 8, 9], [False] * 3 + [True] * 2), ([10, 11, 12], [False, True, True])]
-    t = X.extract_shard(model, rows, [2], batch_size=2, dtype=torch.float32, device="cpu")
+    t = extract.extract_shard(model, rows, [2], batch_size=2, dtype=torch.float32, device="cpu")
     assert t["seq_offsets"].tolist() == [0, 5, 8]
     assert t["input_ids"].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
     assert t["loss_mask"].tolist() == [False] * 3 + [True] * 2 + [False, True, True]
@@ -43,7 +43,7 @@ def test_loss_mask_golden_tokens():
         {"role": "user", "content": "What is 12+5?"},
         {"role": "assistant", "content": "<think>\n2+5=7\n</think>\n17"},
     ]
-    ids, mask = X.render(tok, msgs)
+    ids, mask = extract.render(tok, msgs)
     tokens = tok.convert_ids_to_tokens(ids)
     masked = [t for t, m in zip(tokens, mask) if m]
     # Exactly the assistant content (reasoning included) plus the closing EOS.
@@ -63,29 +63,29 @@ def test_loss_mask_covers_only_the_last_assistant_turn():
         {"role": "user", "content": "ok?"},
         {"role": "assistant", "content": "fine"},
     ]
-    ids, mask = X.render(tok, msgs)
+    ids, mask = extract.render(tok, msgs)
     masked = tok.decode([i for i, m in zip(ids, mask) if m])
     assert masked == "fine<|end|>"
 
 
 def test_plan_shards_sorted_and_complete():
     lengths = [50, 10, 30, 20, 40]
-    plan = X.plan_shards(lengths, shard_tokens=45)
+    plan = extract.plan_shards(lengths, shard_tokens=45)
     assert sorted(i for s in plan for i in s) == list(range(5))
     flat = [lengths[i] for s in plan for i in s]
     assert flat == sorted(flat)
-    assert plan == X.plan_shards(lengths, shard_tokens=45)
+    assert plan == extract.plan_shards(lengths, shard_tokens=45)
 
 
 def test_shard_is_the_same_whatever_the_batching():
     """Rows of several batches land in their own places (the copy of batch b overlaps batch b+1)."""
     model = make_micro_model("llama", num_layers=4)
     rows = [([5, 6, 7], [False, True, True]), ([8, 9, 10, 11, 12], [False] * 2 + [True] * 3), ([13, 14], [True, True])]
-    one = X.extract_shard(model, rows, [1, 3], batch_size=1, dtype=torch.float32, device="cpu")
-    all_ = X.extract_shard(model, rows, [1, 3], batch_size=3, dtype=torch.float32, device="cpu")
+    one = extract.extract_shard(model, rows, [1, 3], batch_size=1, dtype=torch.float32, device="cpu")
+    all_ = extract.extract_shard(model, rows, [1, 3], batch_size=3, dtype=torch.float32, device="cpu")
     assert one.keys() == all_.keys()
     for k in one:
         torch.testing.assert_close(one[k], all_[k], rtol=1e-5, atol=1e-5)
-    half = X.extract_shard(model, rows, [1, 3], batch_size=2, dtype=torch.bfloat16, device="cpu")
+    half = extract.extract_shard(model, rows, [1, 3], batch_size=2, dtype=torch.bfloat16, device="cpu")
     assert half["hidden.1"].dtype == torch.bfloat16 and half["hidden.1"].shape == (10, one["hidden.1"].shape[1])
     torch.testing.assert_close(half["final_hidden"].float(), one["final_hidden"], rtol=2e-2, atol=2e-2)

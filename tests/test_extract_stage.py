@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from draftlab.micro import save_micro_model
+from tests.support.micro import save_micro_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftlab.micro import make_micro_model, make_micro_tokenizer, save_micro_model
+from tests.support.micro import make_micro_model, make_micro_tokenizer, save_micro_model
 from draftlab.tasks import CHAT_TEMPLATE, EOS, THINK
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab.micro import save_micro_model
+from tests.support.micro import save_micro_model
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY = ["stages", "draftlab", "dvc.yaml", "params.yaml", ".dvc/config", ".dvcignore"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from draftlab import prompts as P
+from draftlab import prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_validation_reasons_name_the_line(tmp_path):
             [1, 2],
         ],
     )
-    ps = P.read_prompt_file(f)
+    ps = prompts.read_prompt_file(f)
     assert len(ps.rows) == 2 and ps.duplicates == 1
     reasons = {b.line: b.reason for b in ps.bad}
     assert set(reasons) == {4, 5, 6, 7, 8, 9}
@@ -52,18 +52,18 @@ def test_validation_reasons_name_the_line(tmp_path):
 
 def test_split_is_by_content_not_order(tmp_path):
     rows = [{"prompt": f"question number {i}"} for i in range(200)]
-    a = P.read_prompt_file(write_jsonl(tmp_path / "a.jsonl", rows))
-    b = P.read_prompt_file(write_jsonl(tmp_path / "b.jsonl", rows[::-1] + [{"prompt": "new one"}]))
-    ea = {r["id"] for r in P.split(a.rows, 0.2)[1]}
-    eb = {r["id"] for r in P.split(b.rows, 0.2)[1]}
-    assert ea == eb - {P.prompt_id([{"role": "user", "content": "new one"}])}
+    a = prompts.read_prompt_file(write_jsonl(tmp_path / "a.jsonl", rows))
+    b = prompts.read_prompt_file(write_jsonl(tmp_path / "b.jsonl", rows[::-1] + [{"prompt": "new one"}]))
+    ea = {r["id"] for r in prompts.split(a.rows, 0.2)[1]}
+    eb = {r["id"] for r in prompts.split(b.rows, 0.2)[1]}
+    assert ea == eb - {prompts.prompt_id([{"role": "user", "content": "new one"}])}
     assert 20 <= len(ea) <= 60  # ~20% of 200
 
 
 def test_parquet_same_rows_as_jsonl(tmp_path):
     pd.DataFrame({"prompt": ["a question?", "another one?"]}).to_parquet(tmp_path / "p.parquet")
-    pq = P.read_prompt_file(tmp_path / "p.parquet")
-    js = P.read_prompt_file(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a question?"}, {"prompt": "another one?"}]))
+    pq = prompts.read_prompt_file(tmp_path / "p.parquet")
+    js = prompts.read_prompt_file(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a question?"}, {"prompt": "another one?"}]))
     assert [r["id"] for r in pq.rows] == [r["id"] for r in js.rows]
 
 
@@ -107,8 +107,8 @@ def test_stage_empty_file_is_an_error(tmp_path):
 def test_builtin_prompts_are_deterministic_and_heldout():
     from draftlab import tasks
 
-    a = P.builtin_prompts(40, seed=7)
-    b = P.builtin_prompts(40, seed=7)
+    a = prompts.builtin_prompts(40, seed=7)
+    b = prompts.builtin_prompts(40, seed=7)
     assert [r["id"] for r in a.rows] == [r["id"] for r in b.rows]
     assert {r["family"] for r in a.rows} == set(tasks.FAMILIES)
     train_prompts = {p.prompt for p in tasks.generate(400, seed=7, split="train")}

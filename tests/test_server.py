@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftlab.lifecycle import free_port, serve
-from draftlab.micro import save_micro_model
+from tests.support.micro import save_micro_model
 from draftlab.server import launch_command, parse_reasoning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,8 +154,8 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
     import argparse
 
     from draftlab.server import apply_sglang_rules
-    from draftlab.sglang_backend import parse_log
-    from draftlab.sglang_flags import default_spec_params
+    from draftlab.sglang.launch import parse_log
+    from draftlab.sglang.flags import default_spec_params
 
     args = argparse.Namespace(speculative_algorithm="EAGLE3", speculative_num_steps=1, speculative_eagle_topk=1,
                               speculative_num_draft_tokens=16, sglang_version="0.5.14")

@@ -10,22 +10,10 @@ import pytest
 
 from draftlab.errors import UserError
 from draftlab.lifecycle import free_port
-from draftlab.sglang_backend import free_port as sglang_free_port
-from draftlab.sglang_backend import (
-    Client,
-    check_extra_args,
-    flags_from_server_info,
-    launch_argv,
-    parse_adjustment_line,
-    parse_decode_line,
-    parse_meta,
-    pooled_accept_rate,
-    read_log,
-    serve,
-    server_accept_length,
-    served_tau,
-)
-from draftlab.sglang_flags import RULES, SpecFlags, resolve
+from draftlab.sglang.launch import free_port as sglang_free_port
+from draftlab.sglang.launch import check_extra_args, launch_argv, parse_adjustment_line, parse_decode_line, read_log, serve
+from draftlab.sglang.client import Client, flags_from_server_info, parse_meta, pooled_accept_rate, server_accept_length, served_tau
+from draftlab.sglang.flags import RULES, SpecFlags, resolve
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "sglang")
 

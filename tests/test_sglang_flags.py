@@ -6,7 +6,7 @@ import pytest
 
 from draftlab.errors import UserError
 from draftlab.params import load_params
-from draftlab.sglang_flags import RULES, SpecFlags, default_spec_params, effective_flags, requested_from_params, resolve
+from draftlab.sglang.flags import RULES, SpecFlags, default_spec_params, effective_flags, requested_from_params, resolve
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "sglang")
 LLAMA, QWEN = "LlamaForCausalLM", "Qwen2ForCausalLM"

@@ -3,7 +3,7 @@ from itertools import combinations
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.sglang_layers import captured_physical, ids_for_physical, physical_from_spec, validate_capture
+from draftlab.sglang.layers import captured_physical, ids_for_physical, physical_from_spec, validate_capture
 
 LLAMA_LIKE = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftlab.doctor_parity import prompt_rows
-from draftlab.doctor_serving import _ALGORITHM_IN_LOG, check_algorithm
+from draftlab.check.parity import prompt_rows
+from draftlab.check.serving import _ALGORITHM_IN_LOG, check_algorithm
 from draftlab.errors import UserError
-from draftlab.sglang_backend import MAX_PORT, free_port, launch_argv, parse_decode_line, parse_meta, read_log, served_tau
-from draftlab.sglang_flags import SpecFlags
+from draftlab.sglang.launch import MAX_PORT, free_port, launch_argv, parse_decode_line, read_log
+from draftlab.sglang.client import parse_meta, served_tau
+from draftlab.sglang.flags import SpecFlags
 
 H200 = Path(__file__).parent / "fixtures" / "sglang" / "h200"
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,7 @@ def test_a_forced_flag_fault_is_served_recorded_and_named(rehearsal):
 
 def test_live_parity_ran_against_a_server_and_passed(rehearsal):
     results, _ = rehearsal
-    wiring = json.loads((results / "work/reports/wiring.json").read_text())
+    wiring = json.loads((results / "work/reports/check.json").read_text())
     ok = [f for f in wiring["findings"] if f["name"] == "live_parity_ok"]
     assert ok and ok[0]["evidence"]["source"].startswith("http://127.0.0.1:")
 

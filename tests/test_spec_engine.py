@@ -4,11 +4,12 @@ import math
 import pytest
 import torch
 
-from draftlab import spec_engine as se
+from draftlab import spec_engine
+from tests.support.drafts import ScriptedDraft
 from draftlab.draft import DraftConfig, Eagle3Draft
-from draftlab.export import export_sglang, load_exported
-from draftlab.micro import make_micro_model
-from draftlab.sglang_layers import captured_physical
+from draftlab.sglang.checkpoint import export_sglang, load_exported
+from tests.support.micro import make_micro_model
+from draftlab.sglang.layers import captured_physical
 
 PHYSICAL = [1, 2, 3]  # outputs of decoder layers 0..2 of a 4-layer micro target
 PROMPTS = [[17], [5, 9, 200, 3, 77, 12], list(range(40, 57))]
@@ -37,7 +38,7 @@ def random_draft(target, seed: int, draft_vocab: int | None = None) -> Eagle3Dra
 def spec(target, draft, prompt, config, max_new, **kw):
     steps, topk, tokens = config
     kw.setdefault("physical_layers", PHYSICAL)
-    return se.generate(target, draft, prompt, num_steps=steps, topk=topk, num_draft_tokens=tokens, max_new_tokens=max_new, **kw)
+    return spec_engine.generate(target, draft, prompt, num_steps=steps, topk=topk, num_draft_tokens=tokens, max_new_tokens=max_new, **kw)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -48,7 +49,7 @@ def target(request):
 @pytest.fixture(scope="module")
 def references(target):
     """The target's greedy continuation of each prompt (24 tokens, EOS ignored)."""
-    return [se.baseline_generate(target, p, 24, ignore_eos=True).output_ids for p in PROMPTS]
+    return [spec_engine.baseline_generate(target, p, 24, ignore_eos=True).output_ids for p in PROMPTS]
 
 
 # --- greedy: the output is the target's own --------------------------------------------------
@@ -73,7 +74,7 @@ def test_a_fully_accepted_chain_keeps_the_cache_under_older_transformers_crop(ta
 
     monkeypatch.setattr(DynamicLayer, "crop", crop_5_8)
     for prompt, ref in zip(PROMPTS, references):
-        perfect = se.ScriptedDraft(prompt + ref, target.config.vocab_size, hit_rate=1.0, seed=0)
+        perfect = ScriptedDraft(prompt + ref, target.config.vocab_size, hit_rate=1.0, seed=0)
         r = spec(target, perfect, prompt, (3, 1, 4), 24, ignore_eos=True)
         assert r.output_ids == ref and r.accept_hist[-1] > 0  # full acceptances happened
 
@@ -82,7 +83,7 @@ def test_a_fully_accepted_chain_keeps_the_cache_under_older_transformers_crop(ta
 def test_greedy_output_equals_the_targets_for_any_draft(target, references, config):
     drafts = [random_draft(target, 1), random_draft(target, 2, draft_vocab=64)]
     for prompt, ref in zip(PROMPTS, references):
-        noisy = se.ScriptedDraft(prompt + ref, target.config.vocab_size, hit_rate=0.6, seed=len(prompt))
+        noisy = ScriptedDraft(prompt + ref, target.config.vocab_size, hit_rate=0.6, seed=len(prompt))
         for draft in drafts + [noisy]:
             r = spec(target, draft, prompt, config, 24, ignore_eos=True)
             assert r.output_ids == ref, (type(draft).__name__, prompt)
@@ -99,8 +100,8 @@ def test_eos_stops_inside_an_accepted_block_and_ignore_eos_runs_on(target, refer
     prompt, ref = PROMPTS[1], references[1]
     eos = ref[6]
     want = ref[: ref.index(eos) + 1]
-    oracle = se.ScriptedDraft(prompt + ref, target.config.vocab_size)
-    base = se.baseline_generate(target, prompt, 24, eos_token_id=eos)
+    oracle = ScriptedDraft(prompt + ref, target.config.vocab_size)
+    base = spec_engine.baseline_generate(target, prompt, 24, eos_token_id=eos)
     r = spec(target, oracle, prompt, config, 24, eos_token_id=[eos, 99999])
     assert base.output_ids == want and r.output_ids == want
     assert r.finish_reason == base.finish_reason == {"type": "stop", "matched": eos}
@@ -117,7 +118,7 @@ def test_oracle_draft_accepts_every_draft(target, references, config):
     prompt, ref = PROMPTS[2], references[2]
     k = (24 - 1) // (steps + 1)  # verify steps that fit: the prefill gives the first token
     max_new = 1 + k * (steps + 1)
-    r = spec(target, se.ScriptedDraft(prompt + ref, target.config.vocab_size), prompt, config, max_new, ignore_eos=True)
+    r = spec(target, ScriptedDraft(prompt + ref, target.config.vocab_size), prompt, config, max_new, ignore_eos=True)
     assert r.output_ids == ref[:max_new]
     assert r.spec_verify_ct == k and r.accept_hist == [0] * steps + [k]
     assert r.proposed == r.accepted == [k] * steps and r.acceptance == [1.0] * steps
@@ -129,7 +130,7 @@ def test_oracle_draft_accepts_every_draft(target, references, config):
 @pytest.mark.parametrize("config", [(3, 1, 4), (3, 4, 12)], ids=["chain", "tree"])
 def test_null_draft_accepts_nothing(target, references, config):
     prompt, ref = PROMPTS[1], references[1]
-    r = spec(target, se.ScriptedDraft(prompt + ref, target.config.vocab_size, never=True), prompt, config, 24, ignore_eos=True)
+    r = spec(target, ScriptedDraft(prompt + ref, target.config.vocab_size, never=True), prompt, config, 24, ignore_eos=True)
     assert r.output_ids == ref
     assert r.spec_verify_ct == 23 and r.accept_hist == [23] + [0] * config[0]
     assert r.proposed[0] == 23 and r.accepted == [0] * config[0]
@@ -155,23 +156,23 @@ def test_target_cache_after_partial_acceptance_equals_a_fresh_forward(target):
             return target(torch.tensor([tokens])).logits[0, -1].float()
 
     #            0    1    2    3    4    5
-    tree = se.Tree(tokens=[7, 30, 31, 32, 33, 34], parents=[-1, 0, 0, 1, 2, 4], depths=[0, 1, 1, 2, 2, 3])
+    tree = spec_engine.Tree(tokens=[7, 30, 31, 32, 33, 34], parents=[-1, 0, 0, 1, 2, 4], depths=[0, 1, 1, 2, 2, 3])
     for path in ([0, 2, 4, 5], [0, 1, 3], [0]):  # gathered out of the tree / a chain prefix (crop)
-        cache = se.new_cache(target)
+        cache = spec_engine.new_cache(target)
         with torch.no_grad():
-            se.target_forward(target, torch.tensor([prompt]), cache)
-            logits = se.verify_tree(target, cache, tree, n)
+            spec_engine.target_forward(target, torch.tensor([prompt]), cache)
+            logits = spec_engine.verify_tree(target, cache, tree, n)
         for node in range(6):  # tree attention: each node sees exactly its own path
             line, a = [], node
             while a >= 0:
                 line.insert(0, tree.tokens[a])
                 a = tree.parents[a]
             torch.testing.assert_close(logits[node], fresh(prompt + line), atol=1e-4, rtol=1e-4)
-        se.keep_kv(cache, n, path)
+        spec_engine.keep_kv(cache, n, path)
         assert cache.get_seq_length() == n + len(path)
         accepted = [tree.tokens[c] for c in path]
         with torch.no_grad():
-            nxt = se.target_forward(target, torch.tensor([[123]]), cache)[0, -1].float()
+            nxt = spec_engine.target_forward(target, torch.tensor([[123]]), cache)[0, -1].float()
         torch.testing.assert_close(nxt, fresh(prompt + accepted + [123]), atol=1e-4, rtol=1e-4)
 
 
@@ -188,14 +189,14 @@ def test_draft_cache_holds_rows_fed_by_the_target_not_by_the_draft():
     draft.__class__ = SpyDraft
     prompt = [3, 9, 4, 1, 12]
     r = spec(target, draft, prompt, (3, 4, 10), 40, ignore_eos=True)
-    assert r.output_ids == se.baseline_generate(target, prompt, 40, ignore_eos=True).output_ids
+    assert r.output_ids == spec_engine.baseline_generate(target, prompt, 40, ignore_eos=True).output_ids
     assert r.accepted[0] > 3 and r.accepted[1] > 0  # accepted rows at depths 1 and 2
     # What a fresh draft prefill over the committed text, fed by one target forward, would cache.
     rows = len(draft.cache)
     text = torch.tensor([prompt + r.output_ids])
-    with se.AuxCapture(target, PHYSICAL) as aux, torch.no_grad():
+    with spec_engine.AuxCapture(target, PHYSICAL) as aux, torch.no_grad():
         target(text[:, :rows])
-        fresh = se.KVCache()
+        fresh = spec_engine.KVCache()
         draft.step(text[:, 1 : rows + 1], draft.project(aux.take()), torch.arange(rows)[None], fresh)
     assert rows >= len(prompt) + len(r.output_ids) - 6  # everything but the last block
     torch.testing.assert_close(draft.cache.k, fresh.k, atol=1e-4, rtol=1e-4)
@@ -213,7 +214,7 @@ def test_an_exported_draft_runs_as_loaded_with_the_layers_sglang_would_capture(t
     prompt = PROMPTS[1]
     a = spec(target, loaded, prompt, (3, 2, 6), 16, physical_layers=physical, ignore_eos=True)
     b = spec(target, draft, prompt, (3, 2, 6), 16, ignore_eos=True)
-    assert a.output_ids == b.output_ids == se.baseline_generate(target, prompt, 16, ignore_eos=True).output_ids
+    assert a.output_ids == b.output_ids == spec_engine.baseline_generate(target, prompt, 16, ignore_eos=True).output_ids
     assert (a.accept_hist, a.proposed, a.accepted) == (b.accept_hist, b.proposed, b.accepted)
 
 

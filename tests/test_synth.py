@@ -15,10 +15,10 @@ import pytest
 import torch
 import yaml
 
-from draftlab import synth as S
+from draftlab import synth
 from draftlab.errors import UserError
 from draftlab.lifecycle import free_port, serve
-from draftlab.micro import make_micro_tokenizer, save_micro_model
+from tests.support.micro import make_micro_tokenizer, save_micro_model
 from draftlab.server import launch_command
 from draftlab.tasks import END_THINK, THINK
 
@@ -52,7 +52,7 @@ def target(tmp_path_factory):
     tok = make_micro_tokenizer()
     seqs = []
     for q, r, a in TAUGHT:
-        p = S.prompt_ids(tok, [{"role": "user", "content": q}])
+        p = synth.prompt_ids(tok, [{"role": "user", "content": q}])
         seqs.append((p, p + tok(reasoned(r, a), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     width = max(len(f) for _, f in seqs)
     x = torch.tensor([f + [tok.pad_token_id] * (width - len(f)) for _, f in seqs])
@@ -87,24 +87,24 @@ def make_prompts(dir, train, evals):
     return dir
 
 
-def write_params(dir, model, **synth):
+def write_params(dir, model, **synth_params):
     base = yaml.safe_load((ROOT / "params.yaml").read_text())
     params = {"target": {**base["target"], "model": str(model), "device": "cpu"},
-              "synth": {**base["synth"], "max_new_tokens": 24, "retry_backoff_s": 0.01, **synth}}
+              "synth": {**base["synth"], "max_new_tokens": 24, "retry_backoff_s": 0.01, **synth_params}}
     (dir / "params.yaml").write_text(yaml.safe_dump(params))
 
 
-def run_stage(tmp, monkeypatch, prompts, out, model, **synth):
+def run_stage(tmp, monkeypatch, prompts, out, model, **synth_params):
     """Run the stage in this process, from `tmp` (where its params.yaml is); returns its output."""
     tmp.mkdir(parents=True, exist_ok=True)
-    write_params(tmp, model, **synth)
+    write_params(tmp, model, **synth_params)
     monkeypatch.chdir(tmp)
     stage.main(prompts, out)
     return read_out(out)
 
 
 def read_out(out):
-    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").read_text().splitlines()] for s in S.SPLITS}
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").read_text().splitlines()] for s in synth.SPLITS}
     return rows, json.loads((out / "manifest.json").read_text())
 
 
@@ -141,7 +141,7 @@ def test_openai_backend_gives_the_same_rows_as_hf_for_greedy(tmp_path, monkeypat
     assert hf_man["info"]["tokenizer_hash"] == oa_man["info"]["tokenizer_hash"]
     assert hf_man["info"]["chat_template_hash"] == oa_man["info"]["chat_template_hash"]
     assert oa_man["info"]["served_model"] == str(target)
-    assert not list((tmp_path / "oa" / "out").glob("*.partial")) and not (tmp_path / "oa" / "out" / S.RESUME_FILE).exists()
+    assert not list((tmp_path / "oa" / "out").glob("*.partial")) and not (tmp_path / "oa" / "out" / synth.RESUME_FILE).exists()
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])
@@ -203,7 +203,7 @@ class ListBackend:
             if self.stop_after is not None and len(self.seen) == self.stop_after:
                 raise KeyboardInterrupt
             self.seen.append(r["id"])
-            done(r, S.Answer(f"answer to {r['id']}", "stop", 3), None)
+            done(r, synth.Answer(f"answer to {r['id']}", "stop", 3), None)
 
 
 def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
@@ -211,9 +211,9 @@ def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
     make = lambda p, a: {"id": p["id"], "content": a.content, "finish_reason": a.finish_reason}
     first = ListBackend(stop_after=4)
     with pytest.raises(KeyboardInterrupt):
-        S.synthesize(splits, first, tmp_path, "key-1", make)
+        synth.synthesize(splits, first, tmp_path, "key-1", make)
     second = ListBackend()
-    stats = S.synthesize(splits, second, tmp_path, "key-1", make)
+    stats = synth.synthesize(splits, second, tmp_path, "key-1", make)
     assert not set(first.seen) & set(second.seen)
     assert sorted(first.seen + second.seen) == sorted(r["id"] for rows in splits.values() for r in rows)
     for split, rows in splits.items():
@@ -223,9 +223,9 @@ def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
 
     # Partial rows from other settings are never mixed in: a new key starts over.
     with pytest.raises(KeyboardInterrupt):
-        S.synthesize(splits, ListBackend(stop_after=2), tmp_path, "key-1", make)
+        synth.synthesize(splits, ListBackend(stop_after=2), tmp_path, "key-1", make)
     third = ListBackend()
-    S.synthesize(splits, third, tmp_path, "key-2", make)
+    synth.synthesize(splits, third, tmp_path, "key-2", make)
     assert len(third.seen) == 8
 
 
@@ -331,12 +331,12 @@ def test_prompt_too_long_for_the_context_names_the_row(tmp_path, monkeypatch, ta
 
 
 def test_think_layout_comes_from_the_chat_template():
-    layout = S.think_layout(make_micro_tokenizer())
+    layout = synth.think_layout(make_micro_tokenizer())
     assert layout == ("<think>\n", "\n</think>\n")
     # Newer SGLang keeps the newlines around the reasoning, older ones strip them: same content.
     for reasoning, answer in (("\nR\n", "A"), ("R\n", "A"), ("R", " A")):
-        assert S.rebuild_content(reasoning, answer, layout, "stop") == "<think>\nR\n</think>\nA"
-    assert S.rebuild_content("\nhalf a thought", "", layout, "length") == "<think>\nhalf a thought"
-    assert S.rebuild_content(None, "inline", layout, "stop") == "inline"
-    assert S.answer_only("<think>\nR\n</think>\nA") == "A"
-    assert S.answer_only("<think>\ncut off") == "" and S.answer_only("no reasoning") == "no reasoning"
+        assert synth.rebuild_content(reasoning, answer, layout, "stop") == "<think>\nR\n</think>\nA"
+    assert synth.rebuild_content("\nhalf a thought", "", layout, "length") == "<think>\nhalf a thought"
+    assert synth.rebuild_content(None, "inline", layout, "stop") == "inline"
+    assert synth.answer_only("<think>\nR\n</think>\nA") == "A"
+    assert synth.answer_only("<think>\ncut off") == "" and synth.answer_only("no reasoning") == "no reasoning"

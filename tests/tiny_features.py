@@ -8,7 +8,7 @@ import torch
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.features import build_draft_vocab, count_tokens, pack_sequences, save_draft_vocab, shard_name, write_shard
 from draftlab.manifest import build_manifest, write_manifest
-from draftlab.micro import make_micro_model
+from tests.support.micro import make_micro_model
 
 
 def target_facts(model, path) -> dict:

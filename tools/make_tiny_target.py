@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 from draftlab import tasks  # noqa: E402
-from draftlab.micro import save_tokenizer  # noqa: E402
+from draftlab.target import save_tokenizer  # noqa: E402
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text  # noqa: E402
 
 MAX_BYTES = 30 * 2**20  # the whole model directory must stay under 30 MiB (it is committed)
@@ -68,7 +68,7 @@ def train_tokenizer(problems, vocab_size: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=tasks.SPECIAL_TOKENS + tasks.THINK_TOKENS)  # ids 0..6, as in draftlab.micro
+        special_tokens=tasks.SPECIAL_TOKENS + tasks.THINK_TOKENS)  # ids 0..6, as in tests.support.micro
     tok.train_from_iterator((f"{p.prompt}\n{p.reasoning}\n{p.final}" for p in problems), trainer)
     # the think markers stay single tokens but are not special: decoded text keeps them
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tasks.THINK_TOKENS])

@@ -349,16 +349,16 @@ def decode_profile(P, model) -> None:
     # cuDNN keeps a plan per shape, so the order matters: allowed on KV lengths it has not seen
     # ("cold", what a fresh process decoding new lengths pays), the same lengths again ("warm"),
     # then avoided on the same lengths.
-    from draftlab import spec_engine as se
+    from draftlab import spec_engine
 
     plist = prompt[0].tolist()
     per = {}
     for name, avoid in (("cold", False), ("warm", False), ("avoided", True)):
-        se.AVOID_CUDNN_ATTENTION = avoid
-        r = se.baseline_generate(model, plist, P["decode_new"], ignore_eos=True)
+        spec_engine.AVOID_CUDNN_ATTENTION = avoid
+        r = spec_engine.baseline_generate(model, plist, P["decode_new"], ignore_eos=True)
         per[name] = (r.total_s - r.prefill_s) / max(1, len(r.output_ids) - 1)
         record(S, f"engine_decode_ms_cudnn_{name}", per[name] * 1e3, f"ms per token (baseline_generate, {P['decode_new']} tokens)")
-    se.AVOID_CUDNN_ATTENTION = True
+    spec_engine.AVOID_CUDNN_ATTENTION = True
     record(S, "engine_decode_cudnn_cold_ratio", per["cold"] / per["avoided"], "(cuDNN allowed, new lengths / avoided)")
     # The soft labels in bf16 instead of fp32 (train.target_labels' cost on one 2048-token batch).
     H, V = model.config.hidden_size, model.config.vocab_size
@@ -377,7 +377,8 @@ def decode_profile(P, model) -> None:
 
 
 def spec(P, model) -> None:
-    from draftlab import spec_engine as se
+    from draftlab import spec_engine
+    from tests.support.drafts import ScriptedDraft
 
     dev, S = P["device"], "spec"
     counts = param_counts(model)
@@ -391,8 +392,8 @@ def spec(P, model) -> None:
     if P.get("stable_greedy"):
         stabilize(model)
         record(S, "stable_greedy", 1)
-    se.baseline_generate(model, prompt, 8, ignore_eos=True)  # warm-up
-    base = se.baseline_generate(model, prompt, new, ignore_eos=True)
+    spec_engine.baseline_generate(model, prompt, 8, ignore_eos=True)  # warm-up
+    base = spec_engine.baseline_generate(model, prompt, new, ignore_eos=True)
     decode_s = (base.total_s - base.prefill_s) / max(1, len(base.output_ids) - 1)
     floor = bw / step_bytes
     record(S, "prompt_tokens", len(prompt))
@@ -409,13 +410,13 @@ def spec(P, model) -> None:
     costs = {"verify_s": forward_costs(model, prompt, widths, dev)}
     for w, s in costs["verify_s"].items():
         record(S, f"target_forward_w{w}_ms", s * 1e3, "ms")
-    # The oracle and null drafts are exactly what se.oracle_draft / se.null_draft build, made
+    # The oracle and null drafts are exactly what spec_engine.oracle_draft / spec_engine.null_draft build, made
     # once from the baseline's output (each of those calls re-runs the baseline decode).
     ref = list(prompt) + base.output_ids
     for steps in P["spec_steps"]:
-        for name, draft in (("oracle", se.ScriptedDraft(ref, model.config.vocab_size)),
-                            ("null", se.ScriptedDraft(ref, model.config.vocab_size, never=True))):
-            r = se.generate(model, draft, prompt, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
+        for name, draft in (("oracle", ScriptedDraft(ref, model.config.vocab_size)),
+                            ("null", ScriptedDraft(ref, model.config.vocab_size, never=True))):
+            r = spec_engine.generate(model, draft, prompt, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
                             ignore_eos=True, physical_layers=P["physical"])
             if r.output_ids != base.output_ids:
                 record(S, f"{name}_s{steps}_output_mismatch", 1)
@@ -679,7 +680,7 @@ class StaticDecode:
 
 
 def decode_graph(P, model) -> None:
-    from draftlab import spec_engine as se
+    from draftlab import spec_engine
 
     dev, S = P["device"], "decode_graph"
     counts = param_counts(model)
@@ -688,17 +689,17 @@ def decode_graph(P, model) -> None:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, model.config.vocab_size, (P["spec_prompt"],), generator=g).tolist()
     new = P["graph_new"]
-    ref = se.baseline_generate(model, prompt, new + 1, ignore_eos=True)
+    ref = spec_engine.baseline_generate(model, prompt, new + 1, ignore_eos=True)
     sd = StaticDecode(model, -(-(len(prompt) + new + 8) // 64) * 64)  # slots in whole 64s: aligned for the attention kernels
-    with se.attention_kernels(dev), torch.inference_mode():
+    with spec_engine.attention_kernels(dev), torch.inference_mode():
         # The same computation as the engine: logits of the static step against the engine's own
         # forward, fed the same tokens, for a few steps.
         x = sd.prefill(prompt)
-        cache = se.new_cache(model)
-        se.target_forward(model, torch.tensor([prompt], device=dev), cache)
+        cache = spec_engine.new_cache(model)
+        spec_engine.target_forward(model, torch.tensor([prompt], device=dev), cache)
         err = 0.0
         for _ in range(4):
-            want = se.target_forward(model, torch.tensor([[x]], device=dev), cache, logits_to_keep=1)[0, -1].float()
+            want = spec_engine.target_forward(model, torch.tensor([[x]], device=dev), cache, logits_to_keep=1)[0, -1].float()
             sd.tok.fill_(x)
             sd.step()
             err = max(err, float((sd.logits[0] - want).norm() / want.norm()))
@@ -731,9 +732,9 @@ def decode_graph(P, model) -> None:
 def embedded(P) -> None:
     from transformers import AutoModelForCausalLM
 
-    from draftlab import spec_engine as se
+    from draftlab import spec_engine
     from draftlab.bench import render_prompts
-    from draftlab.export import load_exported
+    from draftlab.sglang.checkpoint import load_exported
     from draftlab.target import load_tokenizer
     from draftlab.tasks import generate as make_tasks
 
@@ -761,15 +762,15 @@ def embedded(P) -> None:
     record(S, "physical", physical)
     record(S, "num_steps", steps)
     record(S, "prompts", len(prompts))
-    se.baseline_generate(target, prompts[0], 8, eos_token_id=eos)  # warm-ups
-    se.generate(target, draft, prompts[0], num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=8,
+    spec_engine.baseline_generate(target, prompts[0], 8, eos_token_id=eos)  # warm-ups
+    spec_engine.generate(target, draft, prompts[0], num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=8,
                 eos_token_id=eos, physical_layers=physical)
     bt = bs = 0.0
     bn = sn = ver = 0
     same = 0
     for p in prompts:
-        b = se.baseline_generate(target, p, new, eos_token_id=eos)
-        r = se.generate(target, draft, p, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
+        b = spec_engine.baseline_generate(target, p, new, eos_token_id=eos)
+        r = spec_engine.generate(target, draft, p, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
                         eos_token_id=eos, physical_layers=physical)
         bt, bn = bt + b.total_s, bn + len(b.output_ids)
         bs, sn, ver = bs + r.total_s, sn + len(r.output_ids), ver + r.spec_verify_ct
@@ -827,7 +828,7 @@ Machine: {machine}
 - `baseline_generate` of {new} new tokens on a random {plen}-token prompt (after a warm-up);
   decode tokens/s excludes the prefill. Bandwidth floor = measured copy bandwidth / bytes read per decode step
   (all weights but the embedding).
-- Oracle / null drafts: `spec_engine.ScriptedDraft` over the baseline's output (what `oracle_draft` /
+- Oracle / null drafts: `ScriptedDraft` over the baseline's output (what `oracle_draft` /
   `null_draft` build; made once instead of re-running the baseline per call); `generate` with topk 1,
   num_draft_tokens = num_steps + 1, num_steps in {spec_steps}. speedup = tokens/s / baseline tokens/s
   (whole requests). Overhead per step = (request time - prefill) / verify steps - pure target forward of

@@ -108,25 +108,25 @@ def worker_train(work: Path, result: Path) -> None:
     from safetensors.torch import load_file
 
     from draftlab import parallel
-    from draftlab import train as T
+    from draftlab import train
     from draftlab.draft import DraftConfig
     from draftlab.features import FeatureDataset, load_draft_vocab
     from draftlab.params import TrainParams
 
     facts = json.loads((work / "facts.json").read_text())
-    device = T.resolve_device("auto")
+    device = train.resolve_device("auto")
     rank, world = parallel.setup_distributed(device.type)
     d2t, t2d = load_draft_vocab(work / "features" / "draft_vocab.safetensors")
     w = load_file(str(work / "target_head.safetensors"))
     cfg = DraftConfig.from_target(facts, 3, len(d2t))
-    draft = T.init_draft(cfg, w["embed"].float(), w["head"].float(), d2t, t2d, seed=0)
+    draft = train.init_draft(cfg, w["embed"].float(), w["head"].float(), d2t, t2d, seed=0)
     tp = TrainParams(seed=0, epochs=1, batch_size=facts["batch"], max_length=facts["seq"], lr=3e-4, min_lr_ratio=0.1,
                      warmup_ratio=0.0, weight_decay=0.0, grad_clip=0.5, ttt_steps=facts["ttt"], ttt_decay=0.8,
                      intermediate_size=None, checkpoint_every=0, device="auto", autocast="auto")
     resume = work / f"resume-{world}.pt"
     resume.unlink(missing_ok=True)
     steps: list[list[float]] = []
-    T.fit(draft, w["head"].float(), FeatureDataset(work / "features" / "train"), FeatureDataset(work / "features" / "eval"),
+    train.fit(draft, w["head"].float(), FeatureDataset(work / "features" / "train"), FeatureDataset(work / "features" / "eval"),
           tp, resume, f"scale-{world}", device, rank, world, stop_after_steps=facts["steps"],
           on_step=lambda s, loss, sec: steps.append([s, loss, sec]))
     if rank == 0:
@@ -168,7 +168,7 @@ def make_target(P: dict, work: Path, quick: bool) -> Path:
 
     dest = work / "target"
     if quick:
-        from draftlab.micro import save_micro_model
+        from tests.support.micro import save_micro_model
 
         save_micro_model(dest, arch="llama", num_layers=P["target"]["num_hidden_layers"])
         return dest

@@ -42,9 +42,10 @@ from draftlab.bench import render_prompts, spec_figures  # noqa: E402
 from draftlab.errors import UserError  # noqa: E402
 from draftlab.faults import FAULTS, miswire  # noqa: E402
 from draftlab.params import load_params  # noqa: E402
-from draftlab.sglang_backend import Client, flags_from_server_info, read_log  # noqa: E402
-from draftlab.sglang_backend import free_port as sglang_free_port  # noqa: E402
-from draftlab.sglang_flags import SpecFlags, requested_from_params, resolve  # noqa: E402
+from draftlab.sglang.client import Client, flags_from_server_info  # noqa: E402
+from draftlab.sglang.launch import read_log  # noqa: E402
+from draftlab.sglang.launch import free_port as sglang_free_port  # noqa: E402
+from draftlab.sglang.flags import SpecFlags, requested_from_params, resolve  # noqa: E402
 from draftlab.target import load_tokenizer  # noqa: E402
 from stages.bench import measure, start  # noqa: E402  (the bench stage's own launch and measurement)
 
@@ -309,7 +310,7 @@ class Session:
         except UserError as e:
             record["check"] = f"failed: {str(e).splitlines()[-1]}"
             return
-        wiring = json.loads((fwork / "reports/wiring.json").read_text())
+        wiring = json.loads((fwork / "reports/check.json").read_text())
         found = [{"name": f["name"], "severity": f["severity"]} for f in wiring["findings"] if f["severity"] != "ok-info"]
         record["findings"] = found
         record["named"] = any(f["name"] in fault.expect for f in found)

@@ -1,19 +1,19 @@
 """Checks of the exported draft against the training features: capture layers, d2t, sizes, tensors.
 
 Pure functions: parsed config.json / manifests / tensors in, a list of Findings out. The layer
-rules are draftlab.sglang_layers' (DESIGN.md section 4); the checkpoint contract is
-draftlab.export's (section 7).
+rules are draftlab.sglang.layers' (DESIGN.md section 4); the checkpoint contract is
+draftlab.sglang.checkpoint's (section 7).
 """
 from __future__ import annotations
 
 import torch
 
-from draftlab.doctor_findings import Finding, error, info, warning
+from draftlab.check.findings import Finding, error, info, warning
 from draftlab.draft import DraftConfig
 from draftlab.errors import UserError
-from draftlab.export import ARCHITECTURE, DTYPES, expected_tensors
+from draftlab.sglang.checkpoint import ARCHITECTURE, DTYPES, expected_tensors
 from draftlab.features import draft_to_target
-from draftlab.sglang_layers import captured_physical, default_physical, family, ids_for_physical
+from draftlab.sglang.layers import captured_physical, default_physical, family, ids_for_physical
 
 REEXPORT = "re-run the export stage"
 

@@ -1,6 +1,6 @@
-"""Readable reports of the check stage: reports/wiring.md (the findings) and reports/summary.md (the run).
+"""Readable reports of the check stage: reports/check.md (the findings) and reports/summary.md (the run).
 
-Both are plain Markdown built from the same dicts that go into reports/wiring.json.
+Both are plain Markdown built from the same dicts that go into reports/check.json.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from draftlab.doctor_findings import ERROR, INFO, WARNING, Finding
+from draftlab.check.findings import ERROR, INFO, WARNING, Finding
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -22,7 +22,7 @@ def _counts(findings: list[Finding]) -> str:
     return f"{n[ERROR]} error(s), {n[WARNING]} warning(s), {n[INFO]} ok-info"
 
 
-def wiring_markdown(findings: list[Finding], parity: dict | None, settings: dict, config_hash: str) -> str:
+def check_markdown(findings: list[Finding], parity: dict | None, settings: dict, config_hash: str) -> str:
     lines = ["# Wiring check", "",
              f"config_hash `{config_hash}`: {_counts(findings)}.", "",
              "| setting | value |", "|---|---|"]
@@ -78,7 +78,7 @@ def _tps(x) -> str:
 def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Path) -> str:
     t, b = run.train_metrics or {}, run.bench or {}
     spec, base, off = b.get("spec") or {}, b.get("baseline") or {}, b.get("offline") or {}
-    lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Wiring: {_counts(findings)} (details: [wiring.md](wiring.md)).", "",
+    lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Check: {_counts(findings)} (details: [check.md](check.md)).", "",
              "## What ran", "", "| stage | config hash | facts |", "|---|---|---|", *stage_rows(run), "",
              "## Key figures", "", "| figure | value |", "|---|---|",
              f"| tau predicted by training | {_fmt(t.get('tau_pred'))} |",

@@ -14,7 +14,7 @@ Capture sources:
   inprocess_capture(model, p)  the reference engine's own capture path (extract.AuxCapture)
                                at physical layers p: what the exported config makes SGLang capture
 
-    python -m draftlab.doctor parity --url http://127.0.0.1:30000 --features data/features
+    python -m draftlab.check parity --url http://127.0.0.1:30000 --features data/features
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from draftlab.doctor_findings import Finding, error, info, warning
+from draftlab.check.findings import Finding, error, info, warning
 from draftlab.errors import UserError
 from draftlab.extract import decoder_layers
 from draftlab.features import read_metadata
@@ -107,7 +107,7 @@ def prompt_rows(meta: dict, num_prompt_tokens: int, hidden_size: int) -> tuple[t
 def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callable[[list[int]], tuple[torch.Tensor, int]]:
     """A capture source that asks a server's /generate for the hidden states of `input_ids`:
     returns (rows, position of the first row), see prompt_rows."""
-    from draftlab.sglang_backend import Client
+    from draftlab.sglang.client import Client
 
     def capture(ids: list[int]) -> tuple[torch.Tensor, int]:
         # 2 new tokens, not 1: one verify step runs, so a speculating server's per-request counters

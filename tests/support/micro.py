@@ -7,14 +7,13 @@ loads a directory with AutoModelForCausalLM / AutoTokenizer behaves the same on 
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from draftlab.target import save_tokenizer
 from draftlab.tasks import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, THINK_TOKENS
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -93,18 +92,6 @@ def save_micro_model(dir: str | os.PathLike, arch: str = "llama", **kw) -> PreTr
     model.save_pretrained(dir)
     save_tokenizer(tokenizer, dir)
     return model
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, dir: str | os.PathLike) -> None:
-    """save_pretrained, with the chat template inside tokenizer_config.json (where transformers 4
-    and 5 both look) and a tokenizer class name that both know."""
-    tokenizer.save_pretrained(dir, save_jinja_files=False)
-    path, jinja = Path(dir) / "tokenizer_config.json", Path(dir) / "chat_template.jinja"
-    config = json.loads(path.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}
-    if jinja.exists():  # a transformers version that ignored save_jinja_files=False
-        config["chat_template"] = jinja.read_text()
-        jinja.unlink()
-    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

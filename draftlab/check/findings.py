@@ -1,8 +1,8 @@
-"""What the wiring doctor reports: one Finding per fault (or per thing proven right).
+"""What the wiring check reports: one Finding per fault (or per thing proven right).
 
 A finding names the fault with a stable identifier (`capture_layers_shifted`), says how bad it
 is, shows the numbers that prove it, the likely cause in plain words, and what to do. The check
-functions of draftlab/doctor_*.py return lists of these; they never raise for a fault.
+functions of draftlab/check/*.py return lists of these; they never raise for a fault.
 """
 from __future__ import annotations
 

@@ -1,32 +1,30 @@
-"""The wiring doctor: reads what every stage wrote and names each train-vs-serve wiring fault.
+"""The wiring check: reads what every stage wrote and names each train-vs-serve wiring fault.
 
-    findings, parity, settings = diagnose(Paths(), CheckParams(...))   # what the check stage runs
-    python -m draftlab.doctor parity --url http://127.0.0.1:30000       # live parity against a server
+    diagnosis = diagnose(Paths(), CheckParams(...))   # what the check stage runs
 
-The checks themselves are pure functions in doctor_draft (exported draft vs features),
-doctor_serving (algorithm, flags, template/tokenizer, tau) and doctor_parity (live capture);
-this module only reads the files, calls them in order and runs live parity.
+The checks themselves are pure functions in check.draft (exported draft vs features),
+check.serving (algorithm, flags, template/tokenizer, tau) and check.parity (live capture);
+this module only reads the files, calls them in order and runs live parity. Live parity alone,
+against any server: python -m draftlab.check parity --url http://127.0.0.1:30000
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from draftlab.doctor_draft import check_capture, check_d2t, check_draft_shapes, layer_ids_of
-from draftlab.doctor_findings import Finding, by_severity, error, errors, info, warning
-from draftlab.doctor_parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
-from draftlab.doctor_serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
+from draftlab.check.draft import check_capture, check_d2t, check_draft_shapes, layer_ids_of
+from draftlab.check.findings import Finding, by_severity, error, errors, info, warning
+from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
+from draftlab.check.serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
-from draftlab.export import WEIGHTS
+from draftlab.sglang.checkpoint import WEIGHTS
 from draftlab.features import DRAFT_VOCAB_FILE, read_metadata
-from draftlab.sglang_layers import VERIFIED_VERSIONS, captured_physical, parse_version
+from draftlab.sglang.layers import VERIFIED_VERSIONS, captured_physical, parse_version
 
 # safetensors dtype names -> torch dtypes (for shape/dtype checks without loading the weights)
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
@@ -186,7 +184,7 @@ def _live_parity(run: Run, cp, version: str, load_model) -> tuple[dict | None, l
 @dataclass
 class Diagnosis:
     findings: list[Finding]  # worst first
-    parity: dict | None  # the live parity result (doctor_parity.run_parity), None when it did not run
+    parity: dict | None  # the live parity result (check.parity.run_parity), None when it did not run
     settings: dict  # key settings for the report's lineage
     run: Run
 
@@ -245,7 +243,7 @@ def diagnose(paths: Paths, cp, load_model=load_local_target) -> Diagnosis:
 
 
 def report_dict(d: Diagnosis) -> dict:
-    """reports/wiring.json content (before lineage): strict JSON (an infinite error becomes null)."""
+    """reports/check.json content (before lineage): strict JSON (an infinite error becomes null)."""
     def finite(x):
         if isinstance(x, float):
             return x if math.isfinite(x) else None
@@ -265,7 +263,7 @@ def _pair(template: str | None, tokenizer: str | None) -> dict | None:
 
 
 def _log_adjustments(bench: dict) -> list[tuple[str, str]]:
-    from draftlab.sglang_backend import read_log
+    from draftlab.sglang.launch import read_log
 
     log = bench.get("server_log")
     if log and Path(log).exists():
@@ -274,7 +272,7 @@ def _log_adjustments(bench: dict) -> list[tuple[str, str]]:
 
 
 def settings_of(run: Run, version: str, cp) -> dict:
-    """The few key settings shown next to config_hash in reports/wiring.json."""
+    """The few key settings shown next to config_hash in reports/check.json."""
     eff = ((run.bench or {}).get("flags") or {}).get("effective") or {}
     ids = layer_ids_of(run.draft_config or {})
     t = run.target
@@ -288,64 +286,3 @@ def settings_of(run: Run, version: str, cp) -> dict:
             "backend": (run.bench or {}).get("backend"), "algorithm": eff.get("algorithm"), "num_steps": eff.get("num_steps"),
             "topk": eff.get("topk"), "num_draft_tokens": eff.get("num_draft_tokens"),
             "live_parity": cp.server_url or ("in-process" if cp.live_parity_samples > 0 else "off")}
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: python -m draftlab.doctor parity ...
-
-
-def parity_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draftlab.doctor parity",
-                                 description="compare a server's (or the in-process) captured hidden states with the training features")
-    ap.add_argument("--url", default="", help="server with --enable-return-hidden-states; empty = in-process capture for --draft")
-    ap.add_argument("--features", type=Path, default=Path("data/features"))
-    ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
-    ap.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
-    ap.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
-    ap.add_argument("--samples", type=int, default=4, help="training sequences to send")
-    ap.add_argument("--rtol", type=float, default=0.05, help="relative error a slot may show")
-    ap.add_argument("--norm-tolerance", type=float, default=0.15)
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
-    ap.add_argument("--json", type=Path, default=None, help="write the full parity result here")
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    fm = read_json(a.features / "manifest.json") or {}
-    target = (fm.get("info") or {}).get("target") or {}
-    seqs, meta = stored_sequences(a.features, a.samples)
-    model = load_local_target(a.target or target["model"], None if a.target else target.get("revision")) if (a.target or not a.url) else None
-    if a.url:
-        result = run_parity(seqs, meta, http_capture(a.url, int(meta["hidden_size"]), a.timeout), a.url,
-                            reference_states(model) if model is not None else None)
-    else:
-        config = read_json(a.draft / "config.json")
-        if config is None:
-            raise UserError(f"{a.draft}/config.json not found; give --url or an exported --draft")
-        version = a.sglang_version or (config.get("draftlab") or {}).get("sglang_version") or VERIFIED_VERSIONS[-1]
-        live = captured_physical(target["architecture"], int(target["num_layers"]), layer_ids_of(config), version)
-        result = run_parity(seqs, meta, inprocess_capture(model, live), "in-process", reference_states(model), live)
-    stats = read_json(a.features / "stats.json") or {}
-    findings = check_live_capture(result, stats.get("norms"), a.rtol, a.norm_tolerance)
-    for s in result["slots"]:
-        print(f"slot {s['slot']}: trained physical {s['trained_physical']}, rel err {s['rel_err']:.4f}, max abs diff "
-              f"{s['max_abs_diff']:.4g}, cos {s['cos']:.4f}, norm ratio {s['norm_ratio']:.3f}, best match {s['best_match']}")
-    for f in findings:
-        print(f"{f.severity}: {f.name}: {f.cause}" + (f" -> {f.fix}" if f.fix else ""))
-    if a.json:
-        a.json.write_text(json.dumps({"parity": result, "findings": [f.as_dict() for f in findings]}, indent=2) + "\n")
-    return 1 if errors(findings) else 0
-
-
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "parity":
-        print("usage: python -m draftlab.doctor parity [--url URL] [options]  (the full check is: python -m stages.check)", file=sys.stderr)
-        sys.exit(2)
-    try:
-        sys.exit(parity_main(argv[1:]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import re
 
-from draftlab.doctor_findings import Finding, error, info, warning
-from draftlab.sglang_flags import SPEC_KEYS
+from draftlab.check.findings import Finding, error, info, warning
+from draftlab.sglang.flags import SPEC_KEYS
 
 # SGLang prints its resolved ServerArgs at start-up ("speculative_algorithm='EAGLE'"); a logged
 # command line reads "--speculative-algorithm EAGLE".

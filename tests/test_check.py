@@ -1,4 +1,4 @@
-"""The wiring doctor names each train-vs-serve fault injected into the real outputs of a micro pipeline."""
+"""The wiring check names each train-vs-serve fault injected into the real outputs of a micro pipeline."""
 import dataclasses
 import json
 import shutil
@@ -11,21 +11,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftlab import doctor
-from draftlab.doctor_draft import check_capture
-from draftlab.doctor_findings import names
-from draftlab.doctor_parity import check_live_capture, hidden_rows, inprocess_capture
-from draftlab.doctor_serving import check_tau
+from draftlab.check import diagnose as check_run
+from draftlab.check import __main__ as check_cli
+from draftlab.check.draft import check_capture
+from draftlab.check.findings import names
+from draftlab.check.parity import check_live_capture, hidden_rows, inprocess_capture
+from draftlab.check.serving import check_tau
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
-from draftlab.export import export_sglang
+from draftlab.sglang.checkpoint import export_sglang
 from draftlab.extract import capture, render
 from draftlab.faults import FAULTS, miswire
 from draftlab.features import build_draft_vocab, count_tokens, load_draft_vocab, pack_sequences, read_metadata, save_draft_vocab, write_shard
 from draftlab.manifest import build_manifest, with_lineage, write_manifest
-from draftlab.micro import save_micro_model
+from tests.support.micro import save_micro_model
 from draftlab.params import CheckParams, TargetParams
-from draftlab.sglang_flags import SpecFlags, resolve
+from draftlab.sglang.flags import SpecFlags, resolve
 from draftlab.target import chat_template_hash, load_tokenizer, target_info, tokenizer_hash
 
 L, H, V, VD = 8, 64, 256, 64
@@ -106,15 +107,15 @@ def run(pipeline, tmp_path):
     return tmp_path
 
 
-def paths(root: Path) -> doctor.Paths:
-    return doctor.Paths(root / "data/synth", root / "data/hidden", root / "data/features", root / "reports/train/metrics.json",
+def paths(root: Path) -> check_run.Paths:
+    return check_run.Paths(root / "data/synth", root / "data/hidden", root / "data/features", root / "reports/train/metrics.json",
                         root / "models/draft", root / "reports/bench.json")
 
 
 def diagnose(pipeline, root, **check):
     model = pipeline[1]
     cp = CheckParams(**{**CHECK.__dict__, **check})
-    return doctor.diagnose(paths(root), cp, load_model=lambda *_: model)
+    return check_run.diagnose(paths(root), cp, load_model=lambda *_: model)
 
 
 def edit_json(path: Path, change) -> None:
@@ -469,7 +470,7 @@ def test_http_parity_names_a_post_norm_capture_and_a_shift(pipeline, run, stub_s
 def test_parity_cli_against_a_server(pipeline, stub_server, capsys):
     url, state = stub_server
     state.update(physical=PHYSICAL, final=False)
-    assert doctor.parity_main(["--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "2"]) == 0
+    assert check_cli.parity_main(["--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "2"]) == 0
     assert "live_parity_ok" in capsys.readouterr().out
 
 
@@ -528,7 +529,7 @@ def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, mo
     (run / "reports/train/plots").mkdir()
     (run / "reports/train/plots/accept.png").write_bytes(b"\x89PNG")
     main(paths(run), run / "reports", load_model=lambda *_: model)
-    report = json.loads((run / "reports/wiring.json").read_text())
+    report = json.loads((run / "reports/check.json").read_text())
     assert report["ok"] and report["stage"] == "check" and len(report["config_hash"]) == 64
     assert report["settings"]["sglang_captures"] == PHYSICAL and report["settings"]["backend"] == "reference"
     summary = (run / "reports/summary.md").read_text()
@@ -538,7 +539,7 @@ def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, mo
     edit_config(run, lambda c: c.pop("eagle_config"))
     with pytest.raises(UserError, match="eagle_config_missing"):
         main(paths(run), run / "reports", load_model=lambda *_: model)
-    assert "`eagle_config_missing`" in (run / "reports/wiring.md").read_text()  # written before failing
+    assert "`eagle_config_missing`" in (run / "reports/check.md").read_text()  # written before failing
     (run / "params.yaml").write_text(PARAMS % "false")
     d = main(paths(run), run / "reports", load_model=lambda *_: model)
     assert names(d.errors) == ["eagle_config_missing", "layer_shift"]

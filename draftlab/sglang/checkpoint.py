@@ -23,7 +23,7 @@ from safetensors.torch import save as st_save
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
-from draftlab.sglang_layers import ids_for_physical
+from draftlab.sglang.layers import ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftlab.errors import UserError
-from draftlab.sglang_layers import parse_version
+from draftlab.sglang.layers import parse_version
 
 ALGORITHMS = ("EAGLE3", "EAGLE")
 SPEC_MAX_RUNNING_REQUESTS = 48  # SGLang's cap on running requests when speculating

@@ -1,0 +1,1 @@
+"""The wiring check: proves that capture, export and serving agree, or names the fault."""
