@@ -13,6 +13,7 @@ exporter checks the complete name/shape/dtype set before writing, and the loader
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors.torch import save as st_save
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
-from draftlab.sglang.layers import ids_for_physical
+from draftlab.sglang.layers import captured_physical, ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -141,6 +142,42 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physica
             raise UserError(f"export: tensor {name} did not survive the round trip through {WEIGHTS}")
     atomic_replace_dir(tmp, out_dir)
     return config
+
+
+
+@dataclass(frozen=True)
+class ExportedDraft:
+    """An exported draft directory as SGLang sees it: its config.json, and the layers SGLang will
+    feed it. Read once (read_exported) and passed down; nothing else re-derives the layers."""
+    path: Path
+    config: dict  # config.json as written
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """eagle_config.eagle_aux_hidden_state_layer_ids; None when the key is missing (SGLang then
+        falls back to its default layers without a word)."""
+        ids = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return None if ids is None else list(ids)
+
+    @property
+    def sglang_version(self) -> str | None:
+        """The SGLang release whose capture rule export applied (None for a draft made elsewhere)."""
+        return (self.config.get("draftlab") or {}).get("sglang_version")
+
+    def served_physical(self, architecture: str, num_layers: int, sglang_version: str) -> list[int]:
+        """The physical layers SGLang `sglang_version` feeds this draft on that target, ascending."""
+        return captured_physical(architecture, num_layers, self.layer_ids, sglang_version)
+
+
+def read_exported(path: str | Path) -> ExportedDraft:
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise UserError(f"{config_path} not found: not an exported draft; run the export stage")
+    try:
+        return ExportedDraft(path, json.loads(config_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_path}: not valid JSON ({e}); re-run the export stage") from None
 
 
 def config_from_exported(config: dict) -> DraftConfig:
