@@ -2,16 +2,16 @@
 
 Every stage writes `manifest.json` next to its outputs:
   stage, params (resolved, only the sections it read), inputs (name -> upstream config_hash or
-  content hash), code (sha256 of the draftlab modules and the stage script it ran), packages,
+  content hash), code (sha256 of the stage script and every draftlab module it imports), packages,
   config_hash = sha256(canonical JSON of the five above), and `info` (timings, counts, figures:
   NOT hashed, so re-running with nothing changed gives a byte-identical config_hash).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import platform
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -59,25 +59,60 @@ def dir_hash(path: str | Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
     return h.hexdigest()
 
 
-def code_hash(extra_files: list[str | Path] = ()) -> dict:
-    """sha256 of every draftlab module loaded in this process, plus the stage script.
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: draftlab/ and stages/ live here
+CODE_PACKAGES = ("draftlab",)  # imports followed into the code hash; third-party code is in `packages`
 
-    Computed from what was really imported, so it cannot drift from a hand-kept list.
+
+def _module_files(module: str) -> list[Path]:
+    """Files Python runs for `import module`: every package __init__ on the way, then the module."""
+    parts, files = module.split("."), []
+    for i in range(1, len(parts) + 1):
+        base = ROOT.joinpath(*parts[:i])
+        for f in (base / "__init__.py", base.with_suffix(".py")):
+            if f.is_file():
+                files.append(f)
+    return files
+
+
+def _name(f: Path) -> str:
+    return f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else f.name
+
+
+def code_files(script: str | Path) -> list[Path]:
+    """The stage script and every project module it can import, followed transitively through
+    the import statements (function-level ones included), sorted by repo-relative name.
+
+    Read from the source, not from what one run happened to load, so that dvc.yaml's deps can be
+    checked against it (tests/test_dvc_deps.py) and the code hash covers a lazily imported module
+    even on a run that did not need it. Returns absolute paths; code_hash names them.
     """
-    root = Path(__file__).resolve().parent
-    files = set()
-    for mod in list(sys.modules.values()):
-        f = getattr(mod, "__file__", None)
-        if f and Path(f).resolve().is_relative_to(root):
-            files.add(Path(f).resolve())
-    files |= {Path(f).resolve() for f in extra_files}
+    script = Path(script).resolve()
+    todo, seen = [script], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # names may be submodules
+            else:
+                continue
+            for m in modules:
+                if m.split(".")[0] in CODE_PACKAGES:
+                    todo += [g for g in _module_files(m) if g not in seen]
+    return sorted(seen, key=_name)
+
+
+def code_hash(script: str | Path | None) -> dict:
+    """sha256 over code_files(script): names and contents."""
+    files = code_files(script) if script else []
     h = hashlib.sha256()
-    names = []
-    for f in sorted(files):
-        name = f.relative_to(root.parent).as_posix() if f.is_relative_to(root.parent) else f.name
-        names.append(name)
-        h.update(f"{name}\0{file_hash(f)}\n".encode())
-    return {"sha256": h.hexdigest(), "files": names}
+    for f in files:
+        h.update(f"{_name(f)}\0{file_hash(f)}\n".encode())
+    return {"sha256": h.hexdigest(), "files": [_name(f) for f in files]}
 
 
 def package_versions() -> dict:
@@ -92,7 +127,7 @@ def package_versions() -> dict:
 
 def build_manifest(stage: str, params: dict, inputs: dict, script: str | Path | None = None, info: dict | None = None) -> dict:
     """Assemble a manifest; `inputs` maps names to upstream config hashes or content hashes."""
-    code = code_hash([script] if script else [])
+    code = code_hash(script)
     hashed = {"stage": stage, "params": params, "inputs": inputs, "code": code["sha256"], "packages": package_versions()}
     config_hash = hashlib.sha256(canonical_json(hashed).encode()).hexdigest()
     return {**hashed, "code_files": code["files"], "config_hash": config_hash, "info": info or {}}

@@ -164,8 +164,8 @@ def rebuild_content(reasoning: str | None, answer: str | None, layout: tuple[str
 class HFBackend:
     """In-process generation: prompts sorted by length, batched with left padding."""
 
-    def __init__(self, model, tok, sp, device: str):
-        self.model, self.tokenizer, self.sp, self.device = model, tok, sp, device
+    def __init__(self, model, tok, synth_params, device: str):
+        self.model, self.tokenizer, self.synth_params, self.device = model, tok, synth_params, device
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_length = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
         eos = model.generation_config.eos_token_id
@@ -175,19 +175,19 @@ class HFBackend:
     def answer(self, rows: list[dict], done: Done) -> None:
         import torch
 
-        sp, tok = self.sp, self.tokenizer
+        synth_params, tok = self.synth_params, self.tokenizer
         encoded = sorted(((prompt_ids(tok, r["messages"]), r) for r in rows), key=lambda x: -len(x[0]))  # longest first: OOM shows at once
-        for i in range(0, len(encoded), sp.batch_size):
-            batch = encoded[i:i + sp.batch_size]
+        for i in range(0, len(encoded), synth_params.batch_size):
+            batch = encoded[i:i + synth_params.batch_size]
             width = max(len(ids) for ids, _ in batch)
             input_ids = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids, _ in batch], device=self.device)
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=self.device)
-            sampled = sp.temperature > 0
+            sampled = synth_params.temperature > 0
             with torch.random.fork_rng(devices=[]), torch.inference_mode():
-                torch.manual_seed(row_seed(sp.seed, batch[0][1]["id"]))
+                torch.manual_seed(row_seed(synth_params.seed, batch[0][1]["id"]))
                 out = self.model.generate(
-                    input_ids=input_ids, attention_mask=mask, max_new_tokens=sp.max_new_tokens,
-                    do_sample=sampled, temperature=sp.temperature if sampled else None, top_p=sp.top_p if sampled else None,
+                    input_ids=input_ids, attention_mask=mask, max_new_tokens=synth_params.max_new_tokens,
+                    do_sample=sampled, temperature=synth_params.temperature if sampled else None, top_p=synth_params.top_p if sampled else None,
                     # Only our settings shape the answer: no top-k or repetition penalty from the
                     # target's generation_config.json (the openai backend does not send them either).
                     top_k=0 if sampled else None, repetition_penalty=1.0,
@@ -197,20 +197,20 @@ class HFBackend:
                 stop = next((k for k, t in enumerate(seq) if t in self.eos_ids), None)
                 gen = seq[: stop + 1] if stop is not None else seq
                 text = tok.decode(gen, skip_special_tokens=True)
-                content = text if sp.reasoning == "keep" else answer_only(text)
+                content = text if synth_params.reasoning == "keep" else answer_only(text)
                 done(row, Answer(content, "stop" if stop is not None else "length", len(gen)), None)
 
 
 class OpenAIBackend:
     """Chat completions against an OpenAI-compatible server, `concurrency` requests in flight."""
 
-    def __init__(self, tok, sp, context_length: int, api_key: str | None = None):
-        self.tokenizer, self.sp, self.context_length = tok, sp, context_length
-        self.base_url = sp.base_url.rstrip("/")
+    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None):
+        self.tokenizer, self.synth_params, self.context_length = tok, synth_params, context_length
+        self.base_url = synth_params.base_url.rstrip("/")
         self._key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.layout = think_layout(tok)
-        self.model_name = sp.model_name or self._served_model()
+        self.model_name = synth_params.model_name or self._served_model()
         self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout)}
 
     def redact(self, text: str) -> str:
@@ -219,7 +219,7 @@ class OpenAIBackend:
     def _served_model(self) -> str:
         url = f"{self.base_url}/models"
         try:
-            r = httpx.get(url, headers=self.headers, timeout=self.sp.timeout_s, trust_env=False)
+            r = httpx.get(url, headers=self.headers, timeout=self.synth_params.timeout_s, trust_env=False)
             r.raise_for_status()
             return r.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -233,8 +233,8 @@ class OpenAIBackend:
 
     async def _answer_all(self, rows: list[dict], done: Done) -> None:
         queue = list(reversed(rows))  # workers pop from the end: input order
-        limits = httpx.Limits(max_connections=self.sp.concurrency)
-        async with httpx.AsyncClient(headers=self.headers, timeout=self.sp.timeout_s, limits=limits, trust_env=False) as client:
+        limits = httpx.Limits(max_connections=self.synth_params.concurrency)
+        async with httpx.AsyncClient(headers=self.headers, timeout=self.synth_params.timeout_s, limits=limits, trust_env=False) as client:
 
             async def worker():
                 while queue:
@@ -242,28 +242,28 @@ class OpenAIBackend:
                     ans, err = await self._answer_one(client, row)
                     done(row, ans, err)
 
-            await asyncio.gather(*(worker() for _ in range(max(1, self.sp.concurrency))))
+            await asyncio.gather(*(worker() for _ in range(max(1, self.synth_params.concurrency))))
 
     async def _answer_one(self, client: httpx.AsyncClient, row: dict) -> tuple[Answer | None, str | None]:
-        sp = self.sp
+        synth_params = self.synth_params
         body = {
             "model": self.model_name,
             "messages": row["messages"],
-            "max_tokens": sp.max_new_tokens,
-            "temperature": sp.temperature,
-            "top_p": sp.top_p,
-            "seed": row_seed(sp.seed, row["id"]),
+            "max_tokens": synth_params.max_new_tokens,
+            "temperature": synth_params.temperature,
+            "top_p": synth_params.top_p,
+            "seed": row_seed(synth_params.seed, row["id"]),
             "stream": False,
         }
         reason, retry_after = "not attempted", None
-        for attempt in range(sp.max_retries + 1):
+        for attempt in range(synth_params.max_retries + 1):
             if attempt:
-                await asyncio.sleep(_backoff(sp.retry_backoff_s, attempt, retry_after))
+                await asyncio.sleep(_backoff(synth_params.retry_backoff_s, attempt, retry_after))
             retry_after = None
             try:
                 r = await client.post(f"{self.base_url}/chat/completions", json=body)
             except httpx.TimeoutException as e:
-                reason = f"{type(e).__name__}: no answer within synth.timeout_s={sp.timeout_s:g} s"
+                reason = f"{type(e).__name__}: no answer within synth.timeout_s={synth_params.timeout_s:g} s"
                 continue
             except httpx.HTTPError as e:
                 reason = f"{type(e).__name__}: {e}"
@@ -289,7 +289,7 @@ class OpenAIBackend:
         msg = choice["message"]
         # SGLang names it reasoning_content; some servers (newer vLLM) name it reasoning
         content, reasoning = msg.get("content") or "", msg.get("reasoning_content") or msg.get("reasoning")
-        if self.sp.reasoning == "keep":
+        if self.synth_params.reasoning == "keep":
             content = rebuild_content(reasoning, content, self.layout, finish)
         elif not reasoning:  # no parser on the server: the reasoning is inline
             content = answer_only(content)

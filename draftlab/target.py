@@ -7,36 +7,10 @@ import os
 from pathlib import Path
 
 from draftlab.errors import UserError
+from draftlab.parallel import resolve_device
 from draftlab.manifest import dir_hash, sha256_text
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def cpu_threads() -> int:
-    """Torch threads for CPU work: DRAFTLAB_THREADS, else half the cores (1 on a 2-core machine).
-
-    Measured on a 2-core machine with other work running: greedy generation of the tiny target
-    ran at 1588 tok/s with 1 thread and 94 tok/s with 2 (OpenMP threads spin against each other
-    and everything else). One thread per two cores keeps that cliff away.
-    """
-    import os
-
-    env = os.environ.get("DRAFTLAB_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, (os.cpu_count() or 2) // 2)
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("target.device is 'cuda' but no CUDA device is visible; set it to 'auto' or 'cpu'")
-    if device == "cpu":
-        torch.set_num_threads(cpu_threads())
-    return device
 
 
 def _source(model: str, revision: str | None) -> dict:
@@ -64,18 +38,18 @@ def load_tokenizer(model: str, revision: str | None = None):
     return tok
 
 
-def load_target(tp, device: str | None = None):
-    """(model, tokenizer) for TargetParams `tp`; model in eval mode on the resolved device."""
+def load_target(target_params, device: str | None = None):
+    """(model, tokenizer) for TargetParams `target_params`; model in eval mode on the resolved device."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    device = device or resolve_device(tp.device)
+    device = device or resolve_device(target_params.device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(**_source(tp.model, tp.revision), dtype=getattr(torch, DTYPES[tp.dtype]))
+        model = AutoModelForCausalLM.from_pretrained(**_source(target_params.model, target_params.revision), dtype=getattr(torch, DTYPES[target_params.dtype]))
     except OSError as e:
-        raise UserError(f"target.model {tp.model!r}: cannot load the model ({e})") from None
+        raise UserError(f"target.model {target_params.model!r}: cannot load the model ({e})") from None
     model.to(device).eval()
-    return model, load_tokenizer(tp.model, tp.revision)
+    return model, load_tokenizer(target_params.model, target_params.revision)
 
 
 def tokenizer_hash(tok) -> str:
@@ -90,32 +64,32 @@ def chat_template_hash(tok) -> str:
     return sha256_text(tok.chat_template or "")
 
 
-def target_fingerprint(tp) -> dict:
+def target_fingerprint(target_params) -> dict:
     """What identifies the target for the configuration hash: a local dir's content hash or hub id+revision."""
-    local = Path(tp.model)
+    local = Path(target_params.model)
     if local.exists():
-        return {"model": tp.model, "content_sha256": dir_hash(local)}
-    return {"model": tp.model, "revision": tp.revision}
+        return {"model": target_params.model, "content_sha256": dir_hash(local)}
+    return {"model": target_params.model, "revision": target_params.revision}
 
 
-def load_config(tp):
+def load_config(target_params):
     """The target's transformers config alone: no weights read (for target_info before a server starts)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(**_source(tp.model, tp.revision))
+        return AutoConfig.from_pretrained(**_source(target_params.model, target_params.revision))
     except OSError as e:
-        raise UserError(f"target.model {tp.model!r}: cannot load its config ({e})") from None
+        raise UserError(f"target.model {target_params.model!r}: cannot load its config ({e})") from None
 
 
-def target_info(model, tp) -> dict:
+def target_info(model, target_params) -> dict:
     """Architecture facts later stages need (export, check) without loading the model again.
     `model`: the loaded model, or only its config (load_config)."""
     cfg = getattr(model, "config", model)
     text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     return {
-        "model": tp.model,
-        "revision": tp.revision,
+        "model": target_params.model,
+        "revision": target_params.revision,
         "architecture": (cfg.architectures or [type(model).__name__])[0],
         "model_type": cfg.model_type,
         "num_layers": text_cfg.num_hidden_layers,
@@ -129,7 +103,7 @@ def target_info(model, tp) -> dict:
         "rms_norm_eps": getattr(text_cfg, "rms_norm_eps", None),
         "rope_theta": getattr(text_cfg, "rope_theta", None) or (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta"),
         "rope_scaling": getattr(text_cfg, "rope_scaling", None),
-        "torch_dtype": tp.dtype,
+        "torch_dtype": target_params.dtype,
         "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
     }
 

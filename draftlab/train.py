@@ -43,15 +43,8 @@ CONFIG = "draft_config.json"
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    if name == "cpu":
-        from draftlab.target import cpu_threads
-
-        torch.set_num_threads(cpu_threads())
-    return torch.device(parallel.local_device(name))  # under torchrun: this process's GPU, its share of the cores
+    """train.device -> this process's device (under torchrun: its GPU, its share of the cores)."""
+    return torch.device(parallel.local_device(parallel.resolve_device(name, "train.device")))
 
 
 def use_autocast(setting: str, device: torch.device) -> bool:

@@ -22,58 +22,58 @@ from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
 
 
-def check(sp) -> None:
+def check(synth_params) -> None:
     rules = [
-        (sp.max_new_tokens >= 1, "synth.max_new_tokens must be >= 1"),
-        (sp.temperature >= 0, "synth.temperature must be >= 0 (0 = greedy)"),
-        (0 < sp.top_p <= 1, "synth.top_p must be in (0, 1]"),
-        (sp.batch_size >= 1, "synth.batch_size must be >= 1"),
-        (sp.concurrency >= 1, "synth.concurrency must be >= 1"),
-        (sp.timeout_s > 0, "synth.timeout_s must be > 0"),
-        (sp.max_retries >= 0, "synth.max_retries must be >= 0"),
-        (sp.retry_backoff_s >= 0, "synth.retry_backoff_s must be >= 0"),
+        (synth_params.max_new_tokens >= 1, "synth.max_new_tokens must be >= 1"),
+        (synth_params.temperature >= 0, "synth.temperature must be >= 0 (0 = greedy)"),
+        (0 < synth_params.top_p <= 1, "synth.top_p must be in (0, 1]"),
+        (synth_params.batch_size >= 1, "synth.batch_size must be >= 1"),
+        (synth_params.concurrency >= 1, "synth.concurrency must be >= 1"),
+        (synth_params.timeout_s > 0, "synth.timeout_s must be > 0"),
+        (synth_params.max_retries >= 0, "synth.max_retries must be >= 0"),
+        (synth_params.retry_backoff_s >= 0, "synth.retry_backoff_s must be >= 0"),
     ]
     for ok, msg in rules:
         if not ok:
             raise UserError(f"params.yaml: {msg}")
 
 
-def make_backend(tp, sp):
-    if sp.backend == "hf":
-        device = resolve_device(tp.device)
-        model, tok = load_target(tp, device)
-        return synth.HFBackend(model, tok, sp, device)
+def make_backend(target_params, synth_params):
+    if synth_params.backend == "hf":
+        device = resolve_device(target_params.device)
+        model, tok = load_target(target_params, device)
+        return synth.HFBackend(model, tok, synth_params, device)
     from transformers import AutoConfig
 
-    tok = load_tokenizer(tp.model, tp.revision)  # the target's own tokenizer: context check, hashes, think layout
+    tok = load_tokenizer(target_params.model, target_params.revision)  # the target's own tokenizer: context check, hashes, think layout
     try:
-        cfg = AutoConfig.from_pretrained(tp.model, revision=tp.revision).get_text_config()
+        cfg = AutoConfig.from_pretrained(target_params.model, revision=target_params.revision).get_text_config()
     except OSError as e:
-        raise UserError(f"target.model {tp.model!r}: cannot load its config ({e})") from None
+        raise UserError(f"target.model {target_params.model!r}: cannot load its config ({e})") from None
     context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
-    return synth.OpenAIBackend(tok, sp, context, api_key=os.environ.get(sp.api_key_env) or None)
+    return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None)
 
 
 def main(prompts_dir: Path, out: Path) -> None:
     params = load_params(["target", "synth"])
-    tp, sp = params.target, params.synth
-    check(sp)
+    target_params, synth_params = params.target, params.synth
+    check(synth_params)
     upstream = read_manifest(prompts_dir)
     splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
-    inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(tp)}
+    inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(target_params)}
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
-    backend = make_backend(tp, sp)
+    backend = make_backend(target_params, synth_params)
     tok = backend.tokenizer
-    synth.check_context(splits, tok, backend.context_length, sp.max_new_tokens)
+    synth.check_context(splits, tok, backend.context_length, synth_params.max_new_tokens)
 
-    sampling = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens, "seed": sp.seed}
+    sampling = {"temperature": synth_params.temperature, "top_p": synth_params.top_p, "max_new_tokens": synth_params.max_new_tokens, "seed": synth_params.seed}
 
     def make_row(prompt, ans: synth.Answer) -> dict:
         row = {
             "id": prompt["id"],
             "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
-            "model": tp.model,
-            "revision": tp.revision,
+            "model": target_params.model,
+            "revision": target_params.revision,
             "sampling": sampling,
             "finish_reason": ans.finish_reason,
             "completion_tokens": ans.completion_tokens,
@@ -85,7 +85,7 @@ def main(prompts_dir: Path, out: Path) -> None:
     def progress(split, total, initial):
         return tqdm(total=total, initial=initial, desc=f"synthesize {split}", unit="row", dynamic_ncols=True)
 
-    key = synth.resume_key(dataclasses.asdict(tp), dataclasses.asdict(sp), inputs)
+    key = synth.resume_key(dataclasses.asdict(target_params), dataclasses.asdict(synth_params), inputs)
     stats = synth.synthesize(splits, backend, out, key, make_row, progress)
     counts = stats["counts"]
     n_in = sum(c["input"] for c in counts.values())
@@ -96,7 +96,7 @@ def main(prompts_dir: Path, out: Path) -> None:
     if n_ok == 0 and n_err:
         raise UserError(f"all {n_err} prompts failed; see {out / 'errors.jsonl'}; first reason: {stats['errors'][0]['error']}")
     info = {
-        "backend": sp.backend,
+        "backend": synth_params.backend,
         **backend.info,
         "input": n_in,
         "ok": n_ok,

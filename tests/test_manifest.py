@@ -21,12 +21,12 @@ def test_hash_changes_with_params_inputs_and_stage():
 
 def test_hash_changes_with_the_stage_script(tmp_path):
     script = tmp_path / "stage.py"
-    script.write_text("x = 1\n")
+    script.write_text("from draftlab.fsutil import canonical_json\nx = 1\n")
     a = build_manifest("s", PARAMS, {}, script)
-    script.write_text("x = 2\n")
+    script.write_text("from draftlab.fsutil import canonical_json\nx = 2\n")
     b = build_manifest("s", PARAMS, {}, script)
     assert a["config_hash"] != b["config_hash"]
-    assert "draftlab/manifest.py" in a["code_files"]
+    assert "draftlab/fsutil.py" in a["code_files"]  # what the script imports is hashed too
 
 
 def test_manifest_round_trip_and_lineage(tmp_path):
