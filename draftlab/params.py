@@ -177,6 +177,91 @@ SECTIONS: dict[str, type] = {
 
 
 # ---------------------------------------------------------------------------------------------
+# Allowed ranges, checked after the types, so that a value no stage can use (a batch size of 0, a
+# negative lr) stops at load with the key and the range instead of a traceback or, worse, a run
+# that trains nothing. (low, high, low excluded, high excluded); None = unbounded; a list's items
+# are checked one by one and the list must not be empty; None values (where allowed) are skipped.
+
+def _at_least(low):
+    return (low, None, False, False)
+
+
+def _above(low):
+    return (low, None, True, False)
+
+
+POSITIVE_INT = _at_least(1)
+COUNT = _at_least(0)
+POSITIVE = _above(0.0)
+SHARE = (0.0, 1.0, False, False)
+
+RANGES: dict[str, tuple] = {
+    "prompts.num_prompts": POSITIVE_INT,
+    "prompts.eval_fraction": (0.0, 1.0, True, True),
+    "synth.max_new_tokens": POSITIVE_INT,
+    "synth.temperature": COUNT,
+    "synth.top_p": (0.0, 1.0, True, False),
+    "synth.batch_size": POSITIVE_INT,
+    "synth.concurrency": POSITIVE_INT,
+    "synth.timeout_s": POSITIVE,
+    "synth.max_retries": COUNT,
+    "synth.retry_backoff_s": COUNT,
+    "extract.max_length": _at_least(2),
+    "extract.batch_size": POSITIVE_INT,
+    "extract.shard_tokens": POSITIVE_INT,
+    "standardize.draft_vocab_size": POSITIVE_INT,
+    "train.epochs": POSITIVE_INT,
+    "train.batch_size": POSITIVE_INT,
+    "train.max_length": _at_least(2),
+    "train.lr": POSITIVE,
+    "train.min_lr_ratio": SHARE,
+    "train.warmup_ratio": (0.0, 1.0, False, True),
+    "train.weight_decay": COUNT,
+    "train.grad_clip": COUNT,
+    "train.ttt_steps": POSITIVE_INT,
+    "train.ttt_decay": (0.0, 1.0, True, False),
+    "train.intermediate_size": POSITIVE_INT,
+    "train.checkpoint_every": COUNT,
+    "spec.num_steps": POSITIVE_INT,
+    "spec.topk": POSITIVE_INT,
+    "spec.num_draft_tokens": POSITIVE_INT,
+    "bench.num_prompts": POSITIVE_INT,
+    "bench.max_new_tokens": POSITIVE_INT,
+    "bench.warmup": COUNT,
+    "bench.concurrency": POSITIVE_INT,
+    "bench.port": (1, 65535, False, False),
+    "bench.startup_timeout_s": POSITIVE,
+    "bench.tp_size": POSITIVE_INT,
+    "bench.max_running_requests": POSITIVE_INT,
+    "bench.page_size": POSITIVE_INT,
+    "bench.request_timeout_s": POSITIVE,
+    "check.tau_tolerance": COUNT,
+    "check.live_parity_samples": COUNT,
+    "check.parity_rtol": POSITIVE,
+    "check.norm_tolerance": COUNT,
+    "check.request_timeout_s": POSITIVE,
+}
+
+
+def _range_text(low, high, low_open, high_open) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def _check_range(path: str, key: str, value) -> None:
+    if key not in RANGES or value is None:
+        return
+    low, high, low_open, high_open = RANGES[key]
+    items = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and not value:
+        raise ParamsError(f"{path}: key {key} must list at least one value ({_range_text(*RANGES[key])}), got []")
+    for v in items:
+        if (v < low or (low_open and v == low)) or (high is not None and (v > high or (high_open and v == high))):
+            raise ParamsError(f"{path}: key {key} must be {_range_text(*RANGES[key])}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def _type_name(tp) -> str:
@@ -279,6 +364,7 @@ def _load_section(name: str, raw, path: str):
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             raise ParamsError(f"{path}: key {name}.{fname} must be one of {', '.join(choices)}, got {value!r}")
+        _check_range(path, f"{name}.{fname}", value)
         values[fname] = value
     return cls(**values)
 

@@ -22,22 +22,6 @@ from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
 
 
-def check(synth_params) -> None:
-    rules = [
-        (synth_params.max_new_tokens >= 1, "synth.max_new_tokens must be >= 1"),
-        (synth_params.temperature >= 0, "synth.temperature must be >= 0 (0 = greedy)"),
-        (0 < synth_params.top_p <= 1, "synth.top_p must be in (0, 1]"),
-        (synth_params.batch_size >= 1, "synth.batch_size must be >= 1"),
-        (synth_params.concurrency >= 1, "synth.concurrency must be >= 1"),
-        (synth_params.timeout_s > 0, "synth.timeout_s must be > 0"),
-        (synth_params.max_retries >= 0, "synth.max_retries must be >= 0"),
-        (synth_params.retry_backoff_s >= 0, "synth.retry_backoff_s must be >= 0"),
-    ]
-    for ok, msg in rules:
-        if not ok:
-            raise UserError(f"params.yaml: {msg}")
-
-
 def make_backend(target_params, synth_params):
     if synth_params.backend == "hf":
         device = resolve_device(target_params.device)
@@ -57,7 +41,6 @@ def make_backend(target_params, synth_params):
 def main(prompts_dir: Path, out: Path) -> None:
     params = load_params(["target", "synth"])
     target_params, synth_params = params.target, params.synth
-    check(synth_params)
     upstream = read_manifest(prompts_dir)
     splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
     inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(target_params)}

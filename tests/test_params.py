@@ -1,8 +1,11 @@
-"""The params contract: unknown, missing and mistyped keys stop a stage with a clear message."""
+"""The params contract: unknown, missing, mistyped and out-of-range keys stop a stage with a clear message."""
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
-from draftlab.params import SECTIONS, ParamsError, load_params
+from draftlab.params import RANGES, SECTIONS, ParamsError, load_params
 
 REPO_PARAMS = "params.yaml"
 
@@ -93,3 +96,36 @@ def test_lossy_values_rejected(tmp_path, base, section, key, given, msg):
 def test_missing_file_says_where(tmp_path):
     with pytest.raises(ParamsError, match="params file not found"):
         load_params(["prompts"], tmp_path / "nope.yaml")
+
+
+def _write(tmp_path, section, key, value):
+    data = yaml.safe_load(Path("params.yaml").read_text())
+    data[section][key] = value
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("key,value", [
+    ("train.batch_size", 0), ("train.batch_size", -1), ("train.lr", -1), ("train.epochs", 0),
+    ("extract.batch_size", 0), ("bench.concurrency", []), ("bench.concurrency", [1, 0]),
+    ("prompts.eval_fraction", 1.0), ("train.ttt_decay", 0), ("synth.top_p", 0), ("bench.port", 70000),
+])
+def test_a_value_out_of_range_names_the_key_and_the_range(tmp_path, key, value):
+    section, name = key.split(".")
+    path = _write(tmp_path, section, name, value)
+    with pytest.raises(ParamsError, match=rf"{path}: key {key} must (be|list)"):
+        load_params([section], path)
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_range_refuses_its_first_value_outside_and_accepts_the_default(tmp_path, key):
+    section, name = key.split(".")
+    low, high, low_open, _ = RANGES[key]
+    default = yaml.safe_load(Path("params.yaml").read_text())[section][name]
+    load_params([section])  # the shipped default is inside every range
+    outside = low if low_open else (low - 1 if isinstance(low, int) else low - 1e-3)
+    if isinstance(default, list):
+        outside = [outside]
+    with pytest.raises(ParamsError, match=re.escape(key)):
+        load_params([section], _write(tmp_path, section, name, outside))
