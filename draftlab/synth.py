@@ -46,6 +46,9 @@ SPLITS = ("train", "eval")
 RESUME_FILE = ".resume.json"  # the resume key of the partial files next to it
 MAX_BACKOFF_S = 60.0  # cap of one retry delay (also for a server's Retry-After)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}  # transient: overloaded, restarting, timed out
+# Consecutive connection failures (refused, unreachable; any row) after which the server is taken
+# for dead and synthesis stops naming the URL: retrying every row would take minutes to say so.
+DEAD_SERVER_FAILURES = 3
 
 
 @dataclass
@@ -210,6 +213,7 @@ class OpenAIBackend:
         self._key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.layout = think_layout(tok)
+        self.connect_failures = 0  # consecutive, over all rows: reset by any answer
         self.model_name = synth_params.model_name or self._served_model()
         self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout)}
 
@@ -262,12 +266,23 @@ class OpenAIBackend:
             retry_after = None
             try:
                 r = await client.post(f"{self.base_url}/chat/completions", json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                reason = f"{type(e).__name__}: {e}"
+                self.connect_failures += 1
+                if self.connect_failures >= DEAD_SERVER_FAILURES:
+                    raise UserError(
+                        f"synth.base_url: cannot connect to {self.base_url} ({self.redact(reason)}; "
+                        f"{self.connect_failures} attempts in a row); start the server or fix the URL, then re-run: "
+                        "the answers already written are kept"
+                    ) from None
+                continue
             except httpx.TimeoutException as e:
                 reason = f"{type(e).__name__}: no answer within synth.timeout_s={synth_params.timeout_s:g} s"
                 continue
             except httpx.HTTPError as e:
                 reason = f"{type(e).__name__}: {e}"
                 continue
+            self.connect_failures = 0
             if r.status_code != 200:
                 reason = f"HTTP {r.status_code}: {r.text[:300]}"
                 retry_after = r.headers.get("retry-after")

@@ -312,13 +312,24 @@ def test_api_key_is_sent_but_never_written(failing_run):
     assert "***" in (tmp / "run" / "out" / "errors.jsonl").read_text()  # the echoed key was masked
 
 
-def test_unreachable_server_fails_every_row_and_the_stage(tmp_path, monkeypatch, target):
-    prompts = make_prompts(tmp_path / "prompts", ["a", "b"], ["c"])
-    with pytest.raises(UserError, match="all 3 prompts failed") as e:
+def test_a_dead_server_stops_synthesis_after_a_few_connection_failures_naming_the_url(tmp_path, monkeypatch, target):
+    # 30 prompts with 4 retries each would be 150 attempts; a refused connection is not worth more
+    # than synth.DEAD_SERVER_FAILURES of them in a row.
+    prompts = make_prompts(tmp_path / "prompts", [f"q{i}" for i in range(20)], [f"e{i}" for i in range(10)])
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    attempts = []
+    real_post = synth.httpx.AsyncClient.post
+
+    async def counted(self, *a, **kw):
+        attempts.append(1)
+        return await real_post(self, *a, **kw)
+
+    monkeypatch.setattr(synth.httpx.AsyncClient, "post", counted)
+    with pytest.raises(UserError, match=f"cannot connect to {url}.*{synth.DEAD_SERVER_FAILURES} attempts in a row") as e:
         run_stage(tmp_path / "run", monkeypatch, prompts, tmp_path / "run" / "out", target, backend="openai",
-                  base_url=f"http://127.0.0.1:{free_port()}/v1", model_name="m", max_retries=1)
-    assert "ConnectError" in str(e.value)
-    assert len((tmp_path / "run" / "out" / "errors.jsonl").read_text().splitlines()) == 3
+                  base_url=url, model_name="m", max_retries=4, concurrency=1)
+    assert "ConnectError" in str(e.value) and "re-run" in str(e.value)
+    assert len(attempts) == synth.DEAD_SERVER_FAILURES
     assert not (tmp_path / "run" / "out" / "manifest.json").exists()
 
 
