@@ -76,24 +76,37 @@ def _read_records(path: Path):
     if path.suffix == ".parquet":
         import pandas as pd
 
-        for i, rec in enumerate(pd.read_parquet(path).to_dict(orient="records"), start=1):
+        try:
+            table = pd.read_parquet(path)
+        except Exception as e:  # pyarrow raises several types for a damaged or foreign file
+            raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        for i, rec in enumerate(table.to_dict(orient="records"), start=1):
             rec = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in rec.items() if v is not None}
             yield i, rec, None
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield i, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"
+                continue
             if not line.strip():
                 continue
             try:
                 yield i, json.loads(line), None
             except json.JSONDecodeError as e:
                 yield i, None, f"not valid JSON ({e.msg} at column {e.colno})"
+            except RecursionError:
+                yield i, None, "JSON nested too deeply"
 
 
 def read_prompt_file(path: str | Path) -> PromptSet:
     path = Path(path)
     if not path.exists():
         raise UserError(f"prompts.source: file {path} not found (use 'builtin' or a .jsonl/.parquet path)")
+    if path.is_dir():
+        raise UserError(f"prompts.source: {path} is a directory; give one .jsonl or .parquet file")
     if path.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"prompts.source: {path} must be a .jsonl or .parquet file")
     out = PromptSet(rows=[])

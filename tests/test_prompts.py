@@ -8,7 +8,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+import pytest
+
 from draftlab import prompts
+from draftlab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +116,24 @@ def test_builtin_prompts_are_deterministic_and_heldout():
     assert {r["family"] for r in a.rows} == set(tasks.FAMILIES)
     train_prompts = {p.prompt for p in tasks.generate(400, seed=7, split="train")}
     assert not train_prompts & {r["messages"][0]["content"] for r in a.rows}
+
+
+def test_undecodable_and_deeply_nested_lines_are_bad_rows_with_their_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n' + b"[" * 100_000 + b"\n")
+    ps = prompts.read_prompt_file(f)
+    assert len(ps.rows) == 1
+    reasons = {b.line: b.reason for b in ps.bad}
+    assert set(reasons) == {2, 3}
+    assert "not UTF-8" in reasons[2] and "0xe9" in reasons[2]
+    assert "nested too deeply" in reasons[3] or "not valid JSON" in reasons[3]
+
+
+def test_a_directory_or_a_damaged_parquet_file_is_named(tmp_path):
+    (tmp_path / "prompts.jsonl").mkdir()
+    with pytest.raises(UserError, match="is a directory"):
+        prompts.read_prompt_file(tmp_path / "prompts.jsonl")
+    bad = tmp_path / "p.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    with pytest.raises(UserError, match=f"{bad}: not a readable Parquet file"):
+        prompts.read_prompt_file(bad)
