@@ -163,10 +163,13 @@ def test_unservable_layer_is_refused_before_compute(project):
 
 def test_flags_sglang_would_change_stop_bench_before_launch(project):
     root, _ = project
+    last_report = (root / "reports/bench.json").read_text()
     set_params(root, spec__topk=1, spec__num_steps=1, spec__num_draft_tokens=16, bench__backend="sglang")
     try:
         r = sh(["dvc", "repro", "bench"], root, check=False)
         assert r.returncode != 0
+        assert (root / "reports/bench.json").read_text() == last_report  # the failed run lost no report
+        assert (root / "reports/bench").is_dir()
         err = r.stdout + r.stderr
         assert "rule chain_draft_tokens: SGLang would run 2 draft tokens" in err
         assert "set spec.num_draft_tokens: 2" in err
