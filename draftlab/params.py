@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -250,6 +251,9 @@ def _range_text(low, high, low_open, high_open) -> str:
 
 
 def _check_range(path: str, key: str, value) -> None:
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ParamsError(f"{path}: key {key} must be a finite number, got {value!r}")
     if key not in RANGES or value is None:
         return
     low, high, low_open, high_open = RANGES[key]
