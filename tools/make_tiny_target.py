@@ -16,6 +16,7 @@ import json
 import math
 import platform
 import shlex
+import string
 import sys
 import tempfile
 import time
@@ -34,6 +35,7 @@ from draftlab.target import save_tokenizer  # noqa: E402
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text  # noqa: E402
 
 MAX_BYTES = 30 * 2**20  # the whole model directory must stay under 30 MiB (it is committed)
+CARD_TEMPLATE = Path(__file__).resolve().parent / "templates" / "tiny_target_card.md"  # the model card, string.Template
 
 
 def parse_args(argv=None):
@@ -239,10 +241,8 @@ def fmt_seconds(s: float) -> str:
 
 
 def card(info: dict) -> str:
-    """The model card: every figure below comes from `info`, i.e. from the run that made the model."""
+    """The model card, CARD_TEMPLATE filled in: every figure comes from `info`, i.e. from the run that made the model."""
     a, e, t = info["architecture"], info["eval"], info["training"]
-    acc_rows = "\n".join(f"| {f} | {e['accuracy_per_family'][f]:.1%} |" for f in tasks.FAMILIES)
-    example = info["example"]
     cpu = info.get("cpu_timing")
     cpu_line = (
         f"- On a CPU ({cpu['hardware'].removeprefix('CPU ')}): {cpu['seconds_per_step']:.1f} s per step wall-clock "
@@ -253,105 +253,40 @@ def card(info: dict) -> str:
     ) if cpu else "- On a CPU: not measured."
     early = (f" (of {t['steps_planned']} planned: the schedule was compressed to fit "
              f"--time-limit-min {t['time_limit_min']})") if t["steps"] < t["steps_planned"] else ""
-    specials = ", ".join(f"`{s}` = {i}" for s, i in sorted(info["special_token_ids"].items(), key=lambda kv: kv[1]))
-    return f"""# tiny-target
-
-A small chat model with reasoning spans, trained from scratch by `tools/make_tiny_target.py`. It is
-the default target LLM of this project: `dvc repro` runs on a fresh machine without any model hub.
-It behaves like a real reasoning chat target: a chat template, a `<think>` span before the answer,
-and an end-of-turn token it emits when done. It solves only the generated problem families below.
-
-## Architecture
-
-| | |
-|---|---|
-| class | `LlamaForCausalLM` (transformers {info['transformers_version']}) |
-| decoder layers | {a['num_hidden_layers']} |
-| hidden size | {a['hidden_size']} |
-| attention heads / key-value heads | {a['num_attention_heads']} / {a['num_key_value_heads']} (grouped-query attention) |
-| head dim | {a['head_dim']} |
-| MLP intermediate size | {a['intermediate_size']} |
-| vocabulary | {a['vocab_size']} tokens (byte-level BPE trained on the corpus; digits split one per token) |
-| word embeddings | untied (`tie_word_embeddings: false`) |
-| context | {a['max_position_embeddings']} positions (trained on sequences of up to {info['longest_sequence']} tokens) |
-| parameters | {a['parameters']:,} |
-| weights | `model.safetensors`, {a['dtype']}; directory {info['dir_bytes'] / 2**20:.1f} MiB |
-
-## Chat format
-
-Special tokens (id): {specials}. `<|end|>` is the EOS. `<think>` and `</think>` are single tokens but
-not special, so `decode(..., skip_special_tokens=True)` keeps them, as with real reasoning models.
-An assistant turn is `<think>` + reasoning + `</think>` + answer + EOS; the generation prompt ends
-with the assistant header, so the model continues with `<think>`. A held-out problem rendered with
-the chat template (`<|end|>` closes each turn):
-
-```
-{example}
-```
-
-`generation_config.json`: greedy, `max_new_tokens` = {info['eval']['max_new_tokens']} (the longest
-greedy generation in the evaluation took {e['generated_tokens_max']} tokens before EOS), `eos_token_id` =
-{info['special_token_ids'][tasks.EOS]}.
-
-## Corpus
-
-{info['corpus']['num_problems']:,} problems from `draftlab.tasks.generate(n, seed={info['seed']},
-split="train")`, {len(tasks.FAMILIES)} families in turn: {", ".join(tasks.FAMILIES)}. Each has a prompt,
-a step-by-step reasoning and a checkable answer. A problem is held out when a hash of its
-normalised prompt falls in the held-out {tasks.HELDOUT_PERCENT}%; held-out problems never appear in
-training. The loss covers the assistant turn only (reasoning, answer and EOS).
-
-## Training
-
-AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak learning rate {t['lr']}, {t['warmup']}
-warm-up steps then cosine decay to 10%, gradient clipping 1.0, {t['steps']} steps{early} of
-{t['batch_size']} problems ({t['tokens_seen'] / 1e6:.0f}M tokens seen), {t['precision']}.
-
-Command (seed {info['seed']}):
-
-```
-{info['command']}
-```
-
-- This run: {info['hardware']}; training {fmt_seconds(t['seconds'])} ({t['seconds'] / t['steps'] * 1000:.1f} ms
-  per step), the whole script {fmt_seconds(info['script_seconds'])}.
-{cpu_line}
-
-GPU runs are not bit-for-bit repeatable (non-deterministic kernels); the corpus, tokenizer and
-initial weights are.
-
-## Evaluation
-
-Measured by the same run on {e['num_heldout_problems']} held-out problems
-({e['num_heldout_problems'] // len(tasks.FAMILIES)} per family), greedy decoding, at most
-{e['max_new_tokens']} new tokens. An answer counts when the text after `</think>` reads
-`The answer is X.` with the right X (`draftlab.tasks.check_answer`).
-
-| family | answer accuracy |
-|---|---|
-{acc_rows}
-| **mean over families** | **{e['accuracy_mean']:.1%}** |
-
-- Generations that end with EOS within {e['max_new_tokens']} tokens: {e['eos_share']:.1%}
-- Held-out loss (cross-entropy over assistant tokens): {e['heldout_loss']:.4f} nats/token
-
-The figures are also in `eval.json`, with up to ten wrong answers.
-
-## Use
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("models/tiny-target")
-model = AutoModelForCausalLM.from_pretrained("models/tiny-target")
-ids = tok.apply_chat_template([{{"role": "user", "content": "What is 47 + 385?"}}],
-                              add_generation_prompt=True, return_tensors="pt", return_dict=True)
-out = model.generate(**ids)  # greedy, stops at <|end|>
-print(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-```
-
-Limits: it knows nothing outside these problem families, and its numbers stay small (up to four
-digits for addition and subtraction, two-digit by one-digit multiplication).
-"""
+    values = {
+        **{k: a[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                             "intermediate_size", "vocab_size", "max_position_embeddings", "dtype")},
+        "transformers_version": info["transformers_version"],
+        "longest_sequence": info["longest_sequence"],
+        "parameters": f"{a['parameters']:,}",
+        "dir_mib": f"{info['dir_bytes'] / 2**20:.1f}",
+        "specials": ", ".join(f"`{s}` = {i}" for s, i in sorted(info["special_token_ids"].items(), key=lambda kv: kv[1])),
+        "example": info["example"],
+        "max_new_tokens": e["max_new_tokens"],
+        "generated_tokens_max": e["generated_tokens_max"],
+        "eos_token_id": info["special_token_ids"][tasks.EOS],
+        "num_problems": f"{info['corpus']['num_problems']:,}",
+        "seed": info["seed"],
+        "num_families": len(tasks.FAMILIES),
+        "families": ", ".join(tasks.FAMILIES),
+        "heldout_percent": tasks.HELDOUT_PERCENT,
+        "lr": t["lr"], "warmup": t["warmup"], "steps": t["steps"], "early": early, "batch_size": t["batch_size"],
+        "tokens_seen_m": f"{t['tokens_seen'] / 1e6:.0f}",
+        "precision": t["precision"],
+        "command": info["command"],
+        "hardware": info["hardware"],
+        "train_time": fmt_seconds(t["seconds"]),
+        "ms_per_step": f"{t['seconds'] / t['steps'] * 1000:.1f}",
+        "script_time": fmt_seconds(info["script_seconds"]),
+        "cpu_line": cpu_line,
+        "num_heldout_problems": e["num_heldout_problems"],
+        "per_family": e["num_heldout_problems"] // len(tasks.FAMILIES),
+        "accuracy_rows": "\n".join(f"| {f} | {e['accuracy_per_family'][f]:.1%} |" for f in tasks.FAMILIES),
+        "accuracy_mean": f"{e['accuracy_mean']:.1%}",
+        "eos_share": f"{e['eos_share']:.1%}",
+        "heldout_loss": f"{e['heldout_loss']:.4f}",
+    }
+    return string.Template(CARD_TEMPLATE.read_text()).substitute(values)
 
 
 def write_card_and_eval(out: Path, info: dict) -> None:

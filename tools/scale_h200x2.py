@@ -54,6 +54,24 @@ def record(key: str, value, out: Path) -> None:
     tmp.replace(out / "results.json")
 
 
+def shown(argv: list[str], cwd: Path | None = None) -> str:
+    """A command as a user would type it: the interpreter by name, paths relative to the run's
+    working directory or the repository root (no absolute paths of the machine that ran it)."""
+    def rel(arg: str) -> str:
+        if arg == sys.executable:
+            return os.path.basename(arg)
+        if not os.path.isabs(arg):
+            return arg
+        for base in ([cwd] if cwd else []) + [ROOT, Path.cwd()]:
+            try:
+                return Path(arg).resolve().relative_to(base.resolve()).as_posix() or "."
+            except ValueError:
+                continue
+        return arg
+
+    return " ".join(rel(a) for a in argv)
+
+
 def launch(argv: list[str], cwd: Path, log: Path, nproc: int, env: dict | None = None) -> float:
     """Run `argv` (a python module or script and its args) in `nproc` processes in `cwd`; seconds taken."""
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
@@ -61,7 +79,7 @@ def launch(argv: list[str], cwd: Path, log: Path, nproc: int, env: dict | None =
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        f.write("$ " + " ".join(head + argv) + "\n")
+        f.write("$ " + shown(head + argv, cwd) + "\n")
         f.flush()
         rc = subprocess.run(head + argv, cwd=cwd, env=full_env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
@@ -261,7 +279,7 @@ def main() -> int:
     RESULTS.clear()
     RESULTS["meta"] = {"mode": "quick" if args.quick else "full", "nproc": args.nproc, "torch": torch.__version__,
                        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                       "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "plan": P}
+                       "command": shown([sys.executable] + sys.argv), "plan": P}
     status = 0
     for name in args.sections.split(","):
         t0 = time.perf_counter()

@@ -1,22 +1,35 @@
 #!/usr/bin/env python3
-"""One GPU session against a real SGLang server, driven by the project's own code.
+"""The pipeline's draft served by a real SGLang: bench, live parity, fault rehearsal, chain sweep.
 
-Phases, in order. Each writes under --results and leaves a done marker: a re-run skips what is
-done, and stops before a unit of work that would not fit in the time left (--budget-s), so the
-session can be spread over several machine calls (each at most 10 minutes).
-  pipeline   dvc.yaml's stages prompts..export, in a work dir whose params.yaml is the project's
-             plus the GPU overrides below (the draft the pipeline trains and exports)
-  bench      the bench stage, backend sglang: baseline and EAGLE3 servers from launch_argv
+Run it on a GPU machine where `pip install -e '.[gpu]'` installed SGLang (README.md, "SGLang on a
+GPU machine", has the runbook, an offline install included), from the repository root:
+
+    python tools/sglang_run.py --results runs/sglang                 # every phase, the default target
+    python tools/sglang_run.py --results runs/sglang --phases sweep --steps 1,3,5,7
+    python tools/sglang_run.py --results runs/sglang --target /models/my-llama --params my-overrides.yaml
+    python tools/sglang_run.py --backend reference --quick --results runs/dry   # the same flow on a CPU
+
+Every launch, request and check is the project's own code (the stages in dvc.yaml, the bench
+stage's launch argv and measurement, draftlab.sglang's client and log parser, the check stage).
+Phases, in order (--phases picks some):
+  pipeline   dvc.yaml's stages prompts..export in the work dir (--work), whose params.yaml is the
+             project's plus the GPU overrides below and --params: the draft the pipeline trains and exports
+  bench      the bench stage, backend sglang: a baseline and an EAGLE3 server from launch_argv, side by side
   parity     an EAGLE3 server with --enable-return-hidden-states; the check stage with check.server_url
   faults     per fault of draftlab.faults: the miswired draft or flags served, a few requests
              (SGLang's symptom), the bench stage (backend url) and the check stage against it
-  sweep      a baseline and num_steps 1..7 (chain, CUDA graphs), one server at a time, same prompts
-  reference  the bench stage with the project's reference server on the same GPU, prompts, draft
+  sweep      num_steps 1..7 (chain, CUDA graphs), each against a baseline server kept up alongside
+  reference  the bench stage with the project's reference server on the same GPU, prompts and draft
+Each phase writes under --results and leaves a done marker there: a re-run skips what is done
+(it resumes after an interruption). With --time-limit-s it also stops before a unit of work that
+would not fit in the time left (from the durations recorded in timings.json), so that a run can be
+split over jobs of limited length; run the same command again to go on.
 
-    python tools/sglang_h200.py --results .scratch/h200 --budget-s 540 --pack "$OUT/sglang-h200.tar.gz"
-    python tools/sglang_h200.py --backend reference --quick --results .scratch/dry   # the same flow on a CPU
-
-tools/sglang_h200.sh wraps the machine calls (wheel parts, install, this script).
+Outputs under --results: versions.json, timings.json, logs/ (one per stage run), the work dir's
+reports/ (bench.json, check.json, bench/ with the server logs; reports/bench-reference/),
+hidden_states_response.json (one raw /generate answer with hidden states), faults/<name>/summary.json
+(and the fault's server.log and work/reports/), sweep/<num_steps>.json, sweep.csv, sweep.png.
+--pack FILE.tar.gz writes all of it, without data or weights, after each phase.
 """
 from __future__ import annotations
 
@@ -38,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftlab import lifecycle  # noqa: E402
-from draftlab.bench import render_prompts, spec_figures  # noqa: E402
+from draftlab.bench import measure, render_prompts, spec_figures, start  # noqa: E402  (the bench stage's own)
 from draftlab.errors import UserError  # noqa: E402
 from draftlab.faults import FAULTS, miswire  # noqa: E402
 from draftlab.params import load_params  # noqa: E402
@@ -47,13 +60,14 @@ from draftlab.sglang.launch import read_log  # noqa: E402
 from draftlab.sglang.launch import free_port as sglang_free_port  # noqa: E402
 from draftlab.sglang.flags import SpecFlags, requested_from_params, resolve  # noqa: E402
 from draftlab.target import load_tokenizer  # noqa: E402
-from stages.bench import measure, start  # noqa: E402  (the bench stage's own launch and measurement)
 
 PIPELINE = ["prompts", "synthesize", "extract", "standardize", "train", "export"]
 SWEEP_STEPS = [1, 2, 3, 4, 5, 6, 7]
 
-# The H200 run: everything in bf16 (what SGLang serves), SGLang's trimmed kernel set (no FA3),
-# CUDA-graph batch sizes and the KV pool kept small so that a server starts in seconds, not minutes.
+# The GPU overrides: everything in bf16 (what SGLang serves); triton attention, pytorch sampling and
+# no grammar backend (no FlashAttention-3 or other optional kernels needed); CUDA-graph batch sizes
+# and the KV pool kept small, so that a server of the tiny target starts in under a minute and two
+# fit on one GPU. For a larger target, change them with --params.
 SGLANG_PARAMS = {
     "target": {"dtype": "bfloat16"},
     "bench": {"backend": "sglang", "side_by_side": True, "dtype": "bfloat16", "attention_backend": "triton", "max_running_requests": 8,
@@ -79,22 +93,30 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
-class Session:
+class Driver:
     def __init__(self, args):
         self.args = args
         self.results = Path(args.results).resolve()
-        self.work = self.results / "work"
+        self.work = Path(args.work).resolve() if args.work else self.results / "work"
         self.logs = self.results / "logs"
-        self.deadline = time.monotonic() + args.budget_s
+        self.deadline = time.monotonic() + args.time_limit_s
         self.sglang = args.backend == "sglang"
         self.steps = [int(x) for x in getattr(args, "steps", "").split(",") if x] or SWEEP_STEPS
+        # The target: a local model directory, linked into each work dir as models/<its name> (not the draft's).
+        self.target = Path(args.target).resolve() if args.target else ROOT / "models" / "tiny-target"
+        if not (self.target / "config.json").exists():
+            raise UserError(f"--target {args.target}: no config.json there (a local model directory is needed)")
         self.overrides = merge(SGLANG_PARAMS if self.sglang else REFERENCE_PARAMS, QUICK_PARAMS if args.quick else {})
+        self.target_link = self.target.name if self.target.name not in ("draft", "draft-ckpt") else f"target-{self.target.name}"
+        self.overrides = merge(self.overrides, {"target": {"model": f"models/{self.target_link}"}})
+        if args.params:  # the user's overrides, last
+            self.overrides = merge(self.overrides, yaml.safe_load(Path(args.params).read_text()) or {})
         if self.sglang:  # the bench stage's baseline SGLang listens on bench.port: one that is free here
             self.overrides = merge(self.overrides, {"bench": {"port": sglang_free_port()}})
         self.timings_path = self.results / "timings.json"
         self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.exists() else {}
         self._prompts = None
-        # Every stage and server this session starts inherits these.
+        # Every stage and server this run starts inherits these.
         os.environ.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                           PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
 
@@ -106,7 +128,8 @@ class Session:
     def fits(self, unit: str, default_s: float) -> bool:
         need = self.timings.get(unit, default_s)
         if self.left() < need:
-            print(f"[h200] {unit}: {need:.0f} s expected, {self.left():.0f} s left: next call", flush=True)
+            print(f"[sglang_run] {unit}: {need:.0f} s expected, {self.left():.0f} s left: stopping here; "
+                  "run the same command again to go on", flush=True)
             return False
         return True
 
@@ -134,10 +157,11 @@ class Session:
         log = self.logs / f"{log_name}.log"
         t0 = time.monotonic()
         with open(log, "w") as f:
-            f.write("$ " + shlex.join(argv) + f"\n# cwd {cwd}\n")
+            shown = ["python" if a == sys.executable else a for a in argv]
+            f.write("$ " + shlex.join(shown) + f"\n# cwd {os.path.relpath(cwd, self.results)} (of the results directory)\n")
             f.flush()
             rc = subprocess.run(argv, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
-        print(f"[h200] {log_name}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"[sglang_run] {log_name}: rc {rc} in {time.monotonic() - t0:.0f} s", flush=True)
         if rc != 0:
             raise UserError(f"{log_name} failed (rc {rc}); last lines of {log}:\n{lifecycle.log_tail(log, 25)}")
 
@@ -150,10 +174,10 @@ class Session:
         self.run(argv, cwd, log_name or name)
 
     def link_target(self, work: Path) -> None:
-        link = work / "models" / "tiny-target"
+        link = work / "models" / self.target_link
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.exists():
-            link.symlink_to(ROOT / "models" / "tiny-target")
+            link.symlink_to(self.target)
 
     # --- servers ------------------------------------------------------------------------------
 
@@ -174,17 +198,19 @@ class Session:
         """A started server (context manager yielding its URL), launched as the bench stage launches
         one: SGLang, or the reference server. draft None = a baseline server; `flags` still gives
         it the server-wide settings."""
-        tp = dataclasses.replace(p.target, model=str(self.work / p.target.model))  # this process runs elsewhere
+        # Paths relative to this process's directory, which the server inherits (its logs then name no absolute path).
+        tp = dataclasses.replace(p.target, model=os.path.relpath(self.work / p.target.model))
+        draft = Path(os.path.relpath(draft)) if draft is not None else None
         port = sglang_free_port() if self.sglang else lifecycle.free_port()
         cm = start("sglang" if self.sglang else "reference", p.bench, tp, draft, flags, p.export.sglang_version, log,
                    speculative=draft is not None, hidden=hidden, port=port)
         return _Started(cm, self, log.stem)
 
     def prompts(self, n: int | None = None) -> list[list[int]]:
-        """The first `n` eval prompts as token ids (the tokenizer is loaded once per session)."""
+        """The first `n` eval prompts as token ids (the tokenizer is loaded once per run)."""
         if self._prompts is None:
             rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines() if x.strip()]
-            self._prompts = render_prompts(load_tokenizer(str(self.work / "models/tiny-target")), rows)
+            self._prompts = render_prompts(load_tokenizer(str(self.target)), rows)
         return self._prompts[:n]
 
     # --- phases -------------------------------------------------------------------------------
@@ -277,7 +303,7 @@ class Session:
                 record["server_flags"] = dataclasses.asdict(flags_from_server_info(info))
                 record["served"] = {k: v for k, v in spec_figures(metas).items() if k in ("tau", "accept_rate", "acceptance", "accept_hist")}
                 record["meta_info_sample"] = metas[0].raw
-                self.write_params(fwork, {"spec": fault.spec, "bench": {"backend": "url", "url": url, "server_log": str(log),
+                self.write_params(fwork, {"spec": fault.spec, "bench": {"backend": "url", "url": url, "server_log": os.path.relpath(log, fwork),
                                                                        "num_prompts": FAULT_PROMPTS},
                                           "check": {"server_url": url}})
                 try:
@@ -302,7 +328,7 @@ class Session:
             record["log_algorithm_lines"] = [ln.strip()[:300] for ln in log.read_text(errors="replace").splitlines()
                                              if "speculative_algorithm" in ln][:2]
         (fdir / "summary.json").write_text(json.dumps(record, indent=1, default=str))
-        print(f"[h200] fault {fault.name}: named={record.get('named')} served tau={record.get('served', {}).get('tau')}", flush=True)
+        print(f"[sglang_run] fault {fault.name}: named={record.get('named')} served tau={record.get('served', {}).get('tau')}", flush=True)
 
     def check(self, fwork: Path, fault, record: dict) -> None:
         try:
@@ -355,7 +381,7 @@ class Session:
         import matplotlib.pyplot as plt
 
         points = {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
-        base = points.get("baseline", {}).get("tokens_per_s")  # an unpaired baseline (older sessions)
+        base = points.get("baseline", {}).get("tokens_per_s")  # an unpaired baseline point (results of an earlier version of this tool)
         lines = ["num_steps,tau,tokens_per_s,speedup"]
         xs, taus, speedups = [], [], []
         for s in SWEEP_STEPS:
@@ -419,20 +445,22 @@ class Session:
         tmp = dest.with_suffix(".tmp")
         with tarfile.open(tmp, "w:gz") as tar:
             tar.add(self.results, arcname=self.results.name, filter=keep)
+            if not self.work.is_relative_to(self.results):  # a --work elsewhere: its reports and params go too
+                tar.add(self.work, arcname=f"{self.results.name}/work", filter=keep)
         os.replace(tmp, dest)
-        print(f"[h200] packed {dest} ({dest.stat().st_size / 1e6:.1f} MB)", flush=True)
+        print(f"[sglang_run] packed {dest} ({dest.stat().st_size / 1e6:.1f} MB)", flush=True)
 
 
 class _Started:
     """serve() context that yields the URL and records the start-up time."""
 
-    def __init__(self, cm, session: Session, name: str):
-        self.cm, self.session, self.name = cm, session, name
+    def __init__(self, cm, driver: Driver, name: str):
+        self.cm, self.driver, self.name = cm, driver, name
 
     def __enter__(self):
         t0 = time.monotonic()
         url = self.cm.__enter__()
-        self.session.took(f"startup-{self.name}", time.monotonic() - t0)
+        self.driver.took(f"startup-{self.name}", time.monotonic() - t0)
         return url
 
     def __exit__(self, *exc):
@@ -441,16 +469,25 @@ class _Started:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=".scratch/h200")
-    ap.add_argument("--backend", choices=["sglang", "reference"], default="sglang")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="stop before work that would end later than this")
+    ap.add_argument("--results", required=True, help="results directory (phase markers, logs, figures); re-use it to resume")
+    ap.add_argument("--work", default="", help="where the pipeline runs: params.yaml, data/, models/, reports/ (default: RESULTS/work)")
+    ap.add_argument("--target", default="", help="the target model, a local directory (default: the repository's models/tiny-target)")
+    ap.add_argument("--params", default="", help="a YAML file of params merged over this tool's GPU overrides (e.g. bench.extra_server_args)")
+    ap.add_argument("--backend", choices=["sglang", "reference"], default="sglang",
+                    help="reference: the project's reference server instead of SGLang (the same flow without a GPU)")
+    ap.add_argument("--time-limit-s", type=float, default=float("inf"),
+                    help="seconds: stop before a unit of work that would end later than this (re-run to go on)")
     ap.add_argument("--quick", action="store_true", help="small sizes: the whole flow in minutes on a CPU")
     ap.add_argument("--phases", default="pipeline,bench,parity,faults,sweep,reference")
     ap.add_argument("--steps", default=",".join(map(str, SWEEP_STEPS)), help="sweep: the chain lengths (num_steps)")
     ap.add_argument("--faults", default="", help="comma-separated names from draftlab.faults (default: all)")
     ap.add_argument("--pack", default="", help="write the results (no data, no weights) to this .tar.gz after each phase")
     args = ap.parse_args()
-    s = Session(args)
+    try:
+        s = Driver(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     s.results.mkdir(parents=True, exist_ok=True)
     if s.sglang:
         try:
@@ -463,9 +500,9 @@ def main() -> int:
         except Exception as e:  # the servers' own logs will say more
             versions = {"error": f"{type(e).__name__}: {e}"}
         (s.results / "versions.json").write_text(json.dumps({**versions, "python": sys.version.split()[0]}))
-        print(f"[h200] {versions}", flush=True)
+        print(f"[sglang_run] {versions}", flush=True)
     if (s.work / "params.yaml").exists():
-        s.write_params(s.work)  # this code's params (a key added since an earlier call included)
+        s.write_params(s.work)  # this code's params (a key added since an earlier run included)
     status = 0
     for phase in args.phases.split(","):
         if s.done(phase) and phase not in ("faults", "sweep"):  # those two keep a marker per fault / point
@@ -473,7 +510,7 @@ def main() -> int:
         try:
             finished = getattr(s, f"phase_{phase}")()
         except UserError as e:
-            print(f"[h200] {phase} failed: {e}", flush=True)
+            print(f"[sglang_run] {phase} failed: {e}", flush=True)
             (s.results / f"{phase}.error.txt").write_text(str(e))
             status = 1
             finished = phase not in ("pipeline",)  # nothing else runs without the pipeline

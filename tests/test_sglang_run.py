@@ -1,7 +1,8 @@
-"""tools/sglang_h200.py, the real-SGLang session driver, end to end on a CPU against the reference server.
+"""tools/sglang_run.py, the driver that serves the pipeline's draft with SGLang, end to end on a CPU.
 
-The same code launched SGLang on the H200 (reports/sglang-h200/); here every server is the
-project's reference server, which applies SGLang's flag rules and prints SGLang's log lines.
+The same code launched SGLang on an H200 (reports/sglang-h200/); here every server is the
+project's reference server, which applies SGLang's flag rules and prints SGLang's log lines, or
+(the bench phase) a stand-in for `python -m sglang.launch_server` that starts it.
 """
 import json
 import os
@@ -17,16 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 STANDIN = ROOT / "tests" / "fixtures" / "sglang_standin"  # `python -m sglang.launch_server` -> the reference server
 
 
-def session(results: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(ROOT / "tools" / "sglang_h200.py"), "--backend", "reference", "--quick",
+def drive(results: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--backend", "reference", "--quick",
             "--results", str(results), "--pack", str(results.parent / "out" / "pack.tar.gz"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    results = tmp_path_factory.mktemp("h200") / "results"
-    r = session(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
+    results = tmp_path_factory.mktemp("sglang_run") / "results"
+    r = drive(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return results, r
 
@@ -40,6 +41,41 @@ def test_a_forced_flag_fault_is_served_recorded_and_named(rehearsal):
     bench = json.loads((results / "faults/chain_draft_tokens_forced/work/reports/bench.json").read_text())
     assert bench["backend"] == "url" and bench["flags"]["served"]["num_draft_tokens"] == 2
     assert bench["server_log"].endswith("server.log") and bench["spec"]["tau"] >= 1.0
+    assert not os.path.isabs(bench["server_log"])  # results name no absolute path of the machine
+
+
+def test_stage_logs_show_the_command_as_typed(rehearsal):
+    results, _ = rehearsal
+    head = (results / "logs" / "prompts.log").read_text().splitlines()[:2]
+    assert head[0].startswith("$ python -m stages.prompts ") and head[1].startswith("# cwd work ")
+
+
+def test_a_target_that_is_not_a_model_directory_is_refused(tmp_path):
+    r = drive(tmp_path / "results", "--target", str(tmp_path))
+    assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def test_work_dir_target_and_params_come_from_the_arguments(tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("sglang_run", ROOT / "tools" / "sglang_run.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (tmp_path / "over.yaml").write_text("bench:\n  num_prompts: 7\n")
+    args = types.SimpleNamespace(results=str(tmp_path / "results"), work=str(tmp_path / "elsewhere"),
+                                 target=str(ROOT / "models" / "tiny-target"), params=str(tmp_path / "over.yaml"),
+                                 backend="reference", time_limit_s=float("inf"), quick=True, steps="", faults="", pack="")
+    for name in ("PYTHONPATH", "PYTHONUNBUFFERED", "NCCL_NVLS_ENABLE"):  # the driver sets them for what it starts
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    driver = tool.Driver(args)
+    driver.write_params(driver.work)
+    driver.link_target(driver.work)
+    p = yaml.safe_load((tmp_path / "elsewhere" / "params.yaml").read_text())
+    assert p["target"]["model"] == "models/tiny-target" and p["bench"]["num_prompts"] == 7
+    assert (tmp_path / "elsewhere" / p["target"]["model"] / "config.json").exists()
 
 
 def test_live_parity_ran_against_a_server_and_passed(rehearsal):
@@ -55,15 +91,15 @@ def test_results_pack_without_data_or_weights_and_a_rerun_resumes(rehearsal):
         names = tar.getnames()
     assert any(n.endswith("faults/chain_draft_tokens_forced/summary.json") for n in names)
     assert not any(n.endswith(".safetensors") or "/data/" in n for n in names)
-    again = session(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
+    again = drive(results, "--phases", "pipeline,parity,faults", "--faults", "chain_draft_tokens_forced")
     assert again.returncode == 0 and "rc 0" not in again.stdout  # everything was done: nothing ran
-    short = session(results, "--phases", "sweep", "--budget-s", "1")
-    assert short.returncode == 0 and "next call" in short.stdout and not (results / "done" / "sweep").exists()
+    short = drive(results, "--phases", "sweep", "--time-limit-s", "1")
+    assert short.returncode == 0 and "run the same command again" in short.stdout and not (results / "done" / "sweep").exists()
 
 
 def test_a_sweep_point_is_a_paired_ratio_against_a_baseline_served_alongside(rehearsal):
     results, _ = rehearsal
-    r = session(results, "--phases", "sweep", "--steps", "1,2")
+    r = drive(results, "--phases", "sweep", "--steps", "1,2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for steps in (1, 2):
         point = json.loads((results / "sweep" / f"{steps}.json").read_text())
@@ -76,11 +112,11 @@ def test_a_sweep_point_is_a_paired_ratio_against_a_baseline_served_alongside(reh
 
 
 def test_the_sglang_bench_runs_its_real_launches_side_by_side_on_two_ports(rehearsal):
-    """The GPU session's bench phase, SGLang's argv and all, with a stand-in for SGLang: the
+    """The bench phase with --backend sglang, SGLang's argv and all, with a stand-in for SGLang: the
     baseline and the speculative server are up together, so they must listen on two ports."""
     results, _ = rehearsal
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)])}
-    r = session(results, "--backend", "sglang", "--phases", "bench", env=env)
+    r = drive(results, "--backend", "sglang", "--phases", "bench", env=env)
     assert r.returncode == 0 and "bench: rc 0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     bench = json.loads((results / "work/reports/bench.json").read_text())
     assert bench["backend"] == "sglang" and bench["flags"]["served"]["num_steps"] == bench["flags"]["effective"]["num_steps"]
