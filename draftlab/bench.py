@@ -1,29 +1,135 @@
-"""The benchmark's measurements: one client for every server, the offline run, costs and advice.
+"""The benchmark's serving side: prompts, servers started alike, one client for every server.
+
+    with start(backend, bench_params, target_params, draft, flags, version, log, speculative=True) as url:
+        figures = measure({"speculative": url}, bench_params, prompt_ids, sampling, warmup)["speculative"]
+
+`start` launches the project's reference server (backend `reference`), SGLang (`sglang`), or
+gives back a server already running (`url`); `measure` sends the same token ids to each.
 
 Figures (DESIGN.md section 9, formulas in draftlab.metrics):
   tokens/s per request  = completion tokens / client-side wall time of the request
   served tau            = sum completion tokens / sum spec_verify_ct over the measured requests
   a_i                   = P(draft i accepted | drafts 1..i-1 accepted), pooled over requests
   speedup               = median tokens/s with speculation / median tokens/s of the baseline
+The offline run, the costs and the advice are in draftlab.advice.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import torch
+from draftlab import lifecycle, server
+from draftlab.errors import UserError
+from draftlab.metrics import conditional_acceptance, pooled_tau
+from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
+from draftlab.sglang.flags import SPEC_KEYS, SpecFlags
+from draftlab.sglang.launch import launch_argv, serve
 
-from draftlab.metrics import chain_tau, conditional_acceptance, pooled_tau
-from draftlab.sglang.client import Client, GenerateMeta
+
+def read_eval_prompts(prompts: Path, n: int) -> list[dict]:
+    """The first `n` rows of the prompts stage's eval.jsonl."""
+    path = prompts / "eval.jsonl"
+    if not path.exists():
+        raise UserError(f"{path} not found; run the prompts stage first (dvc repro prompts)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise UserError(f"{path}: no eval prompts; raise prompts.eval_fraction")
+    return rows[:n]
 
 
-def render_prompts(tok, rows: list[dict]) -> list[list[int]]:
+def render_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
     """Token ids of each prompt as the chat template renders it for generation.
 
     The client sends ids, not text, so every server sees exactly the same tokens.
     """
-    return [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+    return [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+
+
+def start(backend: str, bench_params, target_params, draft: Path | None, flags: SpecFlags, version: str, log: Path,
+          speculative: bool, hidden: bool = False, port: int | None = None):
+    """Context manager yielding the base URL of a started (or given) server, stopped on exit.
+
+    speculative False: a baseline server (no speculation; `flags` still gives the server-wide
+    settings). hidden: start it with --enable-return-hidden-states (live parity). port: None = bench.port
+    for SGLang, a free one for the reference server.
+    """
+    if backend == "url":
+        if not bench_params.url:
+            raise UserError("bench.backend is 'url' but bench.url is empty; give the base URL of a running server")
+        return _given(bench_params.url)
+    port = port or (bench_params.port if backend == "sglang" else lifecycle.free_port())
+    if backend == "sglang":
+        argv = launch_argv(target_params.model, port, draft_model=str(draft), flags=flags, baseline=not speculative,
+                           tp_size=bench_params.tp_size, dtype=bench_params.dtype, extra_args=bench_params.extra_server_args,
+                           return_hidden_states=hidden)
+        return _url(serve(argv, log, bench_params.startup_timeout_s), port)
+    spec = {}
+    if speculative:
+        spec = {"speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
+                "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
+                "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": version}
+    argv = server.launch_command(target_params.model, port, dtype=target_params.dtype, device=target_params.device,
+                                 log_level="warning", enable_return_hidden_states=hidden, **spec)
+    return _url(lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=bench_params.startup_timeout_s), port)
+
+
+class _given:
+    def __init__(self, url):
+        self.url = url
+
+    def __enter__(self):
+        return self.url
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _url:
+    def __init__(self, cm, port):
+        self.cm, self.port = cm, port
+
+    def __enter__(self):
+        self.cm.__enter__()
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
+
+
+def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int) -> dict[str, dict]:
+    """Figures per server. With several servers up, requests alternate prompt by prompt, so a
+    change in the machine's load hits both modes alike and their ratio stays fair."""
+    clients = {mode: Client(url, bench_params.request_timeout_s) for mode, url in urls.items()}
+    try:
+        for client in clients.values():
+            run_requests(client, prompts[:warmup], sampling)  # compile/caches warm; not counted
+        records = {mode: [] for mode in clients}
+        wall = dict.fromkeys(clients, 0.0)
+        for prompt in prompts[warmup:]:
+            for mode, client in clients.items():
+                recs, seconds = run_requests(client, [prompt], sampling)
+                records[mode] += recs
+                wall[mode] += seconds
+        out = {}
+        for mode, client in clients.items():
+            sweep = []
+            for n in bench_params.concurrency:
+                if n > 1:
+                    recs, seconds = run_requests(client, prompts[warmup:], sampling, n)
+                    sweep.append({"concurrency": n, **speed(recs, seconds)})
+            metas = [r["meta"] for r in records[mode]]
+            info = client.server_info()
+            out[mode] = {"speed": speed(records[mode], wall[mode]), "spec": spec_figures(metas), "sweep": sweep,
+                         "server_accept_length": server_accept_length(info),
+                         "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas]}
+        return out
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1) -> tuple[list[dict], float]:
@@ -87,102 +193,7 @@ def spec_figures(metas: list[GenerateMeta]) -> dict:
     }
 
 
-# --- offline isolation run and costs: the same draft in-process, no server --------------------
-
-
-def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
-                eos: set[int], ignore_eos: bool) -> dict:
-    from draftlab import spec_engine
-
-    results = [
-        spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk, num_draft_tokens=flags.num_draft_tokens,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical)
-        for p in prompts
-    ]
-    proposed = [sum(x) for x in zip(*(r.proposed for r in results))]
-    accepted = [sum(x) for x in zip(*(r.accepted for r in results))]
-    tokens = sum(len(r.output_ids) for r in results)
-    return {
-        "tau": pooled_tau([len(r.output_ids) for r in results], [r.spec_verify_ct for r in results]),
-        "acceptance": conditional_acceptance(accepted, proposed),
-        "tokens_per_s": tokens / sum(r.total_s for r in results),
-        "draft_s": sum(r.draft_s for r in results),
-        "verify_s": sum(r.verify_s for r in results),
-        "verify_ct": sum(r.spec_verify_ct for r in results),
-    }
-
-
-@torch.inference_mode()
-def measure_costs(target, draft, prompt: list[int], physical: list[int], widths=range(1, 9), repeats: int = 5) -> dict:
-    """Seconds per target forward of `w` new tokens on a cached prompt, and per draft step.
-
-    Median of `repeats` timings each: these are the terms of the speedup model below.
-    """
-    from draftlab.draft import KVCache
-    from draftlab.extract import AuxCapture
-    from draftlab.spec_engine import new_cache, target_forward
-
-    device = next(target.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-
-    def median_time(fn):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    verify = {}
-    for w in widths:
-        def forward():
-            cache = new_cache(target)
-            target_forward(target, ids, cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            target_forward(target, torch.tensor([prompt[-1:] * w], device=device), cache)
-            if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
-                torch.cuda.synchronize()
-            forward.t = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
-            forward()
-            times.append(forward.t)
-        verify[w] = statistics.median(times)
-    with AuxCapture(target, physical) as cap:
-        target_forward(target, ids, new_cache(target))
-        aux = cap.take()
-    cache = KVCache()
-    hidden = draft.project(aux)
-    draft.step(ids[:, 1:], hidden[:, :-1], torch.arange(ids.shape[1] - 1, device=device)[None], cache)
-    n = len(cache)
-
-    def one_step():
-        cache.crop(n)
-        state = draft.step(ids[:, -1:], hidden[:, -1:], torch.tensor([[n]], device=device), cache)
-        draft.logits(state).argmax(-1)
-
-    return {"verify_s": verify, "draft_step_s": median_time(one_step), "baseline_step_s": verify[1]}
-
-
-def advise(acceptance: list[float], costs: dict, max_steps: int = 8) -> list[dict]:
-    """Predicted tau and speedup of chains of 1..max_steps drafts from measured a_i and costs.
-
-    A step costs num_steps draft steps + one verify forward of num_steps + 1 tokens + one draft
-    extend (about one draft step); it yields tau tokens where the baseline yields one per forward:
-      speedup = tau * baseline_step / (num_steps * draft_step + verify(num_steps + 1) + draft_step)
-    Depths beyond those measured reuse the last measured a_i (marked extrapolated).
-    """
-    rows = []
-    verify = costs["verify_s"]
-    for n in range(1, max_steps + 1):
-        a = [acceptance[min(i, len(acceptance) - 1)] for i in range(n)] if acceptance else [0.0] * n
-        tau = chain_tau(a)
-        w = min(n + 1, max(verify))
-        step = n * costs["draft_step_s"] + verify[w] + costs["draft_step_s"]
-        rows.append({"num_steps": n, "topk": 1, "num_draft_tokens": n + 1, "predicted_tau": tau,
-                     "predicted_speedup": tau * costs["baseline_step_s"] / step, "extrapolated": n > len(acceptance)})
-    return rows
+def served_flags(flags: SpecFlags) -> dict | None:
+    """The flags the speculative server reports in /server_info; None when it reports none of them."""
+    d = dataclasses.asdict(flags)
+    return d if any(d[k] is not None for k in SPEC_KEYS) else None

@@ -10,215 +10,31 @@ Endpoints, in SGLang's shapes so one client talks to both:
   POST /generate               SGLang native: {"text" | "input_ids", "sampling_params", "rid"}
   POST /v1/chat/completions    OpenAI chat, non-streaming (reasoning_content with --reasoning-parser)
 
-It is a reference, not a production server: requests are served one at a time (a lock), with
-a plain KV-cache decode loop in `Engine.generate`. Greedy output equals transformers'
-`model.generate(do_sample=False)` token for token.
-
-Seam for speculative decoding: everything HTTP-side calls only `engine.generate(input_ids,
-SamplingParams) -> Completion` and `engine.info()`. A speculative engine (draft proposes,
-target verifies) implements the same two methods, adds its counters to Completion.meta
-(SGLang's spec_verify_ct, spec_accept_length) and is chosen in `load_engine()` from SGLang's
-flags (--speculative-algorithm EAGLE3 --speculative-draft-model-path ...).
+It is a reference, not a production server: requests are served one at a time (a lock). This
+module is the HTTP side only: request parsing and validation, the reasoning parser, the CLI.
+Decoding is draftlab.engine's: everything here calls only `engine.generate(input_ids,
+SamplingParams) -> Completion`, `engine.info()` and `engine.hidden_states(input_ids)`. The
+speculative engine (draft proposes, target verifies) is chosen in `load_engine()` from SGLang's
+flags (--speculative-algorithm EAGLE3 --speculative-draft-model-path ...) and adds its counters
+to Completion.meta (SGLang's spec_verify_ct, spec_accept_length).
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
-import torch
-
+from draftlab.engine import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams, SpecEngine
 from draftlab.errors import UserError
 
 VERSION = "draftlab-reference"
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's /generate default when sampling_params has none
 
 # SGLang's reasoning parsers for <think> models: (start, end, force_reasoning). force_reasoning
 # means the text is reasoning until </think> even without a <think> (the DeepSeek-R1 template
 # puts <think> in the prompt).
 REASONING_PARSERS = {"deepseek-r1": ("<think>", "</think>", True), "qwen3": ("<think>", "</think>", False)}
-
-
-@dataclass
-class SamplingParams:
-    """SGLang's sampling_params (the subset we serve). temperature 0 = greedy."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = all tokens
-    seed: int | None = None  # SGLang: sampling_seed; OpenAI: seed
-    stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # keep generating past EOS (fixed-length benchmarks)
-
-
-@dataclass
-class Completion:
-    output_ids: list[int]  # generated tokens, the stop token included (as SGLang counts them)
-    text: str  # decoded without special tokens, cut at a matched stop string
-    finish_reason: dict  # SGLang: {"type": "stop", "matched": id|str} or {"type": "length", "length": n}
-    meta: dict = field(default_factory=dict)  # extra meta_info (speculative counters)
-
-
-class Engine:
-    """Plain autoregressive decoding of a transformers causal LM with a KV cache."""
-
-    def __init__(self, model, tokenizer, device: str, context_length: int | None = None):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.context_length = context_length or getattr(cfg, "max_position_embeddings", None) or tokenizer.model_max_length
-        # transformers 5 renamed the KV-cache argument `past_key_values` to `cache`
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        eos = model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
-
-    def info(self) -> dict:
-        return {"context_length": self.context_length, "speculative_algorithm": None}
-
-    @torch.inference_mode()
-    def generate(self, input_ids: list[int], sp: SamplingParams) -> Completion:
-        if len(input_ids) >= self.context_length:
-            raise ValueError(
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
-            )
-        max_new = min(sp.max_new_tokens, self.context_length - len(input_ids))
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(2**62, ())))
-        out_ids: list[int] = []
-        finish = {"type": "length", "length": max_new}
-        x, past, cut = torch.tensor([input_ids], device=self.device), None, None
-        for _ in range(max_new):
-            # logits_to_keep=1 and float32 logits: the exact computation transformers' generate runs
-            out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._cache_arg: past})
-            past = getattr(out, self._cache_arg)
-            tok = _pick(out.logits[0, -1].float(), sp, gen)
-            out_ids.append(tok)
-            if tok in stop_ids:
-                finish = {"type": "stop", "matched": tok}
-                break
-            if sp.stop:
-                text = self.decode(out_ids)
-                hits = [(text.find(s), s) for s in sp.stop if s and s in text]
-                if hits:
-                    cut, matched = min(hits)
-                    finish = {"type": "stop", "matched": matched}
-                    break
-            x = torch.tensor([[tok]], device=self.device)
-        text = self.decode(out_ids)
-        return Completion(out_ids, text[:cut] if cut is not None else text, finish)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class SpecEngine(Engine):
-    """EAGLE-3 speculative decoding (draftlab.spec_engine) behind the same interface.
-
-    The draft is loaded from the EXPORTED directory with the project's loader, and the target
-    layers it is fed are the ones SGLang `sglang_version` would capture for that config: a
-    miswired export misbehaves here exactly as it would in SGLang.
-    """
-
-    def __init__(self, model, tokenizer, device, context_length, draft_path: str, num_steps: int, topk: int,
-                 num_draft_tokens: int, sglang_version: str):
-        super().__init__(model, tokenizer, device, context_length)
-        from draftlab.sglang.checkpoint import load_exported
-        from draftlab.sglang.layers import captured_physical
-
-        embed = model.get_input_embeddings().weight
-        self.draft, config = load_exported(draft_path, embed=embed, dtype=embed.dtype, as_sglang=True)
-        self.draft.to(device)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        self.physical = captured_physical(model.config.architectures[0], cfg.num_hidden_layers, ids, sglang_version)
-        want = self.draft.fc.weight.shape[1] // cfg.hidden_size
-        if len(self.physical) != want:  # SGLang fails on the fc width at the first request
-            raise UserError(f"{draft_path}: fc takes {want} target layers but SGLang {sglang_version} would capture "
-                            f"{len(self.physical)} (physical {self.physical}) for eagle_config ids {ids}")
-        self.flags = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": num_steps,
-                      "speculative_eagle_topk": topk, "speculative_num_draft_tokens": num_draft_tokens}
-        self.totals = {"completion_tokens": 0, "verify_ct": 0}
-
-    def info(self) -> dict:
-        from draftlab.metrics import pooled_tau
-
-        t = self.totals
-        avg = pooled_tau([t["completion_tokens"]], [t["verify_ct"]]) if t["verify_ct"] else None
-        return {"context_length": self.context_length, **self.flags, "capture_physical_layers": self.physical,
-                "avg_spec_accept_length": avg}
-
-    @torch.inference_mode()
-    def generate(self, input_ids: list[int], sp: SamplingParams) -> Completion:
-        from draftlab import spec_engine
-
-        if len(input_ids) >= self.context_length:
-            raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens).")
-        if sp.stop:
-            raise ValueError("stop strings are not supported with speculative decoding by the reference server")
-        # Drafts run up to num_steps positions past the output: keep them inside the context.
-        max_new = min(sp.max_new_tokens, self.context_length - len(input_ids) - self.flags["speculative_num_steps"] - 1)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(2**62, ())))
-        stop_ids = set(sp.stop_token_ids) | self.eos_ids
-        r = spec_engine.generate(
-            self.model, self.draft, input_ids, num_steps=self.flags["speculative_num_steps"],
-            topk=self.flags["speculative_eagle_topk"], num_draft_tokens=self.flags["speculative_num_draft_tokens"],
-            max_new_tokens=max(1, max_new), temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-            eos_token_id=stop_ids, ignore_eos=sp.ignore_eos, physical_layers=self.physical, generator=gen,
-        )
-        self.totals["completion_tokens"] += len(r.output_ids)
-        self.totals["verify_ct"] += r.spec_verify_ct
-        correct = sum(a * n for a, n in enumerate(r.accept_hist))
-        proposed = r.spec_verify_ct * self.flags["speculative_num_steps"]
-        meta = {
-            **r.meta(),
-            "spec_num_correct_drafts": correct,
-            "spec_num_proposed_drafts": proposed,
-            "spec_accept_rate": correct / proposed if proposed else 0.0,
-            "spec_correct_drafts_histogram": list(r.accept_hist),
-            # per depth i+1: steps that reached it with a draft there, and of those how many accepted it
-            "spec_proposed_per_depth": list(r.proposed),
-            "spec_accepted_per_depth": list(r.accepted),
-        }
-        if not r.spec_verify_ct:  # one token from the prefill alone: no verify step, tau undefined (JSON has no NaN)
-            meta["spec_accept_length"] = None
-        return Completion(r.output_ids, self.decode(r.output_ids), r.finish_reason, meta)
-
-
-def aux_hidden_states(engine, input_ids: list[int]) -> list[list[float]]:
-    """What `return_hidden_states` returns per prompt token, as SGLang does: for an EAGLE3 server
-    the aux concatenation the draft is fed (k x hidden wide), else the final hidden state."""
-    from draftlab.extract import decoder_layers
-    from draftlab.extract import AuxCapture
-
-    physical = getattr(engine, "physical", None) or [len(decoder_layers(engine.model)[1])]
-    with torch.inference_mode(), AuxCapture(engine.model, physical) as cap:
-        engine.model(input_ids=torch.tensor([input_ids], device=engine.device), use_cache=False)
-        return cap.take()[0].float().cpu().tolist()
-
-
-def _pick(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
-    """Next token: argmax for temperature ~0, else temperature + top-k + top-p sampling."""
-    if sp.temperature < 1e-5:  # SGLang treats this as greedy too
-        return int(torch.argmax(logits))
-    logits = logits / sp.temperature
-    if 0 < sp.top_k < logits.numel():
-        kth = torch.topk(logits, sp.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if sp.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) > sp.top_p  # keep the smallest set with mass >= top_p
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def parse_reasoning(text: str, parser: str) -> tuple[str | None, str]:
@@ -245,22 +61,22 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     app = FastAPI(title="draftlab reference server")
     lock = threading.Lock()  # one request at a time: sync endpoints run in a thread pool
 
-    def run(input_ids: list[int], sp: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
+    def run(input_ids: list[int], sampling: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
         t0 = time.perf_counter()
         with lock:
-            c = engine.generate(input_ids, sp)
-            extra = {"hidden_states": aux_hidden_states(engine, input_ids)} if hidden else {}
+            completion = engine.generate(input_ids, sampling)
+            extra = {"hidden_states": engine.hidden_states(input_ids)} if hidden else {}
         return {
-            "text": c.text,
-            "output_ids": c.output_ids,
+            "text": completion.text,
+            "output_ids": completion.output_ids,
             "meta_info": {
                 "id": rid or uuid.uuid4().hex,
-                "finish_reason": c.finish_reason,
+                "finish_reason": completion.finish_reason,
                 "prompt_tokens": len(input_ids),
-                "completion_tokens": len(c.output_ids),
+                "completion_tokens": len(completion.output_ids),
                 "cached_tokens": 0,
                 "e2e_latency": time.perf_counter() - t0,  # seconds, queueing for the lock included
-                **c.meta,
+                **completion.meta,
                 **extra,
             },
         }
@@ -291,7 +107,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     @app.post("/generate")
     def generate(body: dict):
         try:
-            sp = _sampling_params(body.get("sampling_params") or {})
+            sampling = _sampling_params(body.get("sampling_params") or {})
             text, ids = body.get("text"), body.get("input_ids")
             if (text is None) == (ids is None):
                 raise ValueError("give exactly one of 'text' and 'input_ids'")
@@ -303,7 +119,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             hidden = bool(body.get("return_hidden_states", False))
             if hidden and not server_args.get("enable_return_hidden_states"):
                 raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
-            outs = [run(p, sp, r, hidden) for p, r in zip(prompts, rids)]
+            outs = [run(p, sampling, r, hidden) for p, r in zip(prompts, rids)]
         except (ValueError, TypeError) as e:
             return bad_request(str(e))
         return outs if batch else outs[0]
@@ -318,7 +134,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             messages = [{**m, "content": _text_content(m.get("content"))} for m in body["messages"]]
             input_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or engine.info()["context_length"]
-            sp = _sampling_params({
+            sampling = _sampling_params({
                 "max_new_tokens": max_tokens,
                 "temperature": body.get("temperature", 1.0),
                 "top_p": body.get("top_p", 1.0),
@@ -328,7 +144,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
                 "stop_token_ids": body.get("stop_token_ids"),
                 "ignore_eos": body.get("ignore_eos", False),
             })
-            out = run(input_ids, sp, None)
+            out = run(input_ids, sampling, None)
         except (KeyError, ValueError, TypeError) as e:
             return bad_request(f"{type(e).__name__}: {e}", openai=True)
         meta = out["meta_info"]
@@ -381,22 +197,22 @@ def _text_content(content) -> str:
 
 
 def load_engine(args) -> Engine:
-    """The engine the flags ask for. The speculative engine plugs in here."""
+    """The engine the flags ask for (draftlab.engine): plain, or EAGLE3 with SGLang's flag rules applied."""
     from draftlab.params import TargetParams
     from draftlab.target import load_target, resolve_device
 
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    tp = TargetParams(model=args.model_path, revision=args.revision, dtype=dtype, device=device)
-    model, tok = load_target(tp, device)
+    target_params = TargetParams(model=args.model_path, revision=args.revision, dtype=dtype, device=device)
+    model, tokenizer = load_target(target_params, device)
     if args.speculative_algorithm is None:
-        return Engine(model, tok, device, args.context_length)
+        return Engine(model, tokenizer, device, args.context_length)
     if args.speculative_algorithm != "EAGLE3":
         raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 only")
     if not args.speculative_draft_model_path:
         raise UserError("EAGLE3 needs --speculative-draft-model-path")
     apply_sglang_rules(args, model.config.architectures[0])
-    return SpecEngine(model, tok, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
+    return SpecEngine(model, tokenizer, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
                       args.speculative_eagle_topk, args.speculative_num_draft_tokens, args.sglang_version)
 
 

@@ -46,7 +46,7 @@ import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
@@ -54,6 +54,7 @@ from transformers import DynamicCache
 from draftlab.draft import KVCache
 from draftlab.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
+from draftlab.sglang.flags import tree_candidates
 
 GREEDY_BELOW = 1e-5  # SGLang treats a temperature below this as greedy
 
@@ -128,10 +129,10 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
              ignore_eos: bool = False, physical_layers: list[int], generator: torch.Generator | None = None) -> SpecResult:
     """Speculative decoding of one request; the flags mean what SGLang's --speculative-* flags mean.
 
-    target: a transformers causal LM; draft: an Eagle3Draft (from export.load_exported, embedding
-    set) or any object with its project/step/logits/to_target; physical_layers: the target hidden
-    states the draft was trained on (DESIGN.md section 4), e.g. sglang_layers.captured_physical()
-    of the exported config. Flags are taken as given (topk == 1 needs num_draft_tokens ==
+    target: a transformers causal LM; draft: an Eagle3Draft (from sglang.checkpoint.load_exported,
+    embedding set) or any object with its project/step/logits/to_target; physical_layers: the target
+    hidden states the draft was trained on (DESIGN.md section 4), e.g. ExportedDraft.served_physical()
+    of the exported directory. Flags are taken as given (topk == 1 needs num_draft_tokens ==
     num_steps + 1): resolve SGLang's adjustments before calling.
     """
     check_flags(num_steps, topk, num_draft_tokens)
@@ -211,8 +212,14 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
 
 @torch.inference_mode()
 def baseline_generate(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, eos_token_id: int | Iterable[int] | None = None,
-                      ignore_eos: bool = False, *, top_k: int = -1, top_p: float = 1.0, generator: torch.Generator | None = None) -> BaselineResult:
-    """Plain decoding with the same cache, forward and sampling code as `generate`, to time alike."""
+                      ignore_eos: bool = False, *, top_k: int = -1, top_p: float = 1.0, generator: torch.Generator | None = None,
+                      stop_when: Callable[[list[int]], object] | None = None) -> BaselineResult:
+    """Plain decoding with the same cache, forward and sampling code as `generate`, to time alike.
+
+    stop_when: called with the output so far after each token that is not a stop token; a return
+    other than None ends the request with finish_reason {"type": "stop", "matched": that value}
+    (the reference server's stop strings).
+    """
     t_start = time.perf_counter()
     device = target.device
     greedy = temperature < GREEDY_BELOW
@@ -233,6 +240,10 @@ def baseline_generate(target, prompt_ids, max_new_tokens: int, temperature: floa
         if tok in stops:
             finish = {"type": "stop", "matched": tok}
             break
+        matched = stop_when(out) if stop_when is not None else None
+        if matched is not None:
+            finish = {"type": "stop", "matched": matched}
+            break
         x = _tensor([[tok]], device)
     return BaselineResult(out, finish, prefill_s, time.perf_counter() - t_start)
 
@@ -243,7 +254,7 @@ def check_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
     if topk == 1 and num_draft_tokens != num_steps + 1:
         raise ValueError(f"topk 1 drafts a chain: num_draft_tokens must be num_steps + 1 = {num_steps + 1}, got {num_draft_tokens} "
                          "(SGLang would change it silently)")
-    most = 1 + topk + (num_steps - 1) * topk * topk  # the root plus every node the tree search makes
+    most = 1 + tree_candidates(num_steps, topk)  # the root plus every node the tree search makes
     if not 2 <= num_draft_tokens <= most:
         raise ValueError(f"num_draft_tokens {num_draft_tokens} must be in 2..{most} for num_steps={num_steps}, topk={topk}")
 

@@ -255,10 +255,10 @@ def make_app(with_server_info: bool):
 
     @app.post("/generate")
     def generate(body: dict):
-        sp = body.get("sampling_params") or {}
-        if sp.get("sleep_s"):
-            time.sleep(sp["sleep_s"])
-        if sp.get("max_new_tokens", 1) < 1:
+        sampling = body.get("sampling_params") or {}
+        if sampling.get("sleep_s"):
+            time.sleep(sampling["sleep_s"])
+        if sampling.get("max_new_tokens", 1) < 1:
             return JSONResponse({"object": "error", "message": "max_new_tokens must be positive", "code": 400}, status_code=400)
         # echo what arrived, so the test sees the request the client built
         return {"text": json.dumps({k: body.get(k) for k in ("text", "input_ids", "return_hidden_states")}),

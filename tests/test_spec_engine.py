@@ -8,6 +8,7 @@ from draftlab import spec_engine
 from tests.support.drafts import ScriptedDraft
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.sglang.checkpoint import export_sglang, load_exported
+from draftlab.sglang.flags import tree_candidates
 from tests.support.micro import make_micro_model
 from draftlab.sglang.layers import captured_physical
 
@@ -142,6 +143,22 @@ def test_flags_sglang_would_change_or_reject_are_refused(target):
         spec(target, None, [1, 2], (3, 1, 8), 4)
     with pytest.raises(ValueError, match="num_draft_tokens 20"):
         spec(target, None, [1, 2], (2, 2, 20), 4)  # a 2-step topk-2 tree makes 6 nodes at most
+
+
+def test_the_tree_bound_is_sglangs_tree_candidates():
+    for steps, topk in [(2, 2), (3, 3), (1, 4)]:
+        most = tree_candidates(steps, topk) + 1  # the root and every node the tree search makes
+        spec_engine.check_flags(steps, topk, most)
+        with pytest.raises(ValueError, match=f"must be in 2..{most} "):
+            spec_engine.check_flags(steps, topk, most + 1)
+
+
+def test_baseline_stop_when_ends_the_request_with_what_it_matched(target, references):
+    ref = references[1]
+    out = spec_engine.baseline_generate(target, PROMPTS[1], 24, ignore_eos=True, stop_when=lambda ids: "five" if len(ids) == 5 else None)
+    assert out.output_ids == ref[:5] and out.finish_reason == {"type": "stop", "matched": "five"}
+    stop_token = spec_engine.baseline_generate(target, PROMPTS[1], 24, eos_token_id=ref[2], stop_when=lambda ids: "late" if len(ids) > 2 else None)
+    assert stop_token.finish_reason == {"type": "stop", "matched": ref[2]}  # a stop token first, as the server checks them
 
 
 # --- caches stay consistent after partial acceptance ------------------------------------------

@@ -1,0 +1,206 @@
+"""One bench run, the body of the bench stage: the exported draft served against a baseline,
+then the same draft offline, the costs, the advice, and the report (reports/bench.json).
+
+    plan = bench_run.prepare(target_params, spec_params, bench_params, sglang_version, read_exported(draft_dir), prompts_dir)
+    result = bench_run.run(plan, out)      # result.report, result.figures, result.key
+
+`prepare` settles everything before a server starts: the flags SGLang would really run
+(draftlab.sglang.flags; with spec.on_adjust: error a request SGLang would silently change stops
+there), and the prompts as token ids. `run` starts the servers (draftlab.bench.start), measures
+them (draftlab.bench.measure), stops them, and only then loads the target's weights for the
+offline run (draftlab.advice), so that a GPU holds one copy of the target at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftlab import advice, bench
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_text
+from draftlab.params import BenchParams, SpecParams, TargetParams
+from draftlab.sglang.checkpoint import ExportedDraft, load_exported
+from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
+from draftlab.sglang.launch import free_port as sglang_free_port
+from draftlab.sglang.launch import read_log
+from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
+
+TARGET_KEYS = ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+
+
+@dataclass
+class BenchPlan:
+    """What a bench run does, settled before any server starts."""
+
+    target_params: TargetParams
+    spec_params: SpecParams
+    bench_params: BenchParams
+    sglang_version: str  # whose rules apply (params export.sglang_version)
+    draft: ExportedDraft
+    device: str
+    tokenizer: object
+    target: dict  # draftlab.target.target_info of the target's config
+    resolution: Resolution
+    prompt_ids: list[list[int]]  # bench.warmup prompts first, then the measured ones
+
+    @property
+    def flags(self) -> SpecFlags:
+        """The flags the speculative server runs."""
+        return self.resolution.effective
+
+    @property
+    def sampling(self) -> dict:
+        bench_params = self.bench_params
+        return {"max_new_tokens": bench_params.max_new_tokens, "temperature": 0.0, "ignore_eos": bench_params.ignore_eos}
+
+
+@dataclass
+class BenchResult:
+    report: dict  # reports/bench.json, less the figures
+    figures: dict  # the headline figures: bench.json's top level and the manifest's info
+    key: dict  # the settings that identify the run (bench.json "settings")
+
+
+def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: BenchParams, sglang_version: str,
+            draft: ExportedDraft, prompts: Path) -> BenchPlan:
+    """Check everything that can be checked before a server starts; UserError naming what to change."""
+    device = resolve_device(target_params.device)
+    # The config and tokenizer only: the weights load after every server has stopped, so that a
+    # GPU holds one copy of the target at a time (SGLang sizes its KV pool from free memory).
+    tokenizer = load_tokenizer(target_params.model, target_params.revision)
+    info = target_info(load_config(target_params), target_params)
+    requested = requested_from_params(spec_params, bench_params)
+    res = resolve(requested, info["architecture"], sglang_version, draft_architecture=(draft.config.get("architectures") or [None])[0],
+                  draft_context_length=draft.config.get("max_position_embeddings"),
+                  target_context_length=info["max_position_embeddings"], max_concurrency=max(bench_params.concurrency))
+    if bench_params.backend == "url":
+        # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
+        for f in res.errors + res.adjustments:
+            print(f"bench: warning: {f}")
+        if bench_params.server_log and not Path(bench_params.server_log).exists():
+            raise UserError(f"bench.server_log: {bench_params.server_log} not found; give the log file of the server at "
+                            f"{bench_params.url}, or \"\"")
+    else:
+        res.enforce(spec_params.on_adjust)  # before anything starts
+    flags = res.effective
+    if bench_params.backend == "reference" and (flags.algorithm != "EAGLE3" or flags.topk is None):
+        raise UserError(f"the reference backend runs EAGLE3 with explicit num_steps/topk; got {dataclasses.asdict(flags)}")
+    rows = bench.read_eval_prompts(prompts, bench_params.num_prompts + bench_params.warmup)
+    if len(rows) <= bench_params.warmup:
+        raise UserError(f"{prompts / 'eval.jsonl'} has {len(rows)} prompts, not more than bench.warmup={bench_params.warmup}")
+    return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
+                     bench.render_prompts(tokenizer, rows))
+
+
+def run(plan: BenchPlan, out: Path) -> BenchResult:
+    """Serve and measure, then the offline run and the advice; writes the server logs and
+    requests.jsonl under `out` and returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    baseline, spec, log = measure_served(plan, out)
+    server_log = read_log(log) if log.exists() else None
+    offline, costs, physical = measure_offline(plan)
+
+    bench_params, flags, info = plan.bench_params, plan.flags, plan.target
+    acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
+    candidates = advice.advise(acceptance, costs)
+    best = max(candidates, key=lambda r: r["predicted_speedup"])
+    ran = next((r for r in candidates if r["num_steps"] == flags.num_steps and flags.topk == 1), None)
+    speedup = spec["speed"]["median"] / baseline["speed"]["median"] if baseline else None
+    res = plan.resolution
+    report = {
+        "backend": bench_params.backend,
+        "sglang_version": plan.sglang_version,
+        "target": {k: info[k] for k in TARGET_KEYS},
+        "draft_dir": str(plan.draft.path),
+        "flags": {**res.as_dict(), "served": bench.served_flags(spec["server_flags"]),
+                  "adjustments": [dataclasses.asdict(f) for f in res.adjustments], "on_adjust": plan.spec_params.on_adjust},
+        "baseline": {"tokens_per_s": baseline["speed"]} if baseline else None,
+        "spec": {**spec["spec"], "tokens_per_s": spec["speed"]},
+        "offline": {k: offline[k] for k in ("tau", "acceptance", "tokens_per_s")},
+        "speedup": speedup,
+        "server_accept_length": spec["server_accept_length"],
+        "server_log": str(log) if log.exists() else None,
+        "log_accept_len": [d.accept_len for d in server_log.decode if d.accept_len is not None] if server_log else [],
+        "log_adjustments": [dataclasses.asdict(a) for a in server_log.adjustments] if server_log else [],
+        "sweep": {"baseline": baseline["sweep"] if baseline else [], "speculative": spec["sweep"]},
+        "costs": {"baseline_step_ms": 1e3 * costs["baseline_step_s"], "draft_step_ms": 1e3 * costs["draft_step_s"],
+                  "verify_ms_by_width": {str(w): 1e3 * s for w, s in costs["verify_s"].items()}},
+        "advice": {"candidates": candidates, "recommended": best,
+                   "predicted_vs_measured": {"predicted_tau": ran["predicted_tau"], "measured_tau": spec["spec"]["tau"],
+                                             "predicted_speedup": ran["predicted_speedup"], "measured_speedup": speedup} if ran else None},
+        "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+                     "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
+    }
+    atomic_write_text(out / "requests.jsonl", "".join(json.dumps({"mode": mode, "meta": meta}) + "\n"
+                                                      for mode, source in (("baseline", baseline), ("speculative", spec)) if source
+                                                      for meta in source["metas"]))
+    key = {"backend": bench_params.backend, "num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens,
+           "capture_physical_layers": physical, "target": plan.target_params.model, "sglang_version": plan.sglang_version}
+    figures = {"tau": report["spec"]["tau"], "offline_tau": offline["tau"], "speedup": speedup,
+               "tokens_per_s": spec["speed"]["median"], "baseline_tokens_per_s": baseline["speed"]["median"] if baseline else None,
+               "accept_rate": report["spec"]["accept_rate"]}
+    return BenchResult(report, figures, key)
+
+
+def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]:
+    """(baseline figures or None, speculative figures, the speculative server's log): same prompts
+    and lengths, same run; every server stopped after."""
+    bench_params, target_params, flags, version = plan.bench_params, plan.target_params, plan.flags, plan.sglang_version
+    backend, draft, ids, sampling = bench_params.backend, plan.draft.path, plan.prompt_ids, plan.sampling
+    log = out / "server-spec.log"
+    base_log = out / "server-baseline.log"
+    print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
+    if backend == "reference" or (backend == "sglang" and bench_params.side_by_side):
+        # Both servers up at once: requests alternate between them, so a change in the machine's
+        # load hits both alike (SGLang: the second server sizes its KV pool from what the first left).
+        print("bench: and a baseline server (no speculation); requests alternate between the two")
+        spec_port = sglang_free_port() if backend == "sglang" else None  # the baseline has bench.port
+        with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url, \
+             bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port) as url:
+            got = bench.measure({"baseline": base_url, "speculative": url}, bench_params, ids, sampling, bench_params.warmup)
+        baseline, spec = got["baseline"], got["speculative"]
+    else:
+        # One server at a time (bench.side_by_side: false), baseline first.
+        baseline = None
+        if backend != "url":
+            with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url:
+                baseline = bench.measure({"baseline": base_url}, bench_params, ids, sampling, bench_params.warmup)["baseline"]
+        with bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True) as url:
+            spec = bench.measure({"speculative": url}, bench_params, ids, sampling, bench_params.warmup)["speculative"]
+    if not spec["spec"]:
+        raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
+    if backend == "url" and bench_params.server_log:
+        log = Path(bench_params.server_log)  # the running server's own log, read like a launched one's
+    return baseline, spec, log
+
+
+def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int]]:
+    """(offline figures, costs, physical layers): the same exported draft in-process, fed the
+    layers SGLang would feed it, then the cost of a target forward and of a draft step."""
+    info, warmup = plan.target, plan.bench_params.warmup
+    target, _ = load_target(plan.target_params, plan.device)
+    embed = target.get_input_embeddings().weight
+    draft, _ = load_exported(plan.draft.path, embed=embed, dtype=embed.dtype, as_sglang=True)  # as served, faults included
+    draft.to(plan.device)
+    physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
+    eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
+    print("bench: offline run (in-process, no server)")
+    offline = advice.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
+                                 eos, plan.bench_params.ignore_eos)
+    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical)
+    return offline, costs, physical
+
+
+def summary(report: dict) -> str:
+    """One line: served and offline tau, speed against the baseline, the recommended chain."""
+    speedup, baseline, best = report["speedup"], report["baseline"], report["advice"]["recommended"]
+    speedup_text = f"{speedup:.2f}x" if speedup else "n/a"
+    return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
+            f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
+            f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "
+            f"(speedup {speedup_text}); recommended num_steps={best['num_steps']} (predicted {best['predicted_speedup']:.2f}x)")

@@ -1,0 +1,178 @@
+"""The reference server's engines: a request's token ids and sampling params in, a completion out.
+
+    Engine      plain decoding of a transformers causal LM: spec_engine.baseline_generate
+    SpecEngine  EAGLE-3 speculative decoding of an exported draft: spec_engine.generate
+
+Both run draftlab.spec_engine's cache, forward and sampler (spec_engine.pick), so the reference
+server, the bench's offline run and the parity check decode with one implementation. Greedy
+output equals transformers' `model.generate(do_sample=False)` token for token.
+
+The interface the HTTP side uses: `engine.generate(input_ids, SamplingParams) -> Completion`,
+`engine.info()`, `engine.hidden_states(input_ids)`, `engine.tokenizer` and `engine.device`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftlab import spec_engine
+from draftlab.errors import UserError
+from draftlab.extract import AuxCapture, decoder_layers
+from draftlab.metrics import pooled_tau
+from draftlab.sglang.checkpoint import load_exported, read_exported
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's /generate default when sampling_params has none
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling_params (the subset we serve). temperature 0 = greedy."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all tokens
+    seed: int | None = None  # SGLang: sampling_seed; OpenAI: seed
+    stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past EOS (fixed-length benchmarks)
+
+
+@dataclass
+class Completion:
+    output_ids: list[int]  # generated tokens, the stop token included (as SGLang counts them)
+    text: str  # decoded without special tokens, cut at a matched stop string
+    finish_reason: dict  # SGLang: {"type": "stop", "matched": id|str} or {"type": "length", "length": n}
+    meta: dict = field(default_factory=dict)  # extra meta_info (speculative counters)
+
+
+class Engine:
+    """Plain autoregressive decoding of a transformers causal LM with a KV cache."""
+
+    physical: list[int] | None = None  # the target layers a speculative engine feeds its draft
+
+    def __init__(self, model, tokenizer, device: str, context_length: int | None = None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_length = context_length or getattr(self.text_config, "max_position_embeddings", None) or tokenizer.model_max_length
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
+
+    def info(self) -> dict:
+        return {"context_length": self.context_length, "speculative_algorithm": None}
+
+    @torch.inference_mode()
+    def generate(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
+        self._check_length(input_ids)
+        max_new = min(sampling.max_new_tokens, self.context_length - len(input_ids))
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_ids)
+        result = spec_engine.baseline_generate(
+            self.model, input_ids, max_new, sampling.temperature, eos_token_id=stop_ids, top_k=sampling.top_k,
+            top_p=sampling.top_p, generator=self._generator(sampling),
+            stop_when=self._stop_strings(sampling.stop) if sampling.stop else None,
+        )
+        text = self.decode(result.output_ids)
+        matched = result.finish_reason.get("matched")
+        if isinstance(matched, str):  # a stop string: the text ends before it
+            text = text[:text.find(matched)]
+        return Completion(result.output_ids, text, result.finish_reason)
+
+    def hidden_states(self, input_ids: list[int]) -> list[list[float]]:
+        """What `return_hidden_states` returns per prompt token, as SGLang does: for an EAGLE3 server
+        the aux concatenation the draft is fed (k x hidden wide), else the final hidden state."""
+        physical = self.physical or [len(decoder_layers(self.model)[1])]
+        with torch.inference_mode(), AuxCapture(self.model, physical) as cap:
+            self.model(input_ids=torch.tensor([input_ids], device=self.device), use_cache=False)
+            return cap.take()[0].float().cpu().tolist()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _check_length(self, input_ids: list[int]) -> None:
+        if len(input_ids) >= self.context_length:
+            raise ValueError(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
+            )
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ())))
+        return generator
+
+    def _stop_strings(self, stops: list[str]):
+        """For baseline_generate's stop_when: the first stop string in the text so far (earliest
+        position, then the smallest string), or None."""
+
+        def matched(ids: list[int]) -> str | None:
+            text = self.decode(ids)
+            hits = [(text.find(s), s) for s in stops if s and s in text]
+            return min(hits)[1] if hits else None
+
+        return matched
+
+
+class SpecEngine(Engine):
+    """EAGLE-3 speculative decoding (draftlab.spec_engine) behind the same interface.
+
+    The draft is loaded from the EXPORTED directory with the project's loader, and the target
+    layers it is fed are the ones SGLang `sglang_version` would capture for that config: a
+    miswired export misbehaves here exactly as it would in SGLang.
+    """
+
+    def __init__(self, model, tokenizer, device, context_length, draft_path: str, num_steps: int, topk: int,
+                 num_draft_tokens: int, sglang_version: str):
+        super().__init__(model, tokenizer, device, context_length)
+        exported = read_exported(draft_path)
+        embed = model.get_input_embeddings().weight
+        self.draft, _ = load_exported(exported.path, embed=embed, dtype=embed.dtype, as_sglang=True)
+        self.draft.to(device)
+        self.physical = exported.served_physical(model.config.architectures[0], self.text_config.num_hidden_layers, sglang_version)
+        want = self.draft.fc.weight.shape[1] // self.text_config.hidden_size
+        if len(self.physical) != want:  # SGLang fails on the fc width at the first request
+            raise UserError(f"{draft_path}: fc takes {want} target layers but SGLang {sglang_version} would capture "
+                            f"{len(self.physical)} (physical {self.physical}) for eagle_config ids {exported.layer_ids}")
+        self.flags = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": num_steps,
+                      "speculative_eagle_topk": topk, "speculative_num_draft_tokens": num_draft_tokens}
+        self.totals = {"completion_tokens": 0, "verify_ct": 0}
+
+    def info(self) -> dict:
+        totals = self.totals
+        avg = pooled_tau([totals["completion_tokens"]], [totals["verify_ct"]]) if totals["verify_ct"] else None
+        return {"context_length": self.context_length, **self.flags, "capture_physical_layers": self.physical,
+                "avg_spec_accept_length": avg}
+
+    @torch.inference_mode()
+    def generate(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
+        self._check_length(input_ids)
+        if sampling.stop:
+            raise ValueError("stop strings are not supported with speculative decoding by the reference server")
+        num_steps = self.flags["speculative_num_steps"]
+        # Drafts run up to num_steps positions past the output: keep them inside the context.
+        max_new = min(sampling.max_new_tokens, self.context_length - len(input_ids) - num_steps - 1)
+        generator = self._generator(sampling)
+        stop_ids = set(sampling.stop_token_ids) | self.eos_ids
+        result = spec_engine.generate(
+            self.model, self.draft, input_ids, num_steps=num_steps, topk=self.flags["speculative_eagle_topk"],
+            num_draft_tokens=self.flags["speculative_num_draft_tokens"], max_new_tokens=max(1, max_new),
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=stop_ids,
+            ignore_eos=sampling.ignore_eos, physical_layers=self.physical, generator=generator,
+        )
+        self.totals["completion_tokens"] += len(result.output_ids)
+        self.totals["verify_ct"] += result.spec_verify_ct
+        correct = sum(a * n for a, n in enumerate(result.accept_hist))
+        proposed = result.spec_verify_ct * num_steps
+        meta = {
+            **result.meta(),
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_accept_rate": correct / proposed if proposed else 0.0,
+            "spec_correct_drafts_histogram": list(result.accept_hist),
+            # per depth i+1: steps that reached it with a draft there, and of those how many accepted it
+            "spec_proposed_per_depth": list(result.proposed),
+            "spec_accepted_per_depth": list(result.accepted),
+        }
+        if not result.spec_verify_ct:  # one token from the prefill alone: no verify step, tau undefined (JSON has no NaN)
+            meta["spec_accept_length"] = None
+        return Completion(result.output_ids, self.decode(result.output_ids), result.finish_reason, meta)
