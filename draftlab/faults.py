@@ -17,11 +17,14 @@ from typing import Callable
 from safetensors.torch import load_file, save_file
 
 from draftlab.sglang.checkpoint import WEIGHTS
+from draftlab.sglang.layers import physical_from_user_layers
 
 
 def _shift_ids(config: dict) -> None:
+    """The hidden_states (physical) index of each layer written where SGLang wants the layer number:
+    on Llama/Qwen, where the ids are the user's layer numbers, every id one too high."""
     ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = physical_from_user_layers(ids)
 
 
 def _drop_eagle_config(config: dict) -> None:

@@ -11,7 +11,11 @@ Layout of `data/features/`:
     architecture, vocab_size (writers may add more)
   draft_vocab.safetensors: d2t int64 [draft_vocab] (target_id = draft_id + d2t[draft_id]) and
     t2d bool [target_vocab] (True where a target token is in the draft vocab)
+  stats.json: per-layer L2-norm statistics (norm_summary), keyed by physical index and "final"
   manifest.json
+
+The shard headers are where the physical layers of the features are read (physical_layers_of):
+a shard is self-describing (DESIGN.md section 5); the manifest does not repeat them.
 
 Alignment, stated once. Within a sequence, the draft at position t receives
   (aux_hidden[t], embedding of input_ids[t+1]) and predicts token t+2,
@@ -81,6 +85,17 @@ def pack_sequences(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return out
 
 
+def physical_layers_of(features: str | Path, split: str = "train") -> list[int]:
+    """The physical layers of a features directory, in its slot order, from its first shard's header."""
+    paths = sorted((Path(features) / split).glob("shard-*.safetensors"))
+    if not paths:
+        raise UserError(f"{Path(features) / split}: no feature shards (shard-*.safetensors); run the standardize stage")
+    physical = read_metadata(paths[0]).get("physical_layers")
+    if physical is None:
+        raise UserError(f"{paths[0]}: shard metadata lacks physical_layers; re-run the standardize stage")
+    return list(physical)
+
+
 def read_metadata(path: str | Path) -> dict:
     with safe_open(str(path), framework="pt") as f:
         raw = f.metadata() or {}
@@ -91,6 +106,20 @@ def read_metadata(path: str | Path) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+NORM_QUANTILES = (0.05, 0.5, 0.95)
+NORM_QUANTILE_SAMPLE = 100_000  # torch.quantile takes at most 16M values: quantiles over an even subsample
+
+
+def norm_summary(norms: torch.Tensor) -> dict:
+    """mean/std/p5/p50/p95 of per-token L2 norms: the keys of data/features/stats.json `norms`
+    (standardize writes them, the wiring check compares live captures with them). Mean and std
+    over every value (std 0.0 for a single one), quantiles over at most ~100k evenly spaced ones."""
+    norms = norms.float()
+    q = torch.quantile(norms[:: max(1, len(norms) // NORM_QUANTILE_SAMPLE)], torch.tensor(NORM_QUANTILES))
+    return {"mean": norms.mean().item(), "std": norms.std().item() if len(norms) > 1 else 0.0,
+            **{f"p{round(p * 100)}": v.item() for p, v in zip(NORM_QUANTILES, q)}}
 
 
 # ---------------------------------------------------------------------------------------------

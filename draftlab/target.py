@@ -10,8 +10,6 @@ from draftlab.errors import UserError
 from draftlab.parallel import resolve_device
 from draftlab.manifest import dir_hash, sha256_text
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
 
 def _source(model: str, revision: str | None) -> dict:
     local = Path(model)
@@ -40,12 +38,14 @@ def load_tokenizer(model: str, revision: str | None = None):
 
 def load_target(target_params, device: str | None = None):
     """(model, tokenizer) for TargetParams `target_params`; model in eval mode on the resolved device."""
-    import torch
     from transformers import AutoModelForCausalLM
 
+    from draftlab.dtypes import torch_dtype
+
     device = device or resolve_device(target_params.device)
+    dtype = torch_dtype(target_params.dtype, "target.dtype")
     try:
-        model = AutoModelForCausalLM.from_pretrained(**_source(target_params.model, target_params.revision), dtype=getattr(torch, DTYPES[target_params.dtype]))
+        model = AutoModelForCausalLM.from_pretrained(**_source(target_params.model, target_params.revision), dtype=dtype)
     except OSError as e:
         raise UserError(f"target.model {target_params.model!r}: cannot load the model ({e})") from None
     model.to(device).eval()

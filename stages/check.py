@@ -21,13 +21,13 @@ from draftlab.manifest import build_manifest, with_lineage
 from draftlab.params import as_dict, load_params
 
 
-def check_params(cp) -> None:
+def validate_check_params(check_params) -> None:
     rules = [
-        (cp.tau_tolerance >= 0, "check.tau_tolerance must be >= 0 (a share, e.g. 0.10)"),
-        (cp.live_parity_samples >= 0, "check.live_parity_samples must be >= 0 (0 = no live parity)"),
-        (cp.parity_rtol > 0, "check.parity_rtol must be > 0 (a share, e.g. 0.05)"),
-        (cp.norm_tolerance > 0, "check.norm_tolerance must be > 0 (a share, e.g. 0.15)"),
-        (cp.request_timeout_s > 0, "check.request_timeout_s must be > 0"),
+        (check_params.tau_tolerance >= 0, "check.tau_tolerance must be >= 0 (a share, e.g. 0.10)"),
+        (check_params.live_parity_samples >= 0, "check.live_parity_samples must be >= 0 (0 = no live parity)"),
+        (check_params.parity_rtol > 0, "check.parity_rtol must be > 0 (a share, e.g. 0.05)"),
+        (check_params.norm_tolerance > 0, "check.norm_tolerance must be > 0 (a share, e.g. 0.15)"),
+        (check_params.request_timeout_s > 0, "check.request_timeout_s must be > 0"),
     ]
     for ok, msg in rules:
         if not ok:
@@ -36,38 +36,38 @@ def check_params(cp) -> None:
 
 def main(paths: diagnose.Paths, out: Path, load_model=diagnose.load_local_target) -> diagnose.Diagnosis:
     params = load_params(["check"])
-    cp = params.check
-    check_params(cp)
-    d = diagnose.diagnose(paths, cp, load_model)
-    run = d.run
+    check_params = params.check
+    validate_check_params(check_params)
+    diagnosis = diagnose.diagnose(paths, check_params, load_model)
+    run = diagnosis.run
     inputs = {name: (m or {}).get("config_hash") for name, m in (
         ("synth", run.synth), ("extract", run.hidden), ("features", run.features), ("train", run.train_metrics),
         ("export", run.export_manifest), ("bench", run.bench))}
     manifest = build_manifest("check", as_dict(params), inputs, __file__)
-    report = with_lineage(diagnose.report_dict(d), manifest, d.settings)
+    report = with_lineage(diagnose.report_dict(diagnosis), manifest, diagnosis.settings)
     report["inputs"] = inputs
     atomic_write_json(out / "check.json", report)
-    atomic_write_text(out / "check.md", check_markdown(d.findings, d.parity, d.settings, manifest["config_hash"]))
-    atomic_write_text(out / "summary.md", summary_markdown(run, d.findings, manifest["config_hash"], out))
-    for f in d.findings:
+    atomic_write_text(out / "check.md", check_markdown(diagnosis.findings, diagnosis.parity, diagnosis.settings, manifest["config_hash"]))
+    atomic_write_text(out / "summary.md", summary_markdown(run, diagnosis.findings, manifest["config_hash"], out))
+    for f in diagnosis.findings:
         if f.severity != "ok-info":
             print(f"check: {f.severity}: {f.name}: {f.cause}")
     print(f"check: {report['counts']['error']} error(s), {report['counts']['warning']} warning(s) -> {out / 'check.md'}, {out / 'summary.md'}")
-    if d.errors and cp.fail_on_error:
-        raise UserError(f"wiring check found {len(d.errors)} error(s): {', '.join(f.name for f in d.errors)}; "
+    if diagnosis.errors and check_params.fail_on_error:
+        raise UserError(f"wiring check found {len(diagnosis.errors)} error(s): {', '.join(f.name for f in diagnosis.errors)}; "
                         f"see {out / 'check.md'} (or set check.fail_on_error: false)")
-    return d
+    return diagnosis
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--synth", type=Path, default=Path("data/synth"))
-    ap.add_argument("--hidden", type=Path, default=Path("data/hidden"))
-    ap.add_argument("--features", type=Path, default=Path("data/features"))
-    ap.add_argument("--train-metrics", type=Path, default=Path("reports/train/metrics.json"))
-    ap.add_argument("--draft", type=Path, default=Path("models/draft"))
-    ap.add_argument("--bench", type=Path, default=Path("reports/bench.json"))
-    ap.add_argument("--out", type=Path, default=Path("reports"))
-    a = ap.parse_args()
-    paths = diagnose.Paths(a.synth, a.hidden, a.features, a.train_metrics, a.draft, a.bench)
-    run_stage(main, paths, a.out)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synth", type=Path, default=Path("data/synth"))
+    parser.add_argument("--hidden", type=Path, default=Path("data/hidden"))
+    parser.add_argument("--features", type=Path, default=Path("data/features"))
+    parser.add_argument("--train-metrics", type=Path, default=Path("reports/train/metrics.json"))
+    parser.add_argument("--draft", type=Path, default=Path("models/draft"))
+    parser.add_argument("--bench", type=Path, default=Path("reports/bench.json"))
+    parser.add_argument("--out", type=Path, default=Path("reports"))
+    args = parser.parse_args()
+    paths = diagnose.Paths(args.synth, args.hidden, args.features, args.train_metrics, args.draft, args.bench)
+    run_stage(main, paths, args.out)

@@ -1,7 +1,8 @@
 """Stage export: write the trained draft as an SGLang EAGLE-3 checkpoint.
 
     python -m stages.export --ckpt models/draft-ckpt --features data/features --out models/draft --report reports/export.json
-Reads params section: export (the capture layers and target facts come from the features manifest).
+Reads params section: export (the target facts come from the features manifest, the capture
+layers from the feature shards).
 Refuses, naming the reason, when SGLang could not capture the layers the draft was trained on or
 could not load the draft.
 """
@@ -12,10 +13,12 @@ from pathlib import Path
 
 from draftlab.cli import run_stage
 from draftlab.errors import UserError
-from draftlab.sglang.checkpoint import export_sglang
+from draftlab.features import physical_layers_of
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
+from draftlab.sglang.checkpoint import export_sglang
+from draftlab.sglang.layers import user_layers_from_physical
 from draftlab.train import load_draft
 
 FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked against a real vLLM
@@ -23,43 +26,44 @@ FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked a
 
 def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
     params = load_params(["export"])
-    ep = params.export
-    for fmt in ep.formats:
+    export_params = params.export
+    for fmt in export_params.formats:
         if fmt not in FORMATS:
             raise UserError(f"params.yaml: export.formats: {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     train_manifest, features_manifest = read_manifest(ckpt), read_manifest(features)
     target = features_manifest.get("info", {}).get("target")
-    if not target or "physical_layers" not in target:
-        raise UserError(f"{features}/manifest.json lacks info.target.physical_layers; re-run the standardize stage")
-    trained_on = train_manifest.get("info", {}).get("physical_layers")
-    if trained_on is not None and sorted(trained_on) != sorted(target["physical_layers"]):
-        raise UserError(f"{ckpt} was trained on physical layers {trained_on} but {features} holds {target['physical_layers']}; run dvc repro")
+    if not target:
+        raise UserError(f"{features}/manifest.json lacks info.target; re-run the standardize stage")
+    trained_on = (train_manifest.get("inputs") or {}).get("features")
+    if trained_on and trained_on != features_manifest["config_hash"]:
+        raise UserError(f"{ckpt} was trained on other features (config {trained_on[:12]}) than {features} holds "
+                        f"(config {features_manifest['config_hash'][:12]}); run dvc repro")
+    physical = sorted(physical_layers_of(features))
     draft = load_draft(ckpt)
-    physical = sorted(target["physical_layers"])
     inputs = {"train": train_manifest["config_hash"], "features": features_manifest["config_hash"]}
     manifest = build_manifest("export", as_dict(params), inputs, __file__)
-    config = export_sglang(draft, out, target, physical, ep.sglang_version, ep.dtype)
+    config = export_sglang(draft, out, target, physical, export_params.sglang_version, export_params.dtype)
 
     layer_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     manifest["info"] = {"config": config, "bytes": sum(p.stat().st_size for p in out.iterdir())}
     write_manifest(out, manifest)
     settings = {"target_model": target.get("model"), "target_revision": target.get("revision"),
-                "architecture": target["architecture"], "capture_layers": [p - 1 for p in physical],
-                "physical_layers": physical, "sglang_version": ep.sglang_version,
-                "draft_vocab_size": config["draft_vocab_size"], "dtype": ep.dtype,
+                "architecture": target["architecture"], "capture_layers": user_layers_from_physical(physical),
+                "physical_layers": physical, "sglang_version": export_params.sglang_version,
+                "draft_vocab_size": config["draft_vocab_size"], "dtype": export_params.dtype,
                 "ttt_steps": train_manifest["params"]["train"]["ttt_steps"]}
     figures = {"eagle_aux_hidden_state_layer_ids": layer_ids, "max_position_embeddings": config["max_position_embeddings"],
                "bytes": manifest["info"]["bytes"]}
     atomic_write_json(report, with_lineage(figures, manifest, settings))
     print(f"export: SGLang EAGLE-3 draft, eagle_aux_hidden_state_layer_ids {layer_ids} "
-          f"(physical {physical}, SGLang {ep.sglang_version}) -> {out}")
+          f"(physical {physical}, SGLang {export_params.sglang_version}) -> {out}")
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, default=Path("models/draft-ckpt"))
-    ap.add_argument("--features", type=Path, default=Path("data/features"))
-    ap.add_argument("--out", type=Path, default=Path("models/draft"))
-    ap.add_argument("--report", type=Path, default=Path("reports/export.json"))
-    a = ap.parse_args()
-    run_stage(main, a.ckpt, a.features, a.out, a.report)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", type=Path, default=Path("models/draft-ckpt"))
+    parser.add_argument("--features", type=Path, default=Path("data/features"))
+    parser.add_argument("--out", type=Path, default=Path("models/draft"))
+    parser.add_argument("--report", type=Path, default=Path("reports/export.json"))
+    args = parser.parse_args()
+    run_stage(main, args.ckpt, args.features, args.out, args.report)

@@ -25,6 +25,7 @@ from draftlab import extract
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
 from draftlab.cli import run_stage
+from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
 from draftlab.manifest import build_manifest, read_manifest, write_manifest
@@ -57,32 +58,32 @@ def shard_is_done(path: Path, config_hash: str) -> bool:
 
 def main(synth: Path, out: Path) -> None:
     params = load_params(["target", "capture", "extract"])
-    tp, xp = params.target, params.extract
-    device = resolve_device(tp.device)
+    target_params, extract_params = params.target, params.extract
+    device = resolve_device(target_params.device)
     rank, world = parallel.setup_distributed(torch.device(device).type)
     device = parallel.local_device(device)
-    model, tok = load_target(tp, device)
-    info = target_info(model, tp)
+    model, tok = load_target(target_params, device)
+    info = target_info(model, target_params)
     # Refuse a layer spec SGLang cannot serve before any compute.
     physical = physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
     validate_capture(info["architecture"], info["num_layers"], physical)
-    info["physical_layers"] = physical
+    info["physical_layers"] = physical  # their one record among the manifests; each shard's header has them too
     synth_manifest = read_manifest(synth)
-    inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(tp)}
+    inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("extract", as_dict(params), inputs, __file__)
     config_hash = manifest["config_hash"]
-    dtype = getattr(torch, xp.dtype)
-    limit = min(xp.max_length, info["max_position_embeddings"] or xp.max_length)
+    dtype = torch_dtype(extract_params.dtype, "extract.dtype")
+    limit = min(extract_params.max_length, info["max_position_embeddings"] or extract_params.max_length)
     meta = {
         "config_hash": config_hash,
-        "target_model": tp.model,
-        "target_revision": str(tp.revision),
+        "target_model": target_params.model,
+        "target_revision": str(target_params.revision),
         "architecture": info["architecture"],
         "num_layers": str(info["num_layers"]),
         "hidden_size": str(info["hidden_size"]),
         "vocab_size": str(info["vocab_size"]),
         "physical_layers": json.dumps(physical),
-        "dtype": xp.dtype,
+        "dtype": extract_params.dtype,
         "chat_template_sha256": chat_template_hash(tok),
         "tokenizer_sha256": tokenizer_hash(tok),
         "max_length": str(limit),
@@ -98,7 +99,7 @@ def main(synth: Path, out: Path) -> None:
                     f"{synth / (split + '.jsonl')}: row {r['id']} has {len(ids)} tokens, more than "
                     f"extract.max_length/context {limit}; raise extract.max_length or shorten synth.max_new_tokens"
                 )
-        plan = extract.plan_shards([len(ids) for ids, _ in rendered], xp.shard_tokens)
+        plan = extract.plan_shards([len(ids) for ids, _ in rendered], extract_params.shard_tokens)
         (out / split).mkdir(exist_ok=True)
         if rank == 0:
             for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
@@ -111,7 +112,7 @@ def main(synth: Path, out: Path) -> None:
             path = out / split / f"shard-{s:05d}.safetensors"
             if shard_is_done(path, config_hash):
                 continue
-            tensors = extract.extract_shard(model, [rendered[i] for i in idx], physical, xp.batch_size, dtype, device)
+            tensors = extract.extract_shard(model, [rendered[i] for i in idx], physical, extract_params.batch_size, dtype, device)
             smeta = {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])}
             tmp = path.with_name(path.name + ".tmp")
             save_file(tensors, str(tmp), metadata=smeta)
@@ -143,8 +144,8 @@ def main(synth: Path, out: Path) -> None:
     parallel.finish(world)
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--synth", type=Path, default=Path("data/synth"))
-    ap.add_argument("--out", type=Path, default=Path("data/hidden"))
-    a = ap.parse_args()
-    run_stage(main, a.synth, a.out)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synth", type=Path, default=Path("data/synth"))
+    parser.add_argument("--out", type=Path, default=Path("data/hidden"))
+    args = parser.parse_args()
+    run_stage(main, args.synth, args.out)

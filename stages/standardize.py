@@ -9,6 +9,10 @@ Reads params section: standardize.
   of the train split (d2t/t2d, DESIGN.md section 6);
 - per-layer L2-norm statistics are recorded: the wiring check compares them with what a server
   captures live (a shifted or unnormalised layer shows up as a norm ratio far from 1).
+
+The physical layers come from the extract manifest (info.target.physical_layers, their one place
+among the manifests) and go into every feature shard's header; the features manifest does not
+repeat them (readers take them from the shards: draftlab.features.physical_layers_of).
 """
 from __future__ import annotations
 
@@ -28,26 +32,18 @@ from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 
-QUANTILES = (0.05, 0.5, 0.95)
-
 
 def load_shard(path: Path) -> tuple[dict, dict]:
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-def norm_summary(norms: torch.Tensor) -> dict:
-    q = torch.quantile(norms.float()[:: max(1, len(norms) // 100_000)], torch.tensor(QUANTILES))
-    return {"mean": norms.float().mean().item(), "std": norms.float().std().item(),
-            **{f"p{int(p * 100)}": v.item() for p, v in zip(QUANTILES, q)}}
-
-
 def main(hidden: Path, out: Path, metrics: Path) -> None:
     params = load_params(["standardize"])
     n_vocab = params.standardize.draft_vocab_size
     upstream = read_manifest(hidden)
-    target = upstream["info"]["target"]
-    physical = sorted(target["physical_layers"])
+    target = {k: v for k, v in upstream["info"]["target"].items() if k != "physical_layers"}
+    physical = sorted(upstream["info"]["target"]["physical_layers"])
     if n_vocab < 1:
         raise UserError(f"params.yaml: standardize.draft_vocab_size must be >= 1, got {n_vocab}")
     manifest = build_manifest("standardize", as_dict(params), {"extract": upstream["config_hash"]}, __file__)
@@ -72,10 +68,10 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             aux = torch.cat([t[layer_key(i)] for i in physical], dim=-1)  # ascending physical order
             arrays = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux,
                       "final_hidden": t["final_hidden"], "seq_offsets": t["seq_offsets"]}
-            fmeta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
-                     "architecture": target["architecture"], "vocab_size": target["vocab_size"],
-                     "row_ids": json.loads(meta["row_ids"])}
-            features.write_shard(out / split / path.name, arrays, {**fmeta, "config_hash": manifest["config_hash"]})
+            shard_meta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
+                          "architecture": target["architecture"], "vocab_size": target["vocab_size"],
+                          "row_ids": json.loads(meta["row_ids"])}
+            features.write_shard(out / split / path.name, arrays, {**shard_meta, "config_hash": manifest["config_hash"]})
             masked_ids[split].append(t["input_ids"][t["loss_mask"]])
             if split == "train":
                 counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
@@ -89,8 +85,7 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     # Share of answer tokens the draft can propose at all: an upper bound on acceptance.
     coverage = {s: (t2d[torch.cat(ids)].float().mean().item() if ids else None) for s, ids in masked_ids.items()}
     stats = {
-        "physical_layers": physical,
-        "norms": {k: norm_summary(torch.cat(v)) for k, v in norms.items()},
+        "norms": {k: features.norm_summary(torch.cat(v)) for k, v in norms.items()},
         "draft_vocab_size": int(len(d2t)),
         "draft_vocab_coverage": coverage,
         "tokens": split_tokens,
@@ -107,9 +102,9 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=Path, default=Path("data/hidden"))
-    ap.add_argument("--out", type=Path, default=Path("data/features"))
-    ap.add_argument("--metrics", type=Path, default=Path("reports/standardize.json"))
-    a = ap.parse_args()
-    run_stage(main, a.hidden, a.out, a.metrics)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=Path, default=Path("data/hidden"))
+    parser.add_argument("--out", type=Path, default=Path("data/features"))
+    parser.add_argument("--metrics", type=Path, default=Path("reports/standardize.json"))
+    args = parser.parse_args()
+    run_stage(main, args.hidden, args.out, args.metrics)

@@ -25,16 +25,17 @@ from draftlab.features import FeatureDataset, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
+from draftlab.sglang.layers import user_layers_from_physical
 from draftlab.target import target_fingerprint
 from draftlab.target_weights import load_target_head
 
 
-def physical_layers(features_manifest: dict, dataset: FeatureDataset) -> list[int]:
-    info = features_manifest.get("info", {})
-    recorded = info.get("target", {}).get("physical_layers", info.get("physical_layers"))
-    if recorded is not None and sorted(recorded) != sorted(dataset.physical_layers):
-        raise UserError(f"features manifest says physical layers {recorded} but the shards hold {dataset.physical_layers}; re-run standardize")
-    return dataset.physical_layers
+def physical_layers(train_ds: FeatureDataset, eval_ds: FeatureDataset) -> list[int]:
+    """The physical layers the features hold, from the shards (the same in both splits)."""
+    if train_ds.physical_layers != eval_ds.physical_layers:
+        raise UserError(f"{train_ds.dir} holds physical layers {train_ds.physical_layers} but {eval_ds.dir} holds "
+                        f"{eval_ds.physical_layers}; re-run standardize")
+    return train_ds.physical_layers
 
 
 def write_plots(reports: Path, history: list[dict]) -> None:
@@ -71,31 +72,33 @@ def write_plots(reports: Path, history: list[dict]) -> None:
 
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
-    tp, trp = params.target, params.train
-    fm = read_manifest(features)
-    target = fm.get("info", {}).get("target")
+    target_params, train_params = params.target, params.train
+    features_manifest = read_manifest(features)
+    target = features_manifest.get("info", {}).get("target")
     if not target:
         raise UserError(f"{features}/manifest.json has no info.target; re-run the standardize stage")
-    if target.get("model") != tp.model:
-        raise UserError(f"{features} was extracted from target {target.get('model')!r} but target.model is {tp.model!r}; run dvc repro")
+    if target.get("model") != target_params.model:
+        raise UserError(f"{features} was extracted from target {target.get('model')!r} but target.model is "
+                        f"{target_params.model!r}; run dvc repro")
     d2t, t2d = load_draft_vocab(features)
-    train_ds = FeatureDataset(features / "train", trp.max_length)
-    eval_ds = FeatureDataset(features / "eval", trp.max_length)
-    physical = physical_layers(fm, train_ds)
-    embed, head = load_target_head(tp.model, tp.revision)
+    train_ds = FeatureDataset(features / "train", train_params.max_length)
+    eval_ds = FeatureDataset(features / "eval", train_params.max_length)
+    physical = physical_layers(train_ds, eval_ds)
+    embed, head = load_target_head(target_params.model, target_params.revision)
     if tuple(head.shape) != (target["vocab_size"], target["hidden_size"]):
         raise UserError(f"target lm_head is {list(head.shape)} but the features say vocab {target['vocab_size']} x hidden {target['hidden_size']}")
-    cfg = DraftConfig.from_target(target, len(physical), len(d2t), trp.intermediate_size)
-    if trp.ttt_steps < 1:
-        raise UserError(f"train.ttt_steps must be >= 1, got {trp.ttt_steps}")
+    cfg = DraftConfig.from_target(target, len(physical), len(d2t), train_params.intermediate_size)
+    if train_params.ttt_steps < 1:
+        raise UserError(f"train.ttt_steps must be >= 1, got {train_params.ttt_steps}")
 
-    device = train.resolve_device(trp.device)
+    device = train.resolve_device(train_params.device)
     rank, world = parallel.setup_distributed(device.type)
-    inputs = {"features": fm["config_hash"], "target": target_fingerprint(tp)}
+    inputs = {"features": features_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
-    draft = train.init_draft(cfg, embed, head, d2t, t2d, trp.seed)
+    draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
     t0 = time.time()
-    history = train.fit(draft, head.float(), train_ds, eval_ds, trp, resume_dir / "last.pt", manifest["config_hash"], device, rank, world)
+    history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
+                        device, rank, world)
     seconds = time.time() - t0
     if rank == 0:
         last = history[-1]
@@ -103,12 +106,13 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if tmp.exists():
             shutil.rmtree(tmp)
         train.save_draft(tmp, draft)
-        manifest["info"] = {"draft": cfg.to_dict(), "physical_layers": physical, "history": history,
+        # No physical layers here: they are the features' (manifest inputs.features names the run).
+        manifest["info"] = {"draft": cfg.to_dict(), "history": history,
                             "seconds": round(seconds, 1), "processes": world, "device": str(device),
                             "train_sequences": len(train_ds), "eval_sequences": len(eval_ds)}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)
-        K = trp.ttt_steps
+        K = train_params.ttt_steps
         metrics = {
             "tau_pred": last["eval_tau_pred"],
             "eval_loss": last["eval_loss"],
@@ -120,9 +124,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "optimizer_steps": last["step"],
             "seconds": round(seconds, 1),
         }
-        settings = {"target_model": tp.model, "target_revision": tp.revision, "capture_layers": [p - 1 for p in physical],
-                    "physical_layers": physical, "ttt_steps": K, "ttt_decay": trp.ttt_decay,
-                    "draft_vocab_size": cfg.draft_vocab_size, "epochs": trp.epochs, "batch_size": trp.batch_size, "lr": trp.lr}
+        settings = {"target_model": target_params.model, "target_revision": target_params.revision,
+                    "capture_layers": user_layers_from_physical(physical), "physical_layers": physical,
+                    "ttt_steps": K, "ttt_decay": train_params.ttt_decay, "draft_vocab_size": cfg.draft_vocab_size,
+                    "epochs": train_params.epochs, "batch_size": train_params.batch_size, "lr": train_params.lr}
         atomic_write_json(reports / "metrics.json", with_lineage(metrics, manifest, settings))
         write_plots(reports, history)
         (resume_dir / "last.pt").unlink(missing_ok=True)
@@ -134,10 +139,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--features", type=Path, default=Path("data/features"))
-    ap.add_argument("--out", type=Path, default=Path("models/draft-ckpt"))
-    ap.add_argument("--reports", type=Path, default=Path("reports/train"))
-    ap.add_argument("--resume-dir", type=Path, default=Path("models/.train-resume"))
-    a = ap.parse_args()
-    run_stage(main, a.features, a.out, a.reports, a.resume_dir)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--features", type=Path, default=Path("data/features"))
+    parser.add_argument("--out", type=Path, default=Path("models/draft-ckpt"))
+    parser.add_argument("--reports", type=Path, default=Path("reports/train"))
+    parser.add_argument("--resume-dir", type=Path, default=Path("models/.train-resume"))
+    args = parser.parse_args()
+    run_stage(main, args.features, args.out, args.reports, args.resume_dir)

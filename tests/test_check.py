@@ -13,16 +13,17 @@ from safetensors.torch import save_file
 
 from draftlab.check import diagnose as check_run
 from draftlab.check import __main__ as check_cli
-from draftlab.check.draft import check_capture
+from draftlab.check.draft import check_capture, served_layers
 from draftlab.check.findings import names
 from draftlab.check.parity import check_live_capture, hidden_rows, inprocess_capture
 from draftlab.check.serving import check_tau
 from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
-from draftlab.sglang.checkpoint import export_sglang
+from draftlab.sglang.checkpoint import ExportedDraft, export_sglang
 from draftlab.extract import capture, render
 from draftlab.faults import FAULTS, miswire
-from draftlab.features import build_draft_vocab, count_tokens, load_draft_vocab, pack_sequences, read_metadata, save_draft_vocab, write_shard
+from draftlab.features import (build_draft_vocab, count_tokens, load_draft_vocab, norm_summary, pack_sequences, read_metadata,
+                               save_draft_vocab, write_shard)
 from draftlab.manifest import build_manifest, with_lineage, write_manifest
 from tests.support.micro import save_micro_model
 from draftlab.params import CheckParams, TargetParams
@@ -46,7 +47,7 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     model = save_micro_model(root / "target", num_layers=L, hidden_size=H, vocab_size=V, max_position_embeddings=512, seed=0)
     tok = load_tokenizer(str(root / "target"))
-    target = {**target_info(model, TargetParams(str(root / "target"), None, "float32", "cpu")), "physical_layers": PHYSICAL}
+    target = target_info(model, TargetParams(str(root / "target"), None, "float32", "cpu"))  # as in the features manifest
     hashes = {"chat_template_sha256": chat_template_hash(tok), "tokenizer_sha256": tokenizer_hash(tok)}
     seqs, norms = [], {str(p): [] for p in PHYSICAL} | {"final": []}
     for q, a in CHATS:
@@ -65,15 +66,14 @@ def pipeline(tmp_path_factory):
     counts = sum(count_tokens(s["input_ids"], s["loss_mask"], V) for s in seqs)
     d2t, t2d = build_draft_vocab(counts, VD)
     save_draft_vocab(feat / "draft_vocab.safetensors", d2t, t2d)
-    from stages.standardize import norm_summary  # the exact stats.json format
-
-    stats = {"physical_layers": PHYSICAL, "norms": {k: norm_summary(torch.cat(v)) for k, v in norms.items()}}
+    stats = {"norms": {k: norm_summary(torch.cat(v)) for k, v in norms.items()}}  # the exact stats.json format
     (feat / "stats.json").write_text(json.dumps(stats))
 
     synth = build_manifest("synthesize", {}, {}, info={"backend": "hf", "ok": len(CHATS), "errors": 0,
                                                        "tokenizer_hash": hashes["tokenizer_sha256"], "chat_template_hash": hashes["chat_template_sha256"]})
     write_manifest(root / "data/synth", synth)
-    hidden = build_manifest("extract", {}, {"synth": synth["config_hash"]}, info={"target": target, **hashes})
+    # The extract manifest is the one manifest recording the physical layers; the features hold them in their shards.
+    hidden = build_manifest("extract", {}, {"synth": synth["config_hash"]}, info={"target": {**target, "physical_layers": PHYSICAL}, **hashes})
     write_manifest(root / "data/hidden", hidden)
     features = build_manifest("standardize", {}, {"extract": hidden["config_hash"]}, info={"target": target, **hashes, **stats})
     write_manifest(feat, features)
@@ -114,8 +114,8 @@ def paths(root: Path) -> check_run.Paths:
 
 def diagnose(pipeline, root, **check):
     model = pipeline[1]
-    cp = CheckParams(**{**CHECK.__dict__, **check})
-    return check_run.diagnose(paths(root), cp, load_model=lambda *_: model)
+    check_params = CheckParams(**{**CHECK.__dict__, **check})
+    return check_run.diagnose(paths(root), check_params, load_model=lambda *_: model)
 
 
 def edit_json(path: Path, change) -> None:
@@ -204,8 +204,8 @@ def test_embedding_in_the_ids_is_named(pipeline, run):
 
 
 def test_embedding_in_the_training_features_is_named():
-    f = check_capture({"architecture": "LlamaForCausalLM", "num_layers": 8}, [0, 4, 6],
-                      {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]}}, "0.5.14")
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]}})
+    f = check_capture([0, 4, 6], served_layers(draft, {"architecture": "LlamaForCausalLM", "num_layers": 8}, "0.5.14"))
     assert "embedding_captured" in names(f) and next(x for x in f if x.name == "embedding_captured").evidence["side"] == "training features"
 
 

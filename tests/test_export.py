@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from draftlab.draft import KVCache
 from draftlab.errors import UserError
-from draftlab.sglang.checkpoint import export_sglang, load_exported
+from draftlab.sglang.checkpoint import ExportedDraft, export_sglang, load_exported, read_exported
 from tiny_features import K, V, VD, make_draft
 
 TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
@@ -132,15 +132,25 @@ def test_loader_rejects_a_damaged_checkpoint(tmp_path):
         load_exported(tmp_path / "d")
 
 
-def stage_inputs(root, physical):
-    """What the export stage reads: the train stage's checkpoint and the features manifest."""
+def stage_inputs(root, physical, trained_on_features=None):
+    """What the export stage reads: the train stage's checkpoint, the features manifest (the target)
+    and a feature shard (its header holds the physical layers)."""
+    from draftlab.features import pack_sequences, shard_name, write_shard
     from draftlab.manifest import build_manifest, write_manifest
     from draftlab.train import save_draft
 
     draft = trained_draft()
     save_draft(root / "ckpt", draft)
-    write_manifest(root / "ckpt", build_manifest("train", {"train": {"ttt_steps": 3}}, {}, info={"physical_layers": physical}))
-    write_manifest(root / "features", build_manifest("standardize", {}, {}, info={"target": {**TARGET, "physical_layers": physical}}))
+    features = build_manifest("standardize", {}, {}, info={"target": TARGET})
+    write_manifest(root / "features", features)
+    T, H = 4, draft.config.hidden_size
+    seq = {"input_ids": torch.zeros(T, dtype=torch.int64), "loss_mask": torch.ones(T, dtype=torch.bool),
+           "aux_hidden": torch.zeros(T, len(physical) * H, dtype=torch.bfloat16), "final_hidden": torch.zeros(T, H, dtype=torch.bfloat16)}
+    meta = {"physical_layers": physical, "hidden_size": H, "num_layers": TARGET["num_layers"], "architecture": TARGET["architecture"],
+            "vocab_size": V}
+    write_shard(root / "features/train" / shard_name(0), pack_sequences([seq]), meta)
+    inputs = {"features": trained_on_features or features["config_hash"]}
+    write_manifest(root / "ckpt", build_manifest("train", {"train": {"ttt_steps": 3}}, inputs))
     (root / "params.yaml").write_text('export: {sglang_version: "0.5.14", formats: [sglang], dtype: bfloat16}\n')
     return draft
 
@@ -158,6 +168,25 @@ def test_export_stage_writes_the_checkpoint_and_a_report_with_lineage(tmp_path, 
     assert report["settings"]["capture_layers"] == [1, 3, 5] and report["settings"]["physical_layers"] == [2, 4, 6]
     loaded, _ = load_exported(tmp_path / "draft", embed=draft.embed_tokens)
     assert loaded.config == dataclasses.replace(draft.config, max_position_embeddings=TARGET["max_position_embeddings"])
+
+
+def test_export_stage_takes_the_layers_from_the_feature_shards_not_from_a_manifest(tmp_path, monkeypatch):
+    from stages.export import main
+
+    stage_inputs(tmp_path, [2, 3, 6])  # the features manifest names no layers (stage_inputs)
+    monkeypatch.chdir(tmp_path)
+    main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    assert read_exported(tmp_path / "draft").layer_ids == [1, 2, 5]
+
+
+def test_export_stage_refuses_a_checkpoint_trained_on_other_features(tmp_path, monkeypatch):
+    from stages.export import main
+
+    stage_inputs(tmp_path, [2, 4, 6], trained_on_features="f" * 64)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="trained on other features"):
+        main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    assert not (tmp_path / "draft").exists()
 
 
 def test_export_stage_refuses_layers_sglang_cannot_capture(tmp_path, monkeypatch):
@@ -208,3 +237,57 @@ def test_a_draft_without_d2t_is_refused_or_served_as_sglang_serves_it(tmp_path, 
     served, _ = load_exported(tmp_path / "d", as_sglang=True)
     assert torch.equal(served.d2t, torch.zeros(VD, dtype=torch.long)) and "no d2t" in capsys.readouterr().out
     assert all(torch.equal(served.state_dict()[k], v.float()) for k, v in tensors.items() if k != "t2d")
+
+
+# --- the exported draft as SGLang reads it (ExportedDraft) ---------------------------------------
+
+
+def exported_with(tmp_path, edit=None) -> ExportedDraft:
+    export_sglang(trained_draft(), tmp_path / "d", TARGET, [2, 4, 6], "0.5.14")
+    if edit:
+        config = json.loads((tmp_path / "d/config.json").read_text())
+        edit(config)
+        (tmp_path / "d/config.json").write_text(json.dumps(config))
+    return read_exported(tmp_path / "d")
+
+
+def test_exported_draft_is_fed_the_layers_it_was_exported_for(tmp_path):
+    draft = exported_with(tmp_path)
+    assert draft.layer_ids == [1, 3, 5] and draft.sglang_version == "0.5.14"
+    assert draft.served_physical("LlamaForCausalLM", 8, "0.5.14") == [2, 4, 6]
+    assert draft.draft_config() == load_exported(tmp_path / "d")[0].config
+
+
+def test_exported_draft_with_ids_shifted_by_one_is_fed_the_next_layers(tmp_path):
+    draft = exported_with(tmp_path, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 6]))
+    assert draft.served_physical("LlamaForCausalLM", 8, "0.5.14") == [3, 5, 7]
+
+
+def test_exported_draft_without_eagle_config_is_fed_sglangs_default(tmp_path):
+    draft = exported_with(tmp_path, lambda c: c.pop("eagle_config"))
+    assert draft.layer_ids is None
+    assert draft.served_physical("LlamaForCausalLM", 8, "0.5.14") == [2, 4, 5]  # physical [2, L//2, L-3], no +1
+    assert draft.served_physical("Qwen2ForCausalLM", 28, "0.5.14") == [2, 14, 25]
+
+
+def test_exported_draft_ids_at_the_top_level_are_not_read(tmp_path):
+    draft = exported_with(tmp_path, lambda c: c.update(eagle_aux_hidden_state_layer_ids=c.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]))
+    assert draft.layer_ids is None and draft.top_level_ids == [1, 3, 5]
+    assert draft.served_physical("LlamaForCausalLM", 8, "0.5.14") == [2, 4, 5]
+
+
+def test_exported_draft_follows_the_serving_versions_rule(tmp_path):
+    deepseek = {**TARGET, "architecture": "DeepseekV3ForCausalLM", "num_layers": 61}
+    export_sglang(trained_draft(), tmp_path / "d", deepseek, [3, 31, 58], "0.5.12")
+    draft = read_exported(tmp_path / "d")
+    assert draft.layer_ids == [2, 30, 57]
+    assert draft.served_physical("DeepseekV3ForCausalLM", 61, "0.5.12") == [3, 31, 58]
+    assert draft.served_physical("DeepseekV3ForCausalLM", 61, "0.5.14") == [2, 30, 57]  # served by a newer SGLang: as-is
+
+
+def test_read_exported_names_a_missing_or_damaged_config(tmp_path):
+    with pytest.raises(UserError, match="not an exported draft"):
+        read_exported(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        read_exported(tmp_path)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftlab.errors import UserError
-from draftlab.features import (FeatureDataset, build_draft_vocab, count_tokens, draft_to_target, load_draft_vocab,
+from draftlab.features import (FeatureDataset, build_draft_vocab, count_tokens, draft_to_target, load_draft_vocab, norm_summary,
                                pack_sequences, read_metadata, save_draft_vocab, shard_name, write_shard)
 
 META = {"physical_layers": [2, 4, 6], "hidden_size": 4, "num_layers": 8, "architecture": "LlamaForCausalLM", "vocab_size": 32}
@@ -106,3 +106,56 @@ def test_canonical_header_keeps_tensors_and_metadata_and_works_in_place(tmp_path
     assert (tmp_path / "f").read_bytes() == canonical_safetensors(save(tensors, metadata=meta))
     with safe_open(str(tmp_path / "f"), "pt") as f:
         assert f.metadata() == meta and all(torch.equal(f.get_tensor(k), t) for k, t in tensors.items())
+
+
+def test_standardize_writes_the_physical_layers_into_the_shard_headers_only(tmp_path, monkeypatch):
+    """The extract manifest names the layers once; the features hold them in their shard headers
+    (ascending), and neither the features manifest nor stats.json repeats them."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from draftlab.extract import layer_key
+    from draftlab.features import physical_layers_of
+    from draftlab.manifest import build_manifest, write_manifest
+    from stages.standardize import main
+
+    H, V, L = 4, 32, 8
+    target = {"model": "m", "revision": None, "architecture": "LlamaForCausalLM", "num_layers": L, "hidden_size": H,
+              "vocab_size": V, "physical_layers": [5, 2]}
+    hidden = tmp_path / "hidden"
+    manifest = build_manifest("extract", {}, {}, info={"target": target, "chat_template_sha256": "c", "tokenizer_sha256": "t"})
+    write_manifest(hidden, manifest)
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "eval"):
+        T = 6
+        tensors = {"input_ids": torch.randint(0, V, (T,), generator=g), "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1], dtype=torch.bool),
+                   "seq_offsets": torch.tensor([0, 3, 6]), "final_hidden": torch.randn(T, H, generator=g).bfloat16(),
+                   **{layer_key(p): torch.randn(T, H, generator=g).bfloat16() for p in (2, 5)}}
+        (hidden / split).mkdir()
+        save_file(tensors, str(hidden / split / "shard-00000.safetensors"),
+                  metadata={"config_hash": manifest["config_hash"], "row_ids": json.dumps(["a", "b"])})
+    (tmp_path / "params.yaml").write_text("standardize: {draft_vocab_size: 16}\n")
+    monkeypatch.chdir(tmp_path)
+    main(hidden, tmp_path / "features", tmp_path / "standardize.json")
+
+    features = tmp_path / "features"
+    assert physical_layers_of(features) == [2, 5] and physical_layers_of(features, "eval") == [2, 5]
+    assert read_metadata(features / "train/shard-00000.safetensors")["num_layers"] == L
+    info = json.loads((features / "manifest.json").read_text())["info"]
+    stats = json.loads((features / "stats.json").read_text())
+    assert "physical_layers" not in info and "physical_layers" not in info["target"] and "physical_layers" not in stats
+    assert info["target"]["architecture"] == "LlamaForCausalLM" and sorted(stats["norms"]) == ["2", "5", "final"]
+    with safe_open(str(hidden / "train/shard-00000.safetensors"), "pt") as f:
+        assert stats["norms"]["5"] == norm_summary(f.get_tensor(layer_key(5)).float().norm(dim=-1))
+    metrics = json.loads((tmp_path / "standardize.json").read_text())
+    assert metrics["settings"]["capture_physical_layers"] == [2, 5]
+
+
+def test_norm_summary_of_one_value_and_of_many():
+    one = norm_summary(torch.tensor([3.0]))
+    assert one == {"mean": 3.0, "std": 0.0, "p5": 3.0, "p50": 3.0, "p95": 3.0}
+    many = norm_summary(torch.arange(300_001, dtype=torch.float32))  # quantiles over a subsample
+    assert many["mean"] == pytest.approx(150_000) and many["p50"] == pytest.approx(150_000, rel=1e-3)
+    assert set(many) == {"mean", "std", "p5", "p50", "p95"}

@@ -6,7 +6,7 @@ import pytest
 
 from draftlab.errors import UserError
 from draftlab.params import load_params
-from draftlab.sglang.flags import RULES, SpecFlags, default_spec_params, effective_flags, requested_from_params, resolve
+from draftlab.sglang.flags import RULES, RuleOutcome, SpecFlags, default_spec_params, effective_flags, requested_from_params, resolve
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "sglang")
 LLAMA, QWEN = "LlamaForCausalLM", "Qwen2ForCausalLM"
@@ -229,3 +229,10 @@ def test_shipped_params_run_as_requested():
     assert eff["num_steps"] == p.spec.num_steps and eff["topk"] == p.spec.topk
     # null draft tokens: SGLang fills in num_steps + 1 for a chain, which is not an adjustment
     assert eff["num_draft_tokens"] == (p.spec.num_draft_tokens or p.spec.num_steps + 1)
+
+
+def test_each_rule_that_fires_is_a_rule_outcome_recorded_with_the_same_fields():
+    res = resolve(flags(1, 1, 16), LLAMA, "0.5.14")
+    assert res.findings and all(isinstance(f, RuleOutcome) for f in res.findings)
+    recorded = res.as_dict()["findings"]  # what bench.json keeps and the wiring check reads (check.serving.check_flags)
+    assert {"rule", "kind", "what", "sglang_message", "fix"} == set(recorded[0])

@@ -3,7 +3,8 @@ from itertools import combinations
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.sglang.layers import captured_physical, ids_for_physical, physical_from_spec, validate_capture
+from draftlab.sglang.layers import (captured_physical, dropped_ids, ids_for_physical, physical_from_spec, physical_from_user_layers,
+                                    user_layers_from_physical, validate_capture)
 
 LLAMA_LIKE = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 
@@ -95,3 +96,36 @@ def test_params_spec_maps_to_physical():
         physical_from_spec([1, 1, 3], "LlamaForCausalLM", 8)
     with pytest.raises(UserError, match="list of layer numbers"):
         physical_from_spec("last", "LlamaForCausalLM", 8)
+
+
+def test_user_layer_k_is_the_output_of_decoder_layer_k_physical_k_plus_one():
+    # capture.layers [1, 3, 5] = outputs of decoder layers 1, 3, 5 = hidden_states[2], [4], [6]
+    assert physical_from_user_layers([1, 3, 5]) == [2, 4, 6]
+    assert user_layers_from_physical([2, 4, 6]) == [1, 3, 5]
+    assert physical_from_user_layers([5, 1]) == [6, 2]  # the order is kept
+    assert user_layers_from_physical([0]) == [-1]  # the embedding output is no decoder layer's
+
+
+@pytest.mark.parametrize("layers", [[0], [1, 3, 5], [5, 1, 3], [0, 13, 26]])
+def test_user_layers_round_trip_through_physical(layers):
+    assert user_layers_from_physical(physical_from_user_layers(layers)) == layers
+    assert physical_from_user_layers(user_layers_from_physical(physical_from_user_layers(layers))) == physical_from_user_layers(layers)
+
+
+def test_on_llama_sglangs_ids_are_the_users_layer_numbers():
+    for layers in ([1, 3, 5], [0, 2, 6], [2, 4, 5]):
+        physical = physical_from_user_layers(layers)
+        assert physical_from_spec(layers, "LlamaForCausalLM", 8) == physical
+        assert ids_for_physical("LlamaForCausalLM", 8, physical, "0.5.14") == layers
+        assert captured_physical("LlamaForCausalLM", 8, layers, "0.5.14") == physical
+
+
+def test_ids_shifted_by_one_capture_the_next_layer():
+    ids = ids_for_physical("LlamaForCausalLM", 8, [2, 4, 6], "0.5.14")
+    assert captured_physical("LlamaForCausalLM", 8, [i + 1 for i in ids], "0.5.14") == [3, 5, 7]
+
+
+def test_dropped_ids_are_the_ones_the_capture_loop_never_reaches():
+    assert dropped_ids("LlamaForCausalLM", 8, [1, 3, 7], "0.5.14") == [7]
+    assert dropped_ids("LlamaForCausalLM", 8, [1, 3, 5], "0.5.14") == []
+    assert dropped_ids("LlamaForCausalLM", 8, [-1, 3, 5], "0.5.14") == []  # the embedding crashes: not a silent drop

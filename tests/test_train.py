@@ -105,14 +105,14 @@ def weights(draft):
 
 
 def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tmp_path):
-    tp = params()  # 4 steps per epoch, 8 in all; checkpoints at steps 3 and 6 and at epoch ends
+    train_params = params()  # 4 steps per epoch, 8 in all; checkpoints at steps 3 and 6 and at epoch ends
     straight = new_draft(feats)
-    history = fit(straight, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "a.pt", "run", torch.device("cpu"))
+    history = fit(straight, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "a.pt", "run", torch.device("cpu"))
 
     interrupted = new_draft(feats)
-    fit(interrupted, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "b.pt", "run", torch.device("cpu"), stop_after_steps=7)
+    fit(interrupted, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "b.pt", "run", torch.device("cpu"), stop_after_steps=7)
     resumed = new_draft(feats)  # a new process: fresh weights, then the checkpoint of step 6
-    history_b = fit(resumed, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "b.pt", "run", torch.device("cpu"))
+    history_b = fit(resumed, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "b.pt", "run", torch.device("cpu"))
     assert history_b == history
     for name, w in weights(straight).items():
         assert torch.equal(w, resumed.state_dict()[name]), name
@@ -121,7 +121,7 @@ def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tm
     other = new_draft(feats)
     fit(other, feats["head"], feats["train"], feats["eval"], params(lr=1e-2), tmp_path / "c.pt", "other", torch.device("cpu"), stop_after_steps=7)
     fresh = new_draft(feats)
-    fit(fresh, feats["head"], feats["train"], feats["eval"], tp, tmp_path / "c.pt", "run", torch.device("cpu"))
+    fit(fresh, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "c.pt", "run", torch.device("cpu"))
     assert all(torch.equal(w, fresh.state_dict()[k]) for k, w in weights(straight).items())
 
 

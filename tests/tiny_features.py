@@ -75,7 +75,7 @@ def make_features(root, arch="llama", num_layers=4, hidden_size=64, vocab_size=2
             for f in feats:
                 counts += count_tokens(f["input_ids"], f["loss_mask"], vocab_size)
     save_draft_vocab(feat / "draft_vocab.safetensors", *build_draft_vocab(counts, draft_vocab_size))
-    info = {"target": {**facts, "physical_layers": physical}}
+    info = {"target": facts}  # as standardize writes it: the physical layers are in the shard headers only
     write_manifest(feat, build_manifest("standardize", {"standardize": {"draft_vocab_size": draft_vocab_size}}, {}, info=info))
     return feat, target_dir, model
 

@@ -13,51 +13,54 @@ from pathlib import Path
 import torch
 
 from draftlab.check.diagnose import load_local_target, read_json
-from draftlab.check.draft import layer_ids_of
 from draftlab.check.findings import errors
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.errors import UserError
-from draftlab.sglang.layers import VERIFIED_VERSIONS, captured_physical
+from draftlab.sglang.checkpoint import read_exported
+from draftlab.sglang.layers import VERIFIED_VERSIONS
 
 
 def parity_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draftlab.check parity",
-                                 description="compare a server's (or the in-process) captured hidden states with the training features")
-    ap.add_argument("--url", default="", help="server with --enable-return-hidden-states; empty = in-process capture for --draft")
-    ap.add_argument("--features", type=Path, default=Path("data/features"))
-    ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
-    ap.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
-    ap.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
-    ap.add_argument("--samples", type=int, default=4, help="training sequences to send")
-    ap.add_argument("--rtol", type=float, default=0.05, help="relative error a slot may show")
-    ap.add_argument("--norm-tolerance", type=float, default=0.15)
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
-    ap.add_argument("--json", type=Path, default=None, help="write the full parity result here")
-    a = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m draftlab.check parity",
+                                     description="compare a server's (or the in-process) captured hidden states with the training features")
+    parser.add_argument("--url", default="", help="server with --enable-return-hidden-states; empty = in-process capture for --draft")
+    parser.add_argument("--features", type=Path, default=Path("data/features"))
+    parser.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
+    parser.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
+    parser.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
+    parser.add_argument("--samples", type=int, default=4, help="training sequences to send")
+    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a slot may show")
+    parser.add_argument("--norm-tolerance", type=float, default=0.15)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
+    parser.add_argument("--json", type=Path, default=None, help="write the full parity result here")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    fm = read_json(a.features / "manifest.json") or {}
-    target = (fm.get("info") or {}).get("target") or {}
-    seqs, meta = stored_sequences(a.features, a.samples)
-    model = load_local_target(a.target or target["model"], None if a.target else target.get("revision")) if (a.target or not a.url) else None
-    if a.url:
-        result = run_parity(seqs, meta, http_capture(a.url, int(meta["hidden_size"]), a.timeout), a.url,
+    features_manifest = read_json(args.features / "manifest.json") or {}
+    target = (features_manifest.get("info") or {}).get("target") or {}
+    seqs, meta = stored_sequences(args.features, args.samples)
+    model = None
+    if args.target or not args.url:
+        model = load_local_target(args.target or target["model"], None if args.target else target.get("revision"))
+    if args.url:
+        result = run_parity(seqs, meta, http_capture(args.url, int(meta["hidden_size"]), args.timeout), args.url,
                             reference_states(model) if model is not None else None)
     else:
-        config = read_json(a.draft / "config.json")
-        if config is None:
-            raise UserError(f"{a.draft}/config.json not found; give --url or an exported --draft")
-        version = a.sglang_version or (config.get("draftlab") or {}).get("sglang_version") or VERIFIED_VERSIONS[-1]
-        live = captured_physical(target["architecture"], int(target["num_layers"]), layer_ids_of(config), version)
+        try:
+            draft = read_exported(args.draft)
+        except UserError as e:
+            raise UserError(f"{e}; or give --url") from None
+        version = args.sglang_version or draft.sglang_version or VERIFIED_VERSIONS[-1]
+        live = draft.served_physical(target["architecture"], int(target["num_layers"]), version)
         result = run_parity(seqs, meta, inprocess_capture(model, live), "in-process", reference_states(model), live)
-    stats = read_json(a.features / "stats.json") or {}
-    findings = check_live_capture(result, stats.get("norms"), a.rtol, a.norm_tolerance)
+    stats = read_json(args.features / "stats.json") or {}
+    findings = check_live_capture(result, stats.get("norms"), args.rtol, args.norm_tolerance)
     for s in result["slots"]:
         print(f"slot {s['slot']}: trained physical {s['trained_physical']}, rel err {s['rel_err']:.4f}, max abs diff "
               f"{s['max_abs_diff']:.4g}, cos {s['cos']:.4f}, norm ratio {s['norm_ratio']:.3f}, best match {s['best_match']}")
     for f in findings:
         print(f"{f.severity}: {f.name}: {f.cause}" + (f" -> {f.fix}" if f.fix else ""))
-    if a.json:
-        a.json.write_text(json.dumps({"parity": result, "findings": [f.as_dict() for f in findings]}, indent=2) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"parity": result, "findings": [f.as_dict() for f in findings]}, indent=2) + "\n")
     return 1 if errors(findings) else 0
 
 

@@ -17,18 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftlab.check.draft import check_capture, check_d2t, check_draft_shapes, layer_ids_of
+from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
 from draftlab.check.findings import Finding, by_severity, error, errors, info, warning
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.check.serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
-from draftlab.sglang.checkpoint import WEIGHTS
-from draftlab.features import DRAFT_VOCAB_FILE, read_metadata
-from draftlab.sglang.layers import VERIFIED_VERSIONS, captured_physical, parse_version
-
-# safetensors dtype names -> torch dtypes (for shape/dtype checks without loading the weights)
-ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
-             "I32": torch.int32, "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8}
+from draftlab.features import DRAFT_VOCAB_FILE, physical_layers_of
+from draftlab.sglang.checkpoint import ExportedDraft, TensorSpecs, read_exported, tensor_specs
+from draftlab.sglang.layers import VERIFIED_VERSIONS, parse_version
 
 
 @dataclass
@@ -52,9 +48,9 @@ class Run:
     stats: dict | None = None  # data/features/stats.json
     feature_physical: list[int] | None = None  # physical layers in the features' slot order (shard metadata)
     train_metrics: dict | None = None
-    draft_config: dict | None = None  # models/draft/config.json
+    draft: ExportedDraft | None = None  # models/draft (its config.json), read once
     export_manifest: dict | None = None
-    tensors: dict = field(default_factory=dict)  # exported weights: name -> (shape, dtype)
+    tensors: TensorSpecs = field(default_factory=dict)  # exported weights: name -> (shape, dtype)
     d2t: torch.Tensor | None = None
     training_d2t: torch.Tensor | None = None
     bench: dict | None = None
@@ -78,20 +74,21 @@ def load_run(paths: Paths) -> Run:
     run = Run(paths)
     run.synth, run.hidden = read_json(paths.synth / "manifest.json"), read_json(paths.hidden / "manifest.json")
     run.features, run.stats = read_json(paths.features / "manifest.json"), read_json(paths.features / "stats.json")
-    shards = sorted((paths.features / "train").glob("shard-*.safetensors"))
-    if shards:
-        run.feature_physical = read_metadata(shards[0]).get("physical_layers")
+    try:
+        run.feature_physical = physical_layers_of(paths.features)
+    except UserError:  # no shards: diagnose says so
+        pass
     if (paths.features / DRAFT_VOCAB_FILE).exists():
         with safe_open(str(paths.features / DRAFT_VOCAB_FILE), "pt") as f:
             run.training_d2t = f.get_tensor("d2t")
     run.train_metrics = read_json(paths.train_metrics)
-    run.draft_config, run.export_manifest = read_json(paths.draft / "config.json"), read_json(paths.draft / "manifest.json")
-    if (paths.draft / WEIGHTS).exists():
-        with safe_open(str(paths.draft / WEIGHTS), "pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                run.tensors[name] = (tuple(sl.get_shape()), ST_DTYPES.get(sl.get_dtype()))
-            run.d2t = f.get_tensor("d2t") if "d2t" in f.keys() else None
+    run.draft = read_exported(paths.draft) if (paths.draft / "config.json").exists() else None
+    run.export_manifest = read_json(paths.draft / "manifest.json")
+    if run.draft is not None and run.draft.weights.exists():
+        run.tensors = tensor_specs(run.draft.weights)
+        if "d2t" in run.tensors:
+            with safe_open(str(run.draft.weights), "pt") as f:
+                run.d2t = f.get_tensor("d2t")
     run.bench = read_json(paths.bench)
     log = (run.bench or {}).get("server_log")
     if log and Path(log).exists():
@@ -101,7 +98,7 @@ def load_run(paths: Paths) -> Run:
 
 def sglang_version(run: Run) -> str:
     """The SGLang release whose layer rule applies: the one benchmarked, else the one exported for."""
-    candidates = [(run.bench or {}).get("sglang_version"), ((run.draft_config or {}).get("draftlab") or {}).get("sglang_version"),
+    candidates = [(run.bench or {}).get("sglang_version"), run.draft.sglang_version if run.draft else None,
                   (((run.export_manifest or {}).get("params") or {}).get("export") or {}).get("sglang_version")]
     for v in candidates:
         try:
@@ -146,39 +143,38 @@ def load_local_target(model: str, revision: str | None):
     from draftlab.target import load_target, resolve_device
 
     device = resolve_device("auto")
-    tp = TargetParams(model=model, revision=revision, dtype="float32" if device == "cpu" else "bfloat16", device=device)
-    return load_target(tp, device)[0]
+    target_params = TargetParams(model=model, revision=revision, dtype="float32" if device == "cpu" else "bfloat16", device=device)
+    return load_target(target_params, device)[0]
 
 
-def live_parity(run: Run, cp, version: str, load_model=load_local_target) -> tuple[dict | None, list[Finding]]:
-    """Live parity over check.live_parity_samples training sequences: a server (check.server_url) or in-process."""
-    if cp.live_parity_samples <= 0:
-        return None, [info("live_parity_skipped", {"live_parity_samples": cp.live_parity_samples}, "live parity is off")]
+def live_parity(run: Run, check_params, served: ServedLayers, load_model=load_local_target) -> tuple[dict | None, list[Finding]]:
+    """Live parity over check.live_parity_samples training sequences: a server (check.server_url) or
+    in-process, capturing the layers SGLang will feed the exported draft (`served`)."""
+    if check_params.live_parity_samples <= 0:
+        return None, [info("live_parity_skipped", {"live_parity_samples": check_params.live_parity_samples}, "live parity is off")]
     try:
-        return _live_parity(run, cp, version, load_model)
+        return _live_parity(run, check_params, served, load_model)
     except UserError as e:  # no shards, no target here: the other checks still report
         return None, [warning("live_parity_failed", {"reason": str(e)}, "live parity could not run, so the live capture is unproven",
                               "make the features and the target loadable here, or set check.live_parity_samples: 0")]
 
 
-def _live_parity(run: Run, cp, version: str, load_model) -> tuple[dict | None, list[Finding]]:
-    seqs, meta = stored_sequences(run.paths.features, cp.live_parity_samples)
+def _live_parity(run: Run, check_params, served: ServedLayers, load_model) -> tuple[dict | None, list[Finding]]:
+    seqs, meta = stored_sequences(run.paths.features, check_params.live_parity_samples)
     target = (run.bench or {}).get("target") or run.target
-    if cp.server_url:
-        capture = http_capture(cp.server_url, int(meta["hidden_size"]), cp.request_timeout_s)
+    if check_params.server_url:
+        capture = http_capture(check_params.server_url, int(meta["hidden_size"]), check_params.request_timeout_s)
         try:  # every layer of the local target names what a mismatching slot really is
             reference = reference_states(load_model(target["model"], target.get("revision")))
         except (UserError, RuntimeError, KeyError):  # not loadable here (or no memory beside the server)
             reference = None
-        return run_parity(seqs, meta, capture, cp.server_url, reference), []
-    ids = layer_ids_of(run.draft_config or {})
-    try:
-        live = captured_physical(run.target["architecture"], int(run.target["num_layers"]), ids, version)
-    except UserError as e:
-        return None, [info("live_parity_skipped", {"reason": str(e)}, "the exported ids cannot be captured at all (see the capture findings)")]
+        return run_parity(seqs, meta, capture, check_params.server_url, reference), []
+    if served.physical is None:
+        return None, [info("live_parity_skipped", {"reason": served.refused},
+                           "the exported ids cannot be captured at all (see the capture findings)")]
     model = load_model(target["model"], target.get("revision"))
-    return run_parity(seqs, meta, inprocess_capture(model, live), "in-process (reference engine capture path)",
-                      reference_states(model), live), []
+    return run_parity(seqs, meta, inprocess_capture(model, served.physical), "in-process (reference engine capture path)",
+                      reference_states(model), served.physical), []
 
 
 @dataclass
@@ -193,15 +189,15 @@ class Diagnosis:
         return errors(self.findings)
 
 
-def diagnose(paths: Paths, cp, load_model=load_local_target) -> Diagnosis:
-    """Every check over the pipeline outputs under `paths`; `cp` is the params section `check`."""
+def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagnosis:
+    """Every check over the pipeline outputs under `paths`; `check_params` is the params section `check`."""
     run = load_run(paths)
     out: list[Finding] = []
     for name, ok, path in (("features", run.target, paths.features / "manifest.json"),
-                           ("draft", run.draft_config, paths.draft / "config.json")):
+                           ("draft", run.draft, paths.draft / "config.json")):
         if not ok:
             out.append(error("input_missing", {"path": str(path)}, f"the {name} output is missing or incomplete", "dvc repro"))
-    if run.target and not (run.feature_physical or run.target.get("physical_layers")):
+    if run.target and not run.feature_physical:
         out.append(error("input_missing", {"path": str(paths.features / "train")}, "the features hold no shards", "dvc repro standardize"))
     if out:
         return Diagnosis(out, None, {}, run)
@@ -221,25 +217,26 @@ def diagnose(paths: Paths, cp, load_model=load_local_target) -> Diagnosis:
                                   ("standardize", inputs(run.features).get("extract"), "extract"),
                                   ("export", inputs(run.export_manifest).get("features"), "features"),
                                   ("export", inputs(run.export_manifest).get("train"), "train")])
-    physical = run.feature_physical or run.target.get("physical_layers") or []
-    out += check_capture(run.target, physical, run.draft_config, version)
-    out += check_draft_shapes(run.draft_config, run.tensors, run.target, len(physical))
-    out += check_d2t(run.draft_config, run.d2t, run.training_d2t)
+    # Which layers SGLang will feed the draft: worked out once, here, for every check below.
+    served = served_layers(run.draft, run.target, version)
+    out += check_capture(run.feature_physical, served)
+    out += check_draft_shapes(run.draft, run.tensors, run.target, len(run.feature_physical))
+    out += check_d2t(run.draft, run.d2t, run.training_d2t)
     serving, problems = serving_side(run.bench)
     out += problems
     if run.bench is not None:
         out += check_served_target(run.target, run.bench.get("target"))
-        out += check_algorithm(run.bench, run.draft_config, run.server_log)
+        out += check_algorithm(run.bench, run.draft.config, run.server_log)
         out += check_flags(run.bench, _log_adjustments(run.bench))
     hidden_info = (run.hidden or {}).get("info") or {}
     synth_info = (run.synth or {}).get("info") or {}
     out += check_tokenizer(_pair(synth_info.get("chat_template_hash"), synth_info.get("tokenizer_hash")),
                            _pair(hidden_info.get("chat_template_sha256"), hidden_info.get("tokenizer_sha256")), serving)
-    parity, skipped = live_parity(run, cp, version, load_model)
-    out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), cp.parity_rtol, cp.norm_tolerance)
+    parity, skipped = live_parity(run, check_params, served, load_model)
+    out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), check_params.parity_rtol, check_params.norm_tolerance)
     if run.bench is not None:
-        out += check_tau(run.train_metrics, run.bench, cp.tau_tolerance)
-    return Diagnosis(by_severity(out), parity, settings_of(run, version, cp), run)
+        out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance)
+    return Diagnosis(by_severity(out), parity, settings_of(run, served, check_params), run)
 
 
 def report_dict(d: Diagnosis) -> dict:
@@ -271,18 +268,14 @@ def _log_adjustments(bench: dict) -> list[tuple[str, str]]:
     return [(a["rule"], a["line"]) for a in bench.get("log_adjustments") or []]  # as the bench parsed it
 
 
-def settings_of(run: Run, version: str, cp) -> dict:
+def settings_of(run: Run, served: ServedLayers, check_params) -> dict:
     """The few key settings shown next to config_hash in reports/check.json."""
     eff = ((run.bench or {}).get("flags") or {}).get("effective") or {}
-    ids = layer_ids_of(run.draft_config or {})
-    t = run.target
-    try:
-        captured = captured_physical(t["architecture"], int(t["num_layers"]), ids, version)
-    except (UserError, KeyError):
-        captured = None
-    return {"target_model": t.get("model"), "target_revision": t.get("revision"), "architecture": t.get("architecture"),
-            "trained_physical": sorted(run.feature_physical or t.get("physical_layers") or []),
-            "eagle_aux_hidden_state_layer_ids": ids, "sglang_captures": captured, "sglang_version": version,
+    target = run.target
+    return {"target_model": target.get("model"), "target_revision": target.get("revision"), "architecture": target.get("architecture"),
+            "trained_physical": sorted(run.feature_physical or []),
+            "eagle_aux_hidden_state_layer_ids": served.draft.layer_ids, "sglang_captures": served.physical,
+            "sglang_version": served.sglang_version,
             "backend": (run.bench or {}).get("backend"), "algorithm": eff.get("algorithm"), "num_steps": eff.get("num_steps"),
             "topk": eff.get("topk"), "num_draft_tokens": eff.get("num_draft_tokens"),
-            "live_parity": cp.server_url or ("in-process" if cp.live_parity_samples > 0 else "off")}
+            "live_parity": check_params.server_url or ("in-process" if check_params.live_parity_samples > 0 else "off")}

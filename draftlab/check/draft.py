@@ -1,27 +1,49 @@
 """Checks of the exported draft against the training features: capture layers, d2t, sizes, tensors.
 
-Pure functions: parsed config.json / manifests / tensors in, a list of Findings out. The layer
-rules are draftlab.sglang.layers' (DESIGN.md section 4); the checkpoint contract is
-draftlab.sglang.checkpoint's (section 7).
+Pure functions: the exported draft (read once, draftlab.sglang.checkpoint.ExportedDraft), the
+layers SGLang will feed it (ServedLayers, worked out once) and parsed manifests/tensors in, a
+list of Findings out. The layer rules are draftlab.sglang.layers' (DESIGN.md section 4); the
+checkpoint contract is draftlab.sglang.checkpoint's (section 7).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from draftlab.check.findings import Finding, error, info, warning
-from draftlab.draft import DraftConfig
+from draftlab.dtypes import TORCH_DTYPES
 from draftlab.errors import UserError
-from draftlab.sglang.checkpoint import ARCHITECTURE, DTYPES, expected_tensors
 from draftlab.features import draft_to_target
-from draftlab.sglang.layers import captured_physical, default_physical, family, ids_for_physical
+from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs, expected_tensors, tensor_problems
+from draftlab.sglang.layers import default_physical, dropped_ids, family, ids_for_physical
 
 REEXPORT = "re-run the export stage"
 
 
-def layer_ids_of(config: dict) -> list[int] | None:
-    """The ids SGLang reads: eagle_config.eagle_aux_hidden_state_layer_ids only (None when absent)."""
-    eagle = config.get("eagle_config")
-    return eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+@dataclass(frozen=True)
+class ServedLayers:
+    """Which physical layers SGLang `sglang_version` will feed the exported draft on the target.
+
+    Worked out once (served_layers) and handed to every check that needs the answer.
+    """
+
+    draft: ExportedDraft
+    architecture: str
+    num_layers: int
+    sglang_version: str
+    physical: list[int] | None  # ascending; None when SGLang cannot serve the ids (see refused)
+    refused: str | None = None  # why: the ids make SGLang capture the embedding, or no rule is known
+
+
+def served_layers(draft: ExportedDraft, target: dict, sglang_version: str) -> ServedLayers:
+    """target: the features manifest's `info.target` (architecture, num_layers)."""
+    architecture, num_layers = target["architecture"], int(target["num_layers"])
+    try:
+        physical, refused = draft.served_physical(architecture, num_layers, sglang_version), None
+    except UserError as e:
+        physical, refused = None, str(e)
+    return ServedLayers(draft, architecture, num_layers, sglang_version, physical, refused)
 
 
 def _expected_ids(arch: str, L: int, physical: list[int], version: str) -> list[int] | None:
@@ -31,25 +53,12 @@ def _expected_ids(arch: str, L: int, physical: list[int], version: str) -> list[
         return None
 
 
-def _dropped_ids(arch: str, L: int, ids: list[int], version: str) -> list[int]:
-    """Ids SGLang's capture loop never reaches (it drops them silently)."""
-    dropped = []
-    for i in ids:
-        try:
-            if not captured_physical(arch, L, [i], version):
-                dropped.append(i)
-        except UserError:  # the embedding: reported on its own
-            pass
-    return dropped
-
-
-def check_capture(target: dict, trained_physical: list[int], config: dict, sglang_version: str) -> list[Finding]:
+def check_capture(trained_physical: list[int], served: ServedLayers) -> list[Finding]:
     """Fault 1: the layers SGLang captures for the exported config vs the layers training used.
 
-    target: features manifest `info.target` (architecture, num_layers); trained_physical: the
-    physical indices in the order the features concatenate them; config: the draft's config.json.
+    trained_physical: the physical indices in the order the features concatenate them.
     """
-    arch, L = target["architecture"], int(target["num_layers"])
+    arch, L, sglang_version = served.architecture, served.num_layers, served.sglang_version
     physical = sorted(trained_physical)
     out: list[Finding] = []
     if list(trained_physical) != physical:
@@ -71,18 +80,17 @@ def check_capture(target: dict, trained_physical: list[int], config: dict, sglan
     except UserError as e:
         return out + [warning("capture_rule_unknown", {"architecture": arch}, str(e), "check the captured layers with live parity")]
 
-    ids, top = layer_ids_of(config), config.get("eagle_aux_hidden_state_layer_ids")
-    exported_for = (config.get("draftlab") or {}).get("sglang_version")
+    ids, top = served.draft.layer_ids, served.draft.top_level_ids
+    exported_for = served.draft.sglang_version
     want = _expected_ids(arch, L, physical, sglang_version)
     ev = {"architecture": arch, "num_layers": L, "sglang_version": sglang_version, "exported_for_sglang": exported_for,
           "trained_physical": physical, "eagle_aux_hidden_state_layer_ids": ids, "ids_for_trained_layers": want}
     fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids: {want} in the draft's config.json ({REEXPORT} with export.sglang_version: \"{sglang_version}\")"
     versions = f"the draft was exported for SGLang {exported_for} but is served by {sglang_version}; " if exported_for and exported_for != sglang_version else ""
-    try:
-        captured = captured_physical(arch, L, ids, sglang_version)
-    except UserError as e:
+    captured = served.physical
+    if captured is None:
         return out + [error("embedding_captured", {**ev, "side": "exported config"},
-                            f"{versions}these ids make SGLang capture physical 0, the embedding output ({e})", fix)]
+                            f"{versions}these ids make SGLang capture physical 0, the embedding output ({served.refused})", fix)]
     ev["sglang_captures"] = captured
 
     if ids is None:
@@ -108,7 +116,7 @@ def check_capture(target: dict, trained_physical: list[int], config: dict, sglan
     if list(ids) != sorted(ids):
         out.append(info("layer_ids_unsorted", ev, "SGLang sorts the captured layers (ascending), as the features are: harmless"))
 
-    dropped = _dropped_ids(arch, L, ids, sglang_version)
+    dropped = dropped_ids(arch, L, ids, sglang_version)
     if dropped:
         valid = f" (valid ids for {arch} with {L} layers: 0..{L - 2})" if family(arch) == "llama" else ""
         out.append(error("layer_id_out_of_range", {**ev, "dropped_ids": dropped},
@@ -131,10 +139,10 @@ def check_capture(target: dict, trained_physical: list[int], config: dict, sglan
     return out
 
 
-def check_d2t(config: dict, d2t: torch.Tensor | None, training_d2t: torch.Tensor | None = None) -> list[Finding]:
+def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torch.Tensor | None = None) -> list[Finding]:
     """Fault 3: SGLang maps draft ids to target ids with d2t only (target = draft + d2t[draft])."""
-    V = config.get("vocab_size")
-    Vd = config.get("draft_vocab_size") or V
+    V = draft.config.get("vocab_size")
+    Vd = draft.config.get("draft_vocab_size") or V
     ev = {"vocab_size": V, "draft_vocab_size": Vd}
     fix = f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})"
     reduced = V is not None and Vd < V
@@ -175,26 +183,12 @@ def check_d2t(config: dict, d2t: torch.Tensor | None, training_d2t: torch.Tensor
     return []
 
 
-def _draft_config(config: dict, num_aux_layers: int) -> DraftConfig | None:
-    try:
-        return DraftConfig(
-            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_attention_heads=config["num_attention_heads"], num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), vocab_size=config["vocab_size"],
-            draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
-            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]), num_aux_layers=num_aux_layers,
-            max_position_embeddings=config.get("max_position_embeddings", 0), rope_theta=config.get("rope_theta", 10000.0))
-    except (KeyError, UserError):
-        return None
-
-
-def check_draft_shapes(config: dict, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], target: dict,
-                       num_aux_layers: int) -> list[Finding]:
+def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict, num_aux_layers: int) -> list[Finding]:
     """Fault 4: architecture, fc width, hidden/vocab/context vs the target, and the tensor set SGLang loads.
 
     tensors: name -> (shape, dtype) of the exported weights; num_aux_layers: k of the training features.
     """
+    config = draft.config
     out: list[Finding] = []
     H_t, V, ctx = target.get("hidden_size"), target.get("vocab_size"), target.get("max_position_embeddings")
     archs = config.get("architectures")
@@ -225,17 +219,16 @@ def check_draft_shapes(config: dict, tensors: dict[str, tuple[tuple[int, ...], t
                          "SGLang refuses a draft whose max_position_embeddings is below the target's context (ValueError) unless "
                          "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which then overrides it",
                          f"export with max_position_embeddings >= {ctx} ({REEXPORT})"))
-    cfg = _draft_config(config, num_aux_layers)
-    dtype = DTYPES.get(config.get("torch_dtype"), None)
-    if cfg is None or dtype is None:
+    dtype = TORCH_DTYPES.get(config.get("torch_dtype"))
+    try:
+        cfg = draft.draft_config(num_aux_layers)
+    except UserError:  # a size is missing or inconsistent: the findings above name what SGLang needs
         return out
-    expected = {k: v for k, v in expected_tensors(cfg, dtype).items() if k != "fc.weight"}  # fc has its own finding
-    if "d2t" not in tensors:
-        expected.pop("d2t")  # d2t has its own finding
-    problems = [f"missing {k} {list(s)}" for k, (s, _) in expected.items() if k not in tensors]
-    problems += [f"unexpected {k} (SGLang drops it silently)" for k in tensors if k not in expected and k != "fc.weight"]
-    problems += [f"{k} is {list(tensors[k][0])} {tensors[k][1]}, SGLang expects {list(s)} {d}"
-                 for k, (s, d) in expected.items() if k in tensors and (tuple(tensors[k][0]) != tuple(s) or tensors[k][1] != d)]
+    if dtype is None:
+        return out
+    # fc and a missing d2t have findings of their own
+    expected = {k: v for k, v in expected_tensors(cfg, dtype).items() if k != "fc.weight" and (k != "d2t" or "d2t" in tensors)}
+    problems = tensor_problems({k: v for k, v in tensors.items() if k != "fc.weight"}, expected)
     if problems:
         out.append(error("draft_tensors_mismatch", {"problems": problems},
                          "SGLang loads tensors by name and shape; a missing or renamed one stays randomly initialised without any error",

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from draftlab.check.findings import Finding, error, info, warning
 from draftlab.errors import UserError
 from draftlab.extract import decoder_layers
-from draftlab.features import read_metadata
+from draftlab.features import norm_summary, read_metadata
 
 COSINE_SAME_DIRECTION = 0.99  # mean per-token cosine above which two states differ only in scale/precision
 
@@ -149,13 +149,6 @@ def reference_states(model) -> Callable[[list[int]], dict[str, torch.Tensor]]:
         return {**{f"physical {i}": hs[i][0].float().cpu() for i in range(L)}, "final": hs[L][0].float().cpu()}
 
     return states
-
-
-def norm_summary(norms: torch.Tensor) -> dict:
-    """mean/std/p5/p50/p95 of per-token L2 norms: the keys of data/features/stats.json `norms`."""
-    q = torch.quantile(norms.float(), torch.tensor([0.05, 0.5, 0.95]))
-    return {"mean": norms.mean().item(), "std": norms.std().item() if len(norms) > 1 else 0.0,
-            "p5": q[0].item(), "p50": q[1].item(), "p95": q[2].item()}
 
 
 def run_parity(seqs: list[StoredSequence], meta: dict, capture: Callable, source: str,

@@ -54,7 +54,7 @@ def stage_rows(run) -> list[str]:
     """One table row per stage output: its config hash and the facts a reader looks for first."""
     info = lambda m: (m or {}).get("info") or {}  # noqa: E731
     s, h, f, t, b = info(run.synth), info(run.hidden), info(run.features), run.train_metrics or {}, run.bench or {}
-    cfg = run.draft_config or {}
+    cfg = run.draft.config if run.draft else {}
     eff = (b.get("flags") or {}).get("effective") or {}
     rows = [
         ("synthesize", run.synth, f"backend {s.get('backend', '-')}, {s.get('ok', '-')} answers, {s.get('errors', '-')} failed"),

@@ -21,7 +21,9 @@ def _flags(bench: dict, which: str) -> dict:
 
 
 def check_algorithm(bench: dict | None, draft_config: dict, server_log: str | None = None) -> list[Finding]:
-    """Fault 2: an EAGLE-3 draft served with --speculative-algorithm EAGLE (runs, skips fc, tau ~1)."""
+    """Fault 2: an EAGLE-3 draft served with --speculative-algorithm EAGLE (runs, skips fc, tau ~1).
+
+    draft_config: the exported draft's config.json (ExportedDraft.config)."""
     arch = (draft_config.get("architectures") or [""])[0]
     if not arch.endswith("Eagle3"):
         return []
@@ -44,7 +46,7 @@ def check_algorithm(bench: dict | None, draft_config: dict, server_log: str | No
 def check_flags(bench: dict, log_adjustments: list[tuple[str, str]] = ()) -> list[Finding]:
     """Fault 7: each flag SGLang changes or fills in, from bench.json and the server log's own lines.
 
-    log_adjustments: (rule, line) pairs, e.g. from draftlab.sglang_backend.read_log(path).adjustments.
+    log_adjustments: (rule, line) pairs, e.g. from draftlab.sglang.launch.read_log(path).adjustments.
     """
     req, eff = _flags(bench, "requested"), _flags(bench, "effective")
     flags = (bench or {}).get("flags") or {}

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab.sglang.layers import captured_physical, ids_for_physical
@@ -29,10 +30,10 @@ from draftlab.sglang.layers import captured_physical, ids_for_physical
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 SGLANG_AUX_LAYERS = 3  # SGLang's fc is hard-wired to 3 * target_hidden_size inputs
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor name -> (shape, dtype)
 
 
-def expected_tensors(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_tensors(cfg: DraftConfig, dtype: torch.dtype) -> TensorSpecs:
     """Every tensor SGLang loads into LlamaForCausalLMEagle3, with its shape and dtype."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -56,17 +57,40 @@ def expected_tensors(cfg: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tu
     }
 
 
+def tensor_problems(found: TensorSpecs, expected: TensorSpecs) -> list[str]:
+    """Every missing, unexpected, mis-shaped or mis-typed tensor of `found` against `expected`, in
+    words; empty when SGLang loads them all. The one statement of the tensor contract's check."""
+    problems = [f"missing {name} {list(shape)}" for name, (shape, _) in expected.items() if name not in found]
+    problems += [f"unexpected {name} (SGLang would drop it silently)" for name in found if name not in expected]
+    for name, (shape, dtype) in expected.items():
+        if name not in found:
+            continue
+        got_shape, got_dtype = found[name]
+        if tuple(got_shape) != tuple(shape):
+            problems.append(f"{name} has shape {list(got_shape)}, SGLang expects {list(shape)}")
+        elif got_dtype != dtype:
+            problems.append(f"{name} has dtype {got_dtype}, expected {dtype}")
+    return problems
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> TensorSpecs:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def tensor_specs(weights: str | Path) -> TensorSpecs:
+    """(shape, dtype) of every tensor in a safetensors file, read from its header (no weights loaded);
+    None as the dtype of a code torch has no name for here."""
+    specs = {}
+    with safe_open(str(weights), "pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            specs[name] = (tuple(tensor.get_shape()), SAFETENSORS_DTYPES.get(tensor.get_dtype()))
+    return specs
+
+
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig, dtype: torch.dtype, where: str = "export") -> None:
     """UserError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
-    expected = expected_tensors(cfg, dtype)
-    problems = [f"missing {name} {list(shape)}" for name, (shape, _) in expected.items() if name not in tensors]
-    problems += [f"unexpected {name} (SGLang would drop it silently)" for name in tensors if name not in expected]
-    for name, (shape, dt) in expected.items():
-        t = tensors.get(name)
-        if t is not None and tuple(t.shape) != shape:
-            problems.append(f"{name} has shape {list(t.shape)}, SGLang expects {list(shape)}")
-        elif t is not None and t.dtype != dt:
-            problems.append(f"{name} has dtype {t.dtype}, expected {dt}")
+    problems = tensor_problems(specs_of(tensors), expected_tensors(cfg, dtype))
     if problems:
         raise UserError(f"{where}: the draft's tensors do not match SGLang's LlamaForCausalLMEagle3: " + "; ".join(problems))
 
@@ -117,11 +141,11 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physica
             f"takes exactly {SGLANG_AUX_LAYERS} (its fc is {SGLANG_AUX_LAYERS} x target hidden wide): set capture.layers to 3 layers"
         )
     layer_ids = ids_for_physical(target["architecture"], target["num_layers"], physical, sglang_version)
-    torch_dtype = DTYPES[dtype]
+    weights_dtype = torch_dtype(dtype, "export.dtype")
     if tensors is None:
-        tensors = {k: (v if k in ("d2t", "t2d") else v.to(torch_dtype)) for k, v in draft.state_dict().items()}
+        tensors = {k: (v if k in ("d2t", "t2d") else v.to(weights_dtype)) for k, v in draft.state_dict().items()}
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    check_tensors(tensors, cfg, torch_dtype)
+    check_tensors(tensors, cfg, weights_dtype)
     extra = {"physical_layers": sorted(physical), "sglang_version": sglang_version,
              "target_model": target.get("model"), "target_revision": target.get("revision"),
              "target_architecture": target["architecture"]}
@@ -135,14 +159,13 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path, target: dict, physica
     atomic_write_bytes(tmp / WEIGHTS, canonical_safetensors(st_save(tensors, metadata={"format": "pt"})))
     atomic_write_json(tmp / "config.json", config)
     # Read it back the way every later stage will: the same tensors, or no export at all.
-    loaded = load_exported(tmp, dtype=torch_dtype)[0].state_dict()
+    loaded = load_exported(tmp, dtype=weights_dtype)[0].state_dict()
     for name, t in tensors.items():
         if not torch.equal(loaded[name], t):
             shutil.rmtree(tmp)
             raise UserError(f"export: tensor {name} did not survive the round trip through {WEIGHTS}")
     atomic_replace_dir(tmp, out_dir)
     return config
-
 
 
 @dataclass(frozen=True)
@@ -153,11 +176,21 @@ class ExportedDraft:
     config: dict  # config.json as written
 
     @property
+    def weights(self) -> Path:
+        return self.path / WEIGHTS
+
+    @property
     def layer_ids(self) -> list[int] | None:
         """eagle_config.eagle_aux_hidden_state_layer_ids; None when the key is missing (SGLang then
         falls back to its default layers without a word)."""
-        ids = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        eagle = self.config.get("eagle_config")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
         return None if ids is None else list(ids)
+
+    @property
+    def top_level_ids(self) -> list[int] | None:
+        """A top-level eagle_aux_hidden_state_layer_ids: SGLang ignores it (a hand edit's mistake)."""
+        return self.config.get("eagle_aux_hidden_state_layer_ids")
 
     @property
     def sglang_version(self) -> str | None:
@@ -167,6 +200,10 @@ class ExportedDraft:
     def served_physical(self, architecture: str, num_layers: int, sglang_version: str) -> list[int]:
         """The physical layers SGLang `sglang_version` feeds this draft on that target, ascending."""
         return captured_physical(architecture, num_layers, self.layer_ids, sglang_version)
+
+    def draft_config(self, num_aux_layers: int | None = None) -> DraftConfig:
+        """The draft's shapes from config.json (see draft_config_of)."""
+        return draft_config_of(self.config, num_aux_layers)
 
 
 def read_exported(path: str | Path) -> ExportedDraft:
@@ -180,28 +217,41 @@ def read_exported(path: str | Path) -> ExportedDraft:
         raise UserError(f"{config_path}: not valid JSON ({e}); re-run the export stage") from None
 
 
-def config_from_exported(config: dict) -> DraftConfig:
-    """The draft's shapes from config.json. Without eagle_config ids it loads as SGLang loads it
-    (fc over SGLang's 3 default layers): serving it shows the fault, the check names it."""
+def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftConfig:
+    """The draft's shapes from config.json, read as SGLang reads them (transformers' LlamaConfig
+    defaults where a key is missing). The one place a DraftConfig is built from a config.json.
+
+    num_aux_layers: how many target layers fc reads; default: as SGLang loads it, the number of
+    eagle_config ids, or its 3 default layers without them (serving it shows the fault, the
+    check names it). UserError naming a missing size.
+    """
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    try:
+        return DraftConfig(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            vocab_size=config["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+            target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+            num_aux_layers=num_aux_layers or (len(ids) if ids else SGLANG_AUX_LAYERS),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rope_theta=config.get("rope_theta", 10000.0),
+            rope_scaling=config.get("rope_scaling"),
+            hidden_act=config.get("hidden_act", "silu"),
+        )
+    except KeyError as e:
+        raise UserError(f"the draft's config.json has no {e.args[0]}: not a loadable SGLang draft config") from None
+
+
+def config_from_exported(config: dict) -> DraftConfig:
+    """The draft's shapes from an SGLang EAGLE-3 config.json; UserError for another architecture."""
     if config.get("architectures") != [ARCHITECTURE]:
         raise UserError(f"not an SGLang EAGLE-3 draft config: architectures {config.get('architectures')} (want [{ARCHITECTURE!r}])")
-    return DraftConfig(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        rms_norm_eps=config["rms_norm_eps"],
-        vocab_size=config["vocab_size"],
-        draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-        num_aux_layers=len(ids) if ids else SGLANG_AUX_LAYERS,
-        max_position_embeddings=config["max_position_embeddings"],
-        rope_theta=config.get("rope_theta", 10000.0),
-        rope_scaling=config.get("rope_scaling"),
-        hidden_act=config.get("hidden_act", "silu"),
-    )
+    return draft_config_of(config)
 
 
 def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
@@ -217,18 +267,19 @@ def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: to
     path = Path(path)
     if not (path / "config.json").exists() or not (path / WEIGHTS).exists():
         raise UserError(f"{path}: not an exported draft (needs config.json and {WEIGHTS}); run the export stage")
-    config = json.loads((path / "config.json").read_text())
-    cfg = config_from_exported(config)
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+    exported = read_exported(path)
+    cfg = config_from_exported(exported.config)
+    with safe_open(str(exported.weights), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if as_sglang and "d2t" not in tensors:
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         tensors.setdefault("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
-        print(f"WARNING {path / WEIGHTS} has no d2t: draft ids are served as target ids, as SGLang does", flush=True)
-    check_tensors(tensors, cfg, DTYPES[config.get("torch_dtype", "bfloat16")], where=str(path / WEIGHTS))
+        print(f"WARNING {exported.weights} has no d2t: draft ids are served as target ids, as SGLang does", flush=True)
+    weights_dtype = torch_dtype(exported.config.get("torch_dtype", "bfloat16"), f"{path / 'config.json'}: torch_dtype")
+    check_tensors(tensors, cfg, weights_dtype, where=str(exported.weights))
     draft = Eagle3Draft(cfg)
     draft.load_state_dict({k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in tensors.items()})
     draft.to(dtype)
     if embed is not None:
         draft.set_embedding(embed.to(dtype))
-    return draft.eval(), config
+    return draft.eval(), exported.config

@@ -11,7 +11,8 @@ bench stage knows the effective flags before it launches anything and can record
 
 Each rule is a `Rule`: its name, the condition, SGLang's effect, SGLang's own message where it
 prints one (the bench also finds these lines in the server log), the fix, and where in SGLang's
-source it was read. Finding kinds:
+source it was read. A rule that fires gives a `RuleOutcome` of one kind (the wiring check
+turns the bench's record of them into Findings, draftlab.check.serving.check_flags):
   adjusted  SGLang silently runs something other than what was asked: refused unless
             spec.on_adjust is "allow" (then reported loudly)
   default   SGLang fills a value that was left unset: recorded, never refused
@@ -78,7 +79,9 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class Finding:
+class RuleOutcome:
+    """What one rule says SGLang will do with the requested flags."""
+
     rule: str  # the Rule's name
     kind: str  # "adjusted" | "default" | "error"
     what: str  # what SGLang will do with this request
@@ -103,12 +106,12 @@ class Rule:
     # check(state, setup) -> (kind, what, fix) or None; it may update `state` as SGLang does
     check: Callable[[dict, Setup], tuple[str, str, str] | None]
 
-    def apply(self, state: dict, setup: Setup) -> Finding | None:
+    def apply(self, state: dict, setup: Setup) -> RuleOutcome | None:
         hit = self.check(state, setup)
         if hit is None:
             return None
         kind, what, fix = hit
-        return Finding(self.name, kind, what, self.sglang_message, fix)
+        return RuleOutcome(self.name, kind, what, self.sglang_message, fix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +307,8 @@ def default_spec_params(target_architecture: str, sglang_version: str) -> tuple[
 
 
 def tree_candidates(num_steps: int, topk: int) -> int:
-    """Draft tokens an EAGLE tree scores: topk at step 1, topk*topk at each later step."""
+    """Draft tokens an EAGLE tree scores: topk at step 1, topk*topk at each later step (SGLang's
+    rule; the most num_draft_tokens - 1 can be, here and in draftlab.spec_engine.check_flags)."""
     return topk + (num_steps - 1) * topk * topk
 
 
@@ -312,19 +316,19 @@ def tree_candidates(num_steps: int, topk: int) -> int:
 class Resolution:
     requested: SpecFlags
     effective: SpecFlags
-    findings: tuple[Finding, ...]
+    findings: tuple[RuleOutcome, ...]  # every rule that fired, in SGLang's order
     target_architecture: str
     sglang_version: str
 
-    def of_kind(self, kind: str) -> list[Finding]:
+    def of_kind(self, kind: str) -> list[RuleOutcome]:
         return [f for f in self.findings if f.kind == kind]
 
     @property
-    def errors(self) -> list[Finding]:
+    def errors(self) -> list[RuleOutcome]:
         return self.of_kind("error")
 
     @property
-    def adjustments(self) -> list[Finding]:
+    def adjustments(self) -> list[RuleOutcome]:
         return self.of_kind("adjusted")
 
     def changed(self) -> dict[str, tuple]:

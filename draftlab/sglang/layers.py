@@ -14,6 +14,13 @@ the SGLang version:
 - gpt-oss: from 0.5.17, if max(id) == L the ids are physical boundaries (0 = embedding,
   L = last block output BEFORE the final norm); otherwise k+1.
 Aux states are concatenated in ascending physical order whatever order the ids are listed in.
+
+The user's layer numbers (params `capture.layers`, the reports' `capture_layers`) count decoder
+layer outputs from 0: user layer k = output of decoder layer k = physical k+1. In the +1 rule
+above, SGLang's ids are exactly the user's layer numbers.
+
+This module owns every translation between the three (physical index, SGLang id, user layer);
+nothing else in the project adds or subtracts 1 to a layer.
 """
 from __future__ import annotations
 
@@ -45,6 +52,17 @@ def parse_version(version: str) -> tuple[int, ...]:
         raise UserError(f"export.sglang_version: {version!r} is not a version like \"0.5.14\"") from None
 
 
+def physical_from_user_layers(layers: list[int]) -> list[int]:
+    """The user's layer numbers -> physical indices, in the same order: layer k -> physical k+1."""
+    return [k + 1 for k in layers]
+
+
+def user_layers_from_physical(physical: list[int]) -> list[int]:
+    """Physical indices -> the user's layer numbers, in the same order: physical p -> layer p-1
+    (the embedding output, physical 0, comes out as -1: it is no decoder layer's output)."""
+    return [p - 1 for p in physical]
+
+
 def default_physical(num_layers: int) -> list[int]:
     """What SGLang captures when the draft config names no layers (all known families)."""
     L = num_layers
@@ -62,7 +80,7 @@ def physical_from_spec(spec, architecture: str, num_layers: int) -> list[int]:
             raise UserError("capture.layers: 'default' is not known for gpt-oss targets; list the layers, e.g. [1, 11, 20]")
         physical = default_physical(num_layers)
     elif isinstance(spec, list) and all(isinstance(k, int) and not isinstance(k, bool) for k in spec):
-        physical = [k + 1 for k in spec]
+        physical = physical_from_user_layers(spec)
         for k in spec:
             if not 0 <= k <= num_layers - 2:
                 raise UserError(
@@ -89,8 +107,8 @@ def captured_physical(architecture: str, num_layers: int, layer_ids: list[int] |
         physical = list(layer_ids)
     elif fam == "gpt-oss" and v >= GPT_OSS_BOUNDARY_FROM and layer_ids and max(layer_ids) == L:
         return sorted({i for i in layer_ids if 0 <= i <= L})
-    else:
-        physical = [i + 1 for i in layer_ids]
+    else:  # +1: the ids are user layer numbers
+        physical = physical_from_user_layers(layer_ids)
     physical = sorted({p for p in physical if 0 <= p < L})  # the capture loop runs i = 0..L-1
     if 0 in physical:
         raise UserError(f"SGLang would crash (TypeError) capturing the embedding output of a {fam} target")
@@ -132,13 +150,29 @@ def ids_for_physical(architecture: str, num_layers: int, physical: list[int], sg
                 f"captured: a first id of 1 switches SGLang to +1 mode (capturing layer 2), and id 0 is taken as the embedding"
             )
         # First id 1 (physical 2) means +1 in every version; otherwise the ids are taken as-is.
-        ids = [p - 1 for p in physical] if physical[0] == 2 else list(physical)
-    else:
-        ids = [p - 1 for p in physical]
+        ids = user_layers_from_physical(physical) if physical[0] == 2 else list(physical)
+    else:  # +1 rule (gpt-oss too: boundary mode is only needed for physical 0, refused above)
+        ids = user_layers_from_physical(physical)
     got = captured_physical(architecture, num_layers, ids, sglang_version)
     if got != physical:  # the forward rule is the ground truth; never write ids it disagrees with
         raise UserError(f"internal: ids {ids} capture {got}, not {physical}")
     return ids
+
+
+def dropped_ids(architecture: str, num_layers: int, layer_ids: list[int], sglang_version: str) -> list[int]:
+    """The ids of `layer_ids` that SGLang's capture loop never reaches (it drops them silently).
+
+    Each id is judged on its own; an id that would capture the embedding is not listed (that is
+    a crash, not a silent drop: captured_physical raises for it).
+    """
+    dropped = []
+    for i in layer_ids:
+        try:
+            if not captured_physical(architecture, num_layers, [i], sglang_version):
+                dropped.append(i)
+        except UserError:
+            pass
+    return dropped
 
 
 def validate_capture(architecture: str, num_layers: int, physical: list[int], sglang_version: str | None = None) -> None:
