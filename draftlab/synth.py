@@ -24,6 +24,9 @@ Resume: each finished row is appended to `<split>.jsonl.partial` and flushed at 
 with the same resume key (`resume_key`) keeps those rows, discards a torn last line, skips
 their ids and generates only the rest; the final `<split>.jsonl` is written in input order, so
 it does not depend on completion order, concurrency or interruptions.
+
+Length: over 400 lines because both backends, the reasoning layout and resume share the row
+and answer types here; each is a short class or function.
 """
 from __future__ import annotations
 

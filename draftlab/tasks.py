@@ -9,6 +9,9 @@ and works it out, or returns None for another family's prompt. Solving from the 
 lets check_answer() grade a bare prompt string.
 
 This module also holds the chat format (template and special tokens) of the embedded target.
+
+Length: over 400 lines because each task family (sampler and solver, ~30 lines each) is kept
+beside the others; they share the number formatting and the checkable-answer convention.
 """
 from __future__ import annotations
 

@@ -96,10 +96,11 @@ def make_features(P: dict, work: Path) -> None:
     from safetensors.torch import save_file
 
     from draftlab.features import pack_sequences, save_draft_vocab, shard_name, write_shard
+    from draftlab.sglang.layers import physical_from_user_layers
 
     t, H, k = P["target"], P["target"]["hidden_size"], len(P["layers"])
     g = torch.Generator().manual_seed(0)
-    meta = {"physical_layers": [i + 1 for i in P["layers"]], "hidden_size": H, "num_layers": t["num_hidden_layers"],
+    meta = {"physical_layers": physical_from_user_layers(P["layers"]), "hidden_size": H, "num_layers": t["num_hidden_layers"],
             "architecture": "LlamaForCausalLM", "vocab_size": t["vocab_size"]}
     T = P["seq"]
     for split, n in (("train", P["batch"] * P["steps"]), ("eval", P["batch"])):

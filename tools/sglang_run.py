@@ -30,6 +30,9 @@ reports/ (bench.json, check.json, bench/ with the server logs; reports/bench-ref
 hidden_states_response.json (one raw /generate answer with hidden states), faults/<name>/summary.json
 (and the fault's server.log and work/reports/), sweep/<num_steps>.json, sweep.csv, sweep.png.
 --pack FILE.tar.gz writes all of it, without data or weights, after each phase.
+
+Length: over 400 lines because the phases share one driver (results layout, done markers,
+timings, server lifecycle); each phase is one method.
 """
 from __future__ import annotations
 
