@@ -11,11 +11,10 @@ The run itself is draftlab.bench_run.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from draftlab import bench_plots, bench_run
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
@@ -42,10 +41,4 @@ def main(draft_dir: Path, prompts: Path, out: Path, metrics: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", type=Path, default=Path("models/draft"))
-    ap.add_argument("--prompts", type=Path, default=Path("data/prompts"))
-    ap.add_argument("--out", type=Path, default=Path("reports/bench"))
-    ap.add_argument("--metrics", type=Path, default=Path("reports/bench.json"))
-    a = ap.parse_args()
-    run_stage(main, a.draft, a.prompts, a.out, a.metrics)
+    run_stage_cli(main, __doc__, draft="models/draft", prompts="data/prompts", out="reports/bench", metrics="reports/bench.json")

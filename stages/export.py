@@ -8,10 +8,9 @@ could not load the draft.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.features import physical_layers_of
 from draftlab.fsutil import atomic_write_json
@@ -60,10 +59,4 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", type=Path, default=Path("models/draft-ckpt"))
-    parser.add_argument("--features", type=Path, default=Path("data/features"))
-    parser.add_argument("--out", type=Path, default=Path("models/draft"))
-    parser.add_argument("--report", type=Path, default=Path("reports/export.json"))
-    args = parser.parse_args()
-    run_stage(main, args.ckpt, args.features, args.out, args.report)
+    run_stage_cli(main, __doc__, ckpt="models/draft-ckpt", features="data/features", out="models/draft", report="reports/export.json")

@@ -11,7 +11,6 @@ writes, and rank 0 writes the manifest once all have finished.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from tqdm import tqdm
 from draftlab import extract
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
@@ -144,8 +143,4 @@ def main(synth: Path, out: Path) -> None:
     parallel.finish(world)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--synth", type=Path, default=Path("data/synth"))
-    parser.add_argument("--out", type=Path, default=Path("data/hidden"))
-    args = parser.parse_args()
-    run_stage(main, args.synth, args.out)
+    run_stage_cli(main, __doc__, synth="data/synth", out="data/hidden")

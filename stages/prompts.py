@@ -5,13 +5,12 @@ Reads params section: prompts.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from draftlab import prompts
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, dir_hash, with_lineage, write_manifest
@@ -61,8 +60,4 @@ def main(out: Path, metrics: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/prompts"))
-    ap.add_argument("--metrics", type=Path, default=Path("reports/prompts.json"))
-    a = ap.parse_args()
-    run_stage(main, a.out, a.metrics)
+    run_stage_cli(main, __doc__, out="data/prompts", metrics="reports/prompts.json")

@@ -16,7 +16,6 @@ repeat them (readers take them from the shards: draftlab.features.physical_layer
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from draftlab import features
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.extract import layer_key
 from draftlab.fsutil import atomic_write_json
@@ -102,9 +101,4 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=Path, default=Path("data/hidden"))
-    parser.add_argument("--out", type=Path, default=Path("data/features"))
-    parser.add_argument("--metrics", type=Path, default=Path("reports/standardize.json"))
-    args = parser.parse_args()
-    run_stage(main, args.hidden, args.out, args.metrics)
+    run_stage_cli(main, __doc__, hidden="data/hidden", out="data/features", metrics="reports/standardize.json")

@@ -7,7 +7,6 @@ Run it again: finished rows are kept and only the rest is generated.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftlab import synth
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, read_manifest, write_manifest
 from draftlab.params import as_dict, load_params
@@ -102,8 +101,4 @@ def main(prompts_dir: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=Path, default=Path("data/prompts"))
-    ap.add_argument("--out", type=Path, default=Path("data/synth"))
-    a = ap.parse_args()
-    run_stage(main, a.prompts, a.out)
+    run_stage_cli(main, __doc__, prompts="data/prompts", out="data/synth")

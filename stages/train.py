@@ -9,7 +9,6 @@ uninterrupted run. It is deleted once the stage completes.
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from draftlab import parallel
 from draftlab import train
-from draftlab.cli import run_stage
+from draftlab.cli import run_stage_cli
 from draftlab.draft import DraftConfig
 from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, load_draft_vocab
@@ -139,10 +138,4 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--features", type=Path, default=Path("data/features"))
-    parser.add_argument("--out", type=Path, default=Path("models/draft-ckpt"))
-    parser.add_argument("--reports", type=Path, default=Path("reports/train"))
-    parser.add_argument("--resume-dir", type=Path, default=Path("models/.train-resume"))
-    args = parser.parse_args()
-    run_stage(main, args.features, args.out, args.reports, args.resume_dir)
+    run_stage_cli(main, __doc__, features="data/features", out="models/draft-ckpt", reports="reports/train", resume_dir="models/.train-resume")
