@@ -1,0 +1,62 @@
+"""tools/serve_8b_twin.py, the parts that need no GPU: arguments, pairing order, paired figures."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftlab.sglang.client import GenerateMeta
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("serve_8b_twin", ROOT / "tools" / "serve_8b_twin.py")
+tool = importlib.util.module_from_spec(spec)
+sys.modules["serve_8b_twin"] = tool
+spec.loader.exec_module(tool)
+
+
+def test_configs_parse_and_chains_must_verify_steps_plus_one():
+    assert tool.parse_config("5-1-6") == (5, 1, 6) and tool.parse_config("6-8-32") == (6, 8, 32)
+    for bad, word in (("5-1-8", "chain"), ("2-2-9", "exceed"), ("5-1", "STEPS"), ("0-1-1", ">= 1")):
+        with pytest.raises(Exception, match=word):
+            tool.parse_config(bad)
+    args = tool.parse_args(["--work-dir", "w", "--prompts", "p.jsonl", "--out", "r.json", "--configs", "3-1-4,5-4-8",
+                            "--concurrency", "4,8,16"])
+    assert args.configs == [(3, 1, 4), (5, 4, 8)] and args.concurrency == [4, 8, 16] and args.mem_fraction_static == 0.4
+    assert tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r"]).configs == [(3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8)]
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--port", "55535"])
+
+
+def test_pair_order_alternates_abba():
+    assert tool.pair_order(3) == [(0, "baseline"), (0, "spec"), (1, "spec"), (1, "baseline"), (2, "baseline"), (2, "spec")]
+
+
+def test_aggregate_pools_tokens_over_seconds_and_compares_texts():
+    def rec(i, mode, seconds, tokens, text, verify=None):
+        meta = GenerateMeta(completion_tokens=tokens, e2e_latency=seconds * 0.9, spec_verify_ct=verify,
+                            spec_num_correct_drafts=None if verify is None else tokens - verify,
+                            spec_num_proposed_drafts=None if verify is None else 5 * verify)
+        return {"index": i, "mode": mode, "seconds": seconds, "text": text, "meta": meta}
+
+    records = [rec(0, "baseline", 1.0, 100, "a"), rec(0, "spec", 0.5, 100, "a", verify=25),
+               rec(1, "spec", 0.2, 20, "b", verify=10), rec(1, "baseline", 0.1, 20, "c")]
+    out = tool.aggregate(records)
+    assert out["baseline"]["tokens_per_s"] == pytest.approx(120 / 1.1)
+    assert out["spec"]["tokens_per_s"] == pytest.approx(120 / 0.7)
+    assert out["speedup"] == pytest.approx(1.1 / 0.7)
+    assert out["served_tau"] == pytest.approx(120 / 35)  # pooled, not the mean of 4.0 and 2.0
+    assert out["accepted_drafts_per_proposed"] == pytest.approx(85 / 175)
+    assert out["greedy_identical"] == 0.5 and out["greedy_differs_at_prompts"] == [1]
+    assert out["per_prompt_speedup"]["min"] == pytest.approx(0.5) and out["per_prompt_speedup"]["max"] == pytest.approx(2.0)
+    assert out["baseline"]["server_tokens_per_s"] == pytest.approx(120 / 0.99)
+
+
+def test_bandwidth_floor_and_decode_lines(tmp_path):
+    assert tool.bandwidth_floor(14_000_000_000, 4.8e12) == pytest.approx(342.86, rel=1e-4)
+    log = tmp_path / "s.log"
+    log.write_text("\n".join(f"[2026-12-01] Decode batch, #running-req: {n}, #token: 46, token usage: 0.00, cuda graph: True, "
+                             f"gen throughput (token/s): {r}, #queue-req: 0" for n, r in ((1, 290.0), (1, 300.0), (4, 900.0))))
+    assert tool.decode_rate_from_log(log) == {"median": 295.0, "max": 300.0, "lines": 2}
+    assert tool.log_tail(log, 1)[0].endswith("#queue-req: 0") and tool.log_tail(tmp_path / "none") == []
+    assert not math.isnan(tool.NOMINAL_BANDWIDTH)
