@@ -103,14 +103,16 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     out.mkdir(parents=True, exist_ok=True)
     baseline, spec, log = measure_served(plan, out)
     server_log = read_log(log) if log.exists() else None
-    offline, costs, physical = measure_offline(plan)
+    offline, costs, physical, ranks = measure_offline(plan)
 
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
-    candidates = advice.advise(acceptance, costs)
-    best = max(candidates, key=lambda r: r["predicted_speedup"])
-    ran = next((r for r in candidates if r["num_steps"] == flags.num_steps and flags.topk == 1), None)
     speedup = spec["speed"]["median"] / baseline["speed"]["median"] if baseline else None
+    ran_config = (flags.num_steps, flags.topk, flags.num_draft_tokens)
+    configs = advice.CHAINS + advice.TREES + ([ran_config] if ran_config not in advice.CHAINS + advice.TREES else [])
+    advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
+    measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
+                 "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
     res = plan.resolution
     report = {
         "backend": bench_params.backend,
@@ -128,11 +130,9 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "log_accept_len": [d.accept_len for d in server_log.decode if d.accept_len is not None] if server_log else [],
         "log_adjustments": [dataclasses.asdict(a) for a in server_log.adjustments] if server_log else [],
         "sweep": {"baseline": baseline["sweep"] if baseline else [], "speculative": spec["sweep"]},
-        "costs": {"baseline_step_ms": 1e3 * costs["baseline_step_s"], "draft_step_ms": 1e3 * costs["draft_step_s"],
-                  "verify_ms_by_width": {str(w): 1e3 * s for w, s in costs["verify_s"].items()}},
-        "advice": {"candidates": candidates, "recommended": best,
-                   "predicted_vs_measured": {"predicted_tau": ran["predicted_tau"], "measured_tau": spec["spec"]["tau"],
-                                             "predicted_speedup": ran["predicted_speedup"], "measured_speedup": speedup} if ran else None},
+        "costs": {**{k: _ms(v) for k, v in costs.items() if k.endswith("_s")}, "tokens_per_request": costs["tokens_per_request"],
+                  "depth1_rank_shares": ranks, "unit": "ms (keys ending _s hold milliseconds here)"},
+        "advice": {**advised, "predicted_vs_measured": advice.predicted_vs_measured(advised["candidates"], measured)},
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
@@ -179,9 +179,14 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]
     return baseline, spec, log
 
 
-def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int]]:
-    """(offline figures, costs, physical layers): the same exported draft in-process, fed the
-    layers SGLang would feed it, then the cost of a target forward and of a draft step."""
+def _ms(v):
+    return {str(k): _ms(x) for k, x in v.items()} if isinstance(v, dict) else 1e3 * v
+
+
+def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]]:
+    """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
+    in-process, fed the layers SGLang would feed it, then what each part of a round costs
+    (draftlab.advice), the round loop's own share calibrated on the offline run's rounds."""
     info, warmup = plan.target, plan.bench_params.warmup
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
@@ -192,15 +197,24 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int]]:
     print("bench: offline run (in-process, no server)")
     offline = advice.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
                                  eos, plan.bench_params.ignore_eos)
-    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical)
-    return offline, costs, physical
+    flags = plan.flags
+    ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
+    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical,
+                                 advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else []))
+    # The loop: what the offline run's rounds took beyond the parts timed one by one.
+    round_s = (offline["decode_s"] - offline["requests"] * costs["draft_prefill_s"]) / max(1, offline["verify_ct"])
+    parts = advice.round_cost(costs, *ran, offline["tau"])
+    costs["loop_s"] = max(0.0, round_s - parts["round"])
+    costs["tokens_per_request"] = offline["tokens_per_request"]
+    ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
+    return offline, costs, physical, ranks
 
 
 def summary(report: dict) -> str:
     """One line: served and offline tau, speed against the baseline, the recommended chain."""
-    speedup, baseline, best = report["speedup"], report["baseline"], report["advice"]["recommended"]
+    speedup, baseline, advised = report["speedup"], report["baseline"], report["advice"]
     speedup_text = f"{speedup:.2f}x" if speedup else "n/a"
     return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
             f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
             f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "
-            f"(speedup {speedup_text}); recommended num_steps={best['num_steps']} (predicted {best['predicted_speedup']:.2f}x)")
+            f"(speedup {speedup_text}); advice: {advised['advice']}")

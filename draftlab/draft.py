@@ -146,28 +146,45 @@ class KVCache:
 
     attend() appends the new keys; by default new query j sees cached keys and new keys up to
     itself. `mask` (bool [B or 1, T, S+T], True = may attend) overrides that, e.g. for a tree.
+    Storage is allocated ahead (doubling when full), so appending writes in place and crop()
+    only moves the length: no copy of the cache per draft step.
     """
 
     def __init__(self):
-        self.k = self.v = None
+        self._k = self._v = None
+        self.length = 0
+
+    @property
+    def k(self):
+        return None if self._k is None else self._k[:, :, :self.length]
+
+    @property
+    def v(self):
+        return None if self._v is None else self._v[:, :, :self.length]
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self.length
 
     def crop(self, length: int) -> None:
         """Forget everything after the first `length` positions (e.g. rejected drafts)."""
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        self.length = min(self.length, max(0, length))
 
     def attend(self, q, k, v, mask=None):
-        S = len(self)
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        T = q.shape[2]
-        if mask is None:
+        S, T = self.length, k.shape[2]
+        if self._k is None or S + T > self._k.shape[2]:
+            grow = max(2 * (S + T), 64)
+            new_k, new_v = k.new_empty(*k.shape[:2], grow, k.shape[3]), v.new_empty(*v.shape[:2], grow, v.shape[3])
+            if S:
+                new_k[:, :, :S], new_v[:, :, :S] = self._k[:, :, :S], self._v[:, :, :S]
+            self._k, self._v = new_k, new_v
+        self._k[:, :, S:S + T], self._v[:, :, S:S + T] = k, v
+        self.length = S + T
+        if mask is None and T > 1:
             mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril(S)[None]
-        groups = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(self.k, groups), repeat_kv(self.v, groups), attn_mask=mask[:, None])
+        # one new row with no mask sees everything cached: no mask at all (the same attention);
+        # grouped-query heads share their keys inside the kernel (no repeated copy of the cache)
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=None if mask is None else mask[:, None],
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class TTTCache:

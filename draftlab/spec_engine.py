@@ -37,6 +37,9 @@ output was a drafts + 1 bonus (a step cut by EOS or max_new_tokens counts the to
 proposed[i] / accepted[i] (depth i + 1) count what verification decided before any such cut:
 steps that reached depth i + 1 with a draft there, and those that accepted it; they are the
 counts behind a_i in draftlab.metrics.
+
+Length: over 400 lines because the algorithm (generate), its steps (draft, verify, accept,
+keep_kv) and the sampler they share are read together, top to bottom, like gpt-fast's generate.py.
 """
 from __future__ import annotations
 
@@ -112,11 +115,14 @@ class Tree:
     depths: list[int]  # 0 for the root
     children: list[list[int]] = field(init=False)  # in proposal order (best first)
 
+    chain: bool = field(init=False)  # node i's parent is i - 1: a plain causal block
+
     def __post_init__(self):
         self.children = [[] for _ in self.tokens]
         for node, parent in enumerate(self.parents):
             if parent >= 0:
                 self.children[parent].append(node)
+        self.chain = self.parents == list(range(-1, len(self.tokens) - 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +187,10 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
 
         while not done:
             with timed(secs, "draft", device):
-                tree = draft_tree(draft, draft_cache, root_state, x, n, num_steps, topk, num_draft_tokens)
+                if topk == 1:
+                    tree = draft_chain(draft, draft_cache, root_state, x, n, num_steps)
+                else:
+                    tree = draft_tree(draft, draft_cache, root_state, x, n, num_steps, topk, num_draft_tokens)
             with timed(secs, "verify", device):
                 logits = verify_tree(target, cache, tree, n)
                 path, bonus = accept_path(tree, logits, greedy, temperature, top_k, top_p, generator)
@@ -201,7 +210,8 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
             # forward_draft_extend_after_decode). The tree's own rows were dropped by draft_tree.
             with timed(secs, "draft", device):
                 positions = torch.arange(n, n + len(path), device=device)[None]
-                rows = draft.step(_tensor([new], device), draft.project(aux.take()[:, path]), positions, draft_cache)
+                kept = aux.take()[:, :len(path)] if tree.chain else aux.take()[:, path]  # a chain's path is a prefix
+                rows = draft.step(_tensor([new], device), draft.project(kept), positions, draft_cache)
                 root_state = rows[:, -1:]
             n += len(path)
             x = bonus
@@ -261,6 +271,24 @@ def check_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Steps of the loop
+
+
+def draft_chain(draft, cache: KVCache, root_state, root: int, n: int, num_steps: int) -> Tree:
+    """draft_tree for topk == 1: the draft's argmax, num_steps deep, as a chain under `root`.
+
+    The same tokens as draft_tree's (top-1 of the log-softmax is the argmax of the logits), with
+    none of its bookkeeping: each row sees every row before it (the default causal attention),
+    and the tokens stay on the device until the one transfer at the end.
+    """
+    start, state = len(cache), root_state
+    positions = torch.arange(n, n + num_steps, device=root_state.device)[None]
+    drafted = [draft.to_target(draft.logits(state).argmax(-1))]  # [1, 1] target ids, depth 1
+    for step in range(num_steps - 1):
+        state = draft.step(drafted[-1], state, positions[:, step:step + 1], cache)
+        drafted.append(draft.to_target(draft.logits(state).argmax(-1)))
+    cache.crop(start)
+    tokens = [root] + torch.cat(drafted, 1)[0].tolist()
+    return Tree(tokens, list(range(-1, num_steps)), list(range(num_steps + 1)))
 
 
 def draft_tree(draft, cache: KVCache, root_state, root: int, n: int, num_steps: int, topk: int, num_draft_tokens: int) -> Tree:
@@ -324,10 +352,15 @@ def verify_tree(target, cache, tree: Tree, n: int) -> torch.Tensor:
     Each node attends to the n cached positions, its ancestors and itself, at position n + depth.
     """
     device, N = target.device, len(tree.tokens)
-    if tree.parents == list(range(-1, N - 1)):
-        # A chain: the mask is plain causal and positions follow the cache, so the target's own
-        # causal attention path serves (no 4D mask: faster on CPU, flash kernels on GPU).
+    if tree.chain and torch.device(device).type == "cuda":
+        # A chain on a GPU: the target's own causal attention path (flash kernels, no 4D mask).
         return target_forward(target, _tensor([tree.tokens], device), cache)[0].float()
+    if tree.chain:
+        # On a CPU the 4D mask made here costs a fraction of transformers' own mask building
+        # for a block of new tokens over a cache (the same mask, the same logits).
+        mask = torch.zeros(1, 1, N, n + N, dtype=target.dtype, device=device)
+        mask[0, 0, :, n:] = _causal_block(N, target.dtype)
+        return target_forward(target, _tensor([tree.tokens], device), cache, attention_mask=mask)[0].float()
     allowed = torch.zeros(N, n + N, dtype=torch.bool)  # built on the CPU, moved once
     allowed[:, :n] = True
     for node, parent in enumerate(tree.parents):
@@ -348,10 +381,11 @@ def accept_path(tree: Tree, logits: torch.Tensor, greedy: bool, temperature: flo
     accepted with probability p(token) / (mass not yet rejected); the bonus from the rest.
     """
     path, node = [0], 0
+    best = logits.argmax(-1).tolist() if greedy else None  # the target's choice at every node, one transfer
     while True:
         nxt = None
         if greedy:
-            bonus = int(torch.argmax(logits[node]))
+            bonus = best[node]
             nxt = next((c for c in tree.children[node] if tree.tokens[c] == bonus), None)
         else:
             p = probs(logits[node], temperature, top_k, top_p)
@@ -375,7 +409,7 @@ def keep_kv(cache, n: int, path: list[int]) -> None:
     A chain's path is a prefix of the verified block: a crop. A tree's path is not: its entries
     are gathered into place (they were computed at positions n + depth, which is where they stay).
     """
-    if path == list(range(len(path))):
+    if path[-1] == len(path) - 1:  # nodes are numbered parents first: a path ending at node k-1 is 0..k-1
         drop = cache.get_seq_length() - n - len(path)
         if drop > 0:  # never crop(0): transformers 5.8 (what SGLang 0.5.14 pins) reads it as "keep 0 tokens"
             cache.crop(-drop)  # negative: drop that many from the end (the one meaning all releases share)
@@ -460,6 +494,12 @@ def _sync(device) -> None:
 
 def _tensor(rows, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_block(N: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, N]: 0 where row i may attend to new token j <= i, the dtype's minimum elsewhere."""
+    return torch.zeros(N, N, dtype=dtype).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), torch.finfo(dtype).min)
 
 
 def _ids(eos) -> set[int]:

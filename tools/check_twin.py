@@ -12,7 +12,6 @@ token of each. Exits 1 when the share of identical prompts is below --min-agree.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -129,7 +129,7 @@ def capture_layers_for_twin(layers, m: int, num_small_layers: int | None = None)
 def inflate_state_dict(small_sd: dict, small_cfg: dict, shape: dict, dtype=torch.float32):
     """(big config.json dict, iterator of (name, tensor)); the shape is checked before anything is built."""
     p = plan(small_cfg, shape, dtype)
-    s, b = p["small"], p["big"]
+    b = p["big"]
     big_cfg = {**small_cfg, **b, "rms_norm_eps": p["eps"]}
     big_cfg["dtype"] = str(dtype).removeprefix("torch.")
     if "torch_dtype" in small_cfg:  # transformers 4 spelling
