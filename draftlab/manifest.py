@@ -3,15 +3,22 @@
 Every stage writes `manifest.json` next to its outputs:
   stage, params (resolved, only the sections it read), inputs (name -> upstream config_hash or
   content hash), code (sha256 of the stage script and every draftlab module it imports), packages,
-  config_hash = sha256(canonical JSON of the five above), and `info` (timings, counts, figures:
-  NOT hashed, so re-running with nothing changed gives a byte-identical config_hash).
+  config_hash = sha256(canonical JSON of the five above), `info` (timings, counts, figures) and
+  `hardware` (the CPU, GPU and torch threads the stage ran on, see describe_hardware): neither is
+  hashed, so re-running with nothing changed gives a byte-identical config_hash, on any machine.
+  The same config_hash means the same inputs, code, params and package versions; the hardware
+  record says whether two outputs of one hash also came from the same kind of machine (float
+  rounding differs across CPU types and GPUs).
 """
 from __future__ import annotations
 
 import ast
 import hashlib
 import json
+import os
 import platform
+import sys
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -130,7 +137,89 @@ def build_manifest(stage: str, params: dict, inputs: dict, script: str | Path | 
     code = code_hash(script)
     hashed = {"stage": stage, "params": params, "inputs": inputs, "code": code["sha256"], "packages": package_versions()}
     config_hash = hashlib.sha256(canonical_json(hashed).encode()).hexdigest()
-    return {**hashed, "code_files": code["files"], "config_hash": config_hash, "info": info or {}}
+    return {**hashed, "code_files": code["files"], "config_hash": config_hash, "info": info or {}, "hardware": describe_hardware()}
+
+
+# CPU features that change which float kernels run (and so the rounding of results): x86 SIMD
+# widths, FMA, AMX; ARM NEON/SVE. Recorded by name; the full flag line only as a hash, since
+# hypervisors and kernels add or mask flags that change nothing numerically.
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimdhp", "sve", "sve2", "bf16", "i8mm")
+
+
+@lru_cache(maxsize=1)
+def _cpu() -> dict:
+    """The CPU, from the first processor block of /proc/cpuinfo (read once per process)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break  # the first processor's block is enough: the cores of a machine are alike
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:  # not Linux
+        pass
+    flags = sorted(set((fields.get("flags") or fields.get("features") or "").split()))
+    model = fields.get("model name") or fields.get("cpu model") or fields.get("hardware") or platform.processor() or None
+    if model is None and "cpu part" in fields:  # ARM: implementer and part number
+        model = f"arm implementer {fields.get('cpu implementer')} part {fields['cpu part']}"
+    try:
+        count = len(os.sched_getaffinity(0))  # the cores this process may use
+    except (AttributeError, OSError):
+        count = os.cpu_count()
+    return {"machine": platform.machine(), "cpu_model": model, "cpu_simd": [f for f in flags if f in SIMD_FLAGS],
+            "cpu_flags_sha256": hashlib.sha256(" ".join(flags).encode()).hexdigest() if flags else None, "cpu_count": count}
+
+
+@lru_cache(maxsize=1)
+def _proc_gpus() -> tuple[str, ...]:
+    """NVIDIA GPU models from the driver's /proc files: no CUDA context is created."""
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            for line in info.read_text(errors="replace").splitlines():
+                if line.startswith("Model:"):
+                    names.append(line.split(":", 1)[1].strip())
+        except OSError:
+            pass
+    return tuple(names)
+
+
+def _gpu(torch) -> dict | None:
+    names = list(_proc_gpus())
+    if not names and torch is not None and torch.cuda.is_initialized():  # a container without the driver's /proc files
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if not names and torch is not None and getattr(torch.version, "cuda", None):
+        try:
+            n = torch.cuda.device_count()  # does not initialise CUDA
+        except Exception:  # noqa: BLE001 - a broken driver must not stop a stage from writing its manifest
+            n = 0
+        return {"name": None, "count": n} if n else None
+    return {"name": ", ".join(sorted(set(names))), "count": len(names)} if names else None
+
+
+def describe_hardware() -> dict:
+    """The machine a stage runs on, as recorded in its manifest (NOT in the config hash).
+
+    machine, cpu_model, cpu_simd (the SIMD flags of SIMD_FLAGS it has), cpu_flags_sha256 (all
+    flags), cpu_count (cores this process may use), gpu ({name, count} or None) and torch
+    ({threads, cpu_capability: the kernel set torch dispatches to, e.g. AVX2 or AVX512, cuda: the
+    CUDA version torch was built for}) or None when the stage never imported torch. Cheap:
+    /proc/cpuinfo is read once per process, torch is only looked at if already imported, and CUDA
+    is never initialised for this.
+    """
+    torch = sys.modules.get("torch")
+    out = {**_cpu(), "gpu": _gpu(torch), "torch": None}
+    if torch is not None:
+        try:
+            capability = torch.backends.cpu.get_cpu_capability()
+        except Exception:  # noqa: BLE001 - older torch
+            capability = None
+        out["torch"] = {"threads": torch.get_num_threads(), "cpu_capability": capability, "cuda": getattr(torch.version, "cuda", None)}
+    return out
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:

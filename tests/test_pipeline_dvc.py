@@ -7,7 +7,6 @@ config hashes are stable across runs and follow the params.
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,10 +14,9 @@ import pytest
 import yaml
 
 from draftlab.features import physical_layers_of
-from tests.support.micro import save_micro_model
+from tests.support.project import copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY = ["stages", "draftlab", "dvc.yaml", "params.yaml", ".dvc/config", ".dvcignore"]
 
 
 def sh(cmd, cwd, check=True):
@@ -43,16 +41,7 @@ def set_params(root: Path, **changes):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
-    for name in COPY:
-        src, dst = ROOT / name, root / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(src, dst)
-    save_micro_model(root / "models" / "micro", arch="llama", num_layers=6)
-    dag = root / "dvc.yaml"  # the default target's folder is a dep; the copy serves a micro one
-    dag.write_text(dag.read_text().replace("models/tiny-target", "models/micro"))
+    copy_project(root)
     set_params(
         root,
         target__model="models/micro",
