@@ -241,3 +241,133 @@ def read_manifest(out_dir: str | Path) -> dict:
 def with_lineage(metrics: dict, manifest: dict, key_settings: dict) -> dict:
     """Metrics file content: the figures plus config_hash and key settings in plain sight."""
     return {"config_hash": manifest["config_hash"], "stage": manifest["stage"], "settings": key_settings, **metrics}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output records and their verification: every stage checks its upstream's outputs before
+# computing, and names the file that is missing, truncated or changed.
+
+OUTPUT_SUFFIXES = (".jsonl", ".safetensors")  # the files a stage's output record lists
+
+
+def safetensors_header(path: str | Path) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size (pure Python, no
+    tensor is read). UserError naming the file when it is not a complete safetensors file."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit in {size} bytes")
+            header = json.loads(f.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({e}): truncated or damaged") from None
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise UserError(f"{path}: truncated: {size} bytes, its header needs {need}")
+    return header
+
+
+def _tokens(header: dict) -> int | None:
+    shape = (header.get("input_ids") or {}).get("shape")
+    return int(shape[0]) if shape else None
+
+
+def _rows(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def file_record(path: str | Path) -> dict:
+    """What a manifest records of one output file: bytes, sha256 (file_hash: a large shard by its
+    size, head and tail, so checking it stays cheap), and rows (jsonl) or tokens (safetensors, from
+    the header)."""
+    path = Path(path)
+    rec = {"bytes": path.stat().st_size}
+    if path.suffix == ".jsonl":
+        rec["rows"] = _rows(path)
+    elif path.suffix == ".safetensors":
+        tokens = _tokens(safetensors_header(path))
+        if tokens is not None:
+            rec["tokens"] = tokens
+    rec["sha256"] = file_hash(path)
+    return rec
+
+
+def output_files(out_dir: str | Path) -> dict[str, dict]:
+    """{relative path: file_record} of every output file under out_dir (manifest.json and
+    hidden or temporary files excluded): the `info.files` a stage records for its readers."""
+    out_dir = Path(out_dir)
+    return {p.relative_to(out_dir).as_posix(): file_record(p) for p in sorted(out_dir.rglob("*"))
+            if p.is_file() and p.suffix in OUTPUT_SUFFIXES and not any(s.startswith(".") for s in p.relative_to(out_dir).parts)}
+
+
+def verify_outputs(out_dir: str | Path, manifest: dict) -> None:
+    """Check that out_dir still holds what its manifest says its stage wrote; UserError naming the
+    first file that is missing, truncated, changed or foreign, and the stage to re-run.
+
+    Uses what the manifest has: `info.files` (per file: bytes, rows, tokens, sha256), else
+    `inputs.outputs_sha256` (synthesize), else the per-split counts of older manifests (extract:
+    info.counts[split].shards/tokens; standardize: info.tokens[split]). Every safetensors file
+    present must have a complete header either way.
+    """
+    out_dir = Path(out_dir)
+    stage = manifest.get("stage") or "upstream"
+    fix = f"re-run the {stage} stage (dvc repro {stage})"
+    info = manifest.get("info") or {}
+    present = {p.relative_to(out_dir).as_posix(): p for p in sorted(out_dir.rglob("*"))
+               if p.is_file() and p.suffix in OUTPUT_SUFFIXES and not any(s.startswith(".") for s in p.relative_to(out_dir).parts)}
+    headers = {}
+    for name, p in present.items():
+        if p.suffix == ".safetensors":
+            try:
+                headers[name] = safetensors_header(p)
+            except UserError as e:
+                raise UserError(f"{e}; {fix}") from None
+    files = info.get("files")
+    if isinstance(files, dict) and files:
+        for name, rec in files.items():
+            p = out_dir / name
+            if name not in present:
+                raise UserError(f"{p}: missing, but {out_dir / MANIFEST} lists it; {fix}")
+            if "tokens" in rec and _tokens(headers.get(name, {})) != rec["tokens"]:
+                raise UserError(f"{p}: {_tokens(headers.get(name, {}))} tokens, but {out_dir / MANIFEST} records {rec['tokens']}; {fix}")
+            if "rows" in rec and _rows(p) != rec["rows"]:
+                raise UserError(f"{p}: {_rows(p)} rows, but {out_dir / MANIFEST} records {rec['rows']} (cut or changed); {fix}")
+            size = p.stat().st_size
+            if "bytes" in rec and size != rec["bytes"]:
+                raise UserError(f"{p}: {size} bytes, but {out_dir / MANIFEST} records {rec['bytes']} (truncated or changed); {fix}")
+            if "sha256" in rec and file_hash(p) != rec["sha256"]:
+                raise UserError(f"{p}: content differs from what {out_dir / MANIFEST} records (sha256); {fix}")
+        foreign = [n for n in present if n not in files]
+        if foreign:
+            raise UserError(f"{out_dir / foreign[0]}: not written by the run {out_dir / MANIFEST} describes; delete it or {fix}")
+        return
+    recorded = (manifest.get("inputs") or {}).get("outputs_sha256")
+    if recorded:
+        if dir_hash(out_dir) != recorded:
+            raise UserError(f"{out_dir}: its files differ from what {out_dir / MANIFEST} records (outputs_sha256: a file is "
+                            f"missing, cut or changed); {fix}")
+        return
+    counts, tokens = info.get("counts"), info.get("tokens")
+    for split in ("train", "eval"):
+        shards = {n: h for n, h in headers.items() if n.startswith(f"{split}/shard-")}
+        want = (counts or {}).get(split) if isinstance(counts, dict) else None
+        if isinstance(want, dict) and "shards" in want and len(shards) != want["shards"]:
+            raise UserError(f"{out_dir / split}: {len(shards)} shards, but {out_dir / MANIFEST} records {want['shards']} "
+                            f"(a shard is missing or foreign); {fix}")
+        n_tok = want.get("tokens") if isinstance(want, dict) else (tokens or {}).get(split) if isinstance(tokens, dict) else None
+        have = sum(_tokens(h) or 0 for h in shards.values())
+        if n_tok is not None and have != n_tok:
+            raise UserError(f"{out_dir / split}: its shards hold {have} tokens, but {out_dir / MANIFEST} records {n_tok} "
+                            f"(a shard is missing, cut or foreign); {fix}")
+
+
+def read_verified(out_dir: str | Path) -> dict:
+    """read_manifest + verify_outputs: an upstream stage's manifest, its outputs checked against it."""
+    manifest = read_manifest(out_dir)
+    verify_outputs(out_dir, manifest)
+    return manifest

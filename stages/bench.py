@@ -16,7 +16,7 @@ from pathlib import Path
 from draftlab import bench_plots, bench_run
 from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
-from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.manifest import build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.checkpoint import read_exported
 
@@ -27,7 +27,7 @@ def main(draft_dir: Path, prompts: Path, out: Path, metrics: Path) -> None:
     export_manifest = read_manifest(draft_dir)
     draft = read_exported(draft_dir)
     plan = bench_run.prepare(params.target, params.spec, params.bench, version, draft, prompts)
-    inputs = {"export": export_manifest["config_hash"], "prompts": read_manifest(prompts)["config_hash"]}
+    inputs = {"export": export_manifest["config_hash"], "prompts": read_verified(prompts)["config_hash"]}
     used = as_dict(params)
     used["export"] = {"sglang_version": version}  # the one export key bench reads (as dvc.yaml lists it)
     manifest = build_manifest("bench", used, inputs, __file__)

@@ -14,7 +14,7 @@ from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.features import physical_layers_of
 from draftlab.fsutil import atomic_write_json
-from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.manifest import build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.checkpoint import export_sglang
 from draftlab.sglang.layers import user_layers_from_physical
@@ -29,7 +29,8 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
     for fmt in export_params.formats:
         if fmt not in FORMATS:
             raise UserError(f"params.yaml: export.formats: {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
-    train_manifest, features_manifest = read_manifest(ckpt), read_manifest(features)
+    features_manifest = read_verified(features)  # every shard standardize recorded, complete
+    train_manifest = read_manifest(ckpt)
     target = features_manifest.get("info", {}).get("target")
     if not target:
         raise UserError(f"{features}/manifest.json lacks info.target; re-run the standardize stage")

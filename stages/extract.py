@@ -27,7 +27,7 @@ from draftlab.cli import run_stage_cli
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
-from draftlab.manifest import build_manifest, read_manifest, write_manifest
+from draftlab.manifest import build_manifest, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, resolve_device, target_fingerprint, target_info, tokenizer_hash
 
@@ -58,6 +58,7 @@ def shard_is_done(path: Path, config_hash: str) -> bool:
 def main(synth: Path, out: Path) -> None:
     params = load_params(["target", "capture", "extract"])
     target_params, extract_params = params.target, params.extract
+    synth_manifest = read_verified(synth)  # every answer file as synthesize wrote it, before any compute
     device = resolve_device(target_params.device)
     rank, world = parallel.setup_distributed(torch.device(device).type)
     device = parallel.local_device(device)
@@ -67,7 +68,6 @@ def main(synth: Path, out: Path) -> None:
     physical = physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
     validate_capture(info["architecture"], info["num_layers"], physical)
     info["physical_layers"] = physical  # their one record among the manifests; each shard's header has them too
-    synth_manifest = read_manifest(synth)
     inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("extract", as_dict(params), inputs, __file__)
     config_hash = manifest["config_hash"]
@@ -133,6 +133,7 @@ def main(synth: Path, out: Path) -> None:
             "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
             "bytes_per_token": round(per_token, 1) if per_token else None,
             "device": device if world == 1 else f"{torch.device(device).type} x {world} processes",
+            "files": output_files(out),  # per shard bytes + tokens: standardize names the one missing or cut
         }
         write_manifest(out, manifest)
         if tokens_done:

@@ -28,7 +28,7 @@ from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.extract import layer_key
 from draftlab.fsutil import atomic_write_json
-from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.manifest import build_manifest, output_files, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 
 
@@ -40,7 +40,7 @@ def load_shard(path: Path) -> tuple[dict, dict]:
 def main(hidden: Path, out: Path, metrics: Path) -> None:
     params = load_params(["standardize"])
     n_vocab = params.standardize.draft_vocab_size
-    upstream = read_manifest(hidden)
+    upstream = read_verified(hidden)  # every shard extract recorded, complete, before any compute
     target = {k: v for k, v in upstream["info"]["target"].items() if k != "physical_layers"}
     physical = sorted(upstream["info"]["target"]["physical_layers"])
     if n_vocab < 1:
@@ -52,7 +52,9 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     split_tokens = {}
     masked_ids = {"train": [], "eval": []}
     for split in ("train", "eval"):
-        shards = sorted((hidden / split).glob("shard-*.safetensors"))
+        listed = (upstream.get("info") or {}).get("files")
+        shards = ([hidden / n for n in sorted(listed) if n.startswith(f"{split}/shard-")] if listed
+                  else sorted((hidden / split).glob("shard-*.safetensors")))
         if not shards:
             raise UserError(f"{hidden / split}: no shards; re-run the extract stage (dvc repro extract)")
         (out / split).mkdir(exist_ok=True)
@@ -91,7 +93,8 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     }
     atomic_write_json(out / "stats.json", stats)
     manifest["info"] = {"target": target, "chat_template_sha256": upstream["info"]["chat_template_sha256"],
-                        "tokenizer_sha256": upstream["info"]["tokenizer_sha256"], **stats}
+                        "tokenizer_sha256": upstream["info"]["tokenizer_sha256"], **stats,
+                        "files": output_files(out)}  # per shard bytes + tokens: train, export and check verify them
     write_manifest(out, manifest)
     figures = {"draft_vocab_size": int(len(d2t)), "draft_vocab_coverage_eval": coverage["eval"],
                "train_tokens": split_tokens["train"], "eval_tokens": split_tokens["eval"]}

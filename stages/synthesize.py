@@ -16,7 +16,7 @@ from tqdm import tqdm
 from draftlab import synth
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.manifest import MANIFEST, build_manifest, dir_hash, read_manifest, write_manifest
+from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.target import chat_template_hash, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
 
@@ -40,7 +40,7 @@ def make_backend(target_params, synth_params):
 def main(prompts_dir: Path, out: Path) -> None:
     params = load_params(["target", "synth"])
     target_params, synth_params = params.target, params.synth
-    upstream = read_manifest(prompts_dir)
+    upstream = read_verified(prompts_dir)  # the prompt files as the prompts stage wrote them
     splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
     inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(target_params)}
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
@@ -91,6 +91,7 @@ def main(prompts_dir: Path, out: Path) -> None:
         "tokens_per_s": round(stats["completion_tokens"] / stats["generation_s"], 1) if stats["generation_s"] > 0 else None,
         "tokenizer_hash": tokenizer_hash(tok),
         "chat_template_hash": chat_template_hash(tok),
+        "files": output_files(out),  # per file rows + sha256: extract names the one cut or changed
     }
     # The outputs' content hash is an input too: sampled answers differ between runs.
     manifest = build_manifest("synthesize", as_dict(params), {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)

@@ -22,7 +22,7 @@ from draftlab.draft import DraftConfig
 from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
-from draftlab.manifest import build_manifest, read_manifest, with_lineage, write_manifest
+from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.layers import user_layers_from_physical
 from draftlab.target import target_fingerprint
@@ -72,7 +72,7 @@ def write_plots(reports: Path, history: list[dict]) -> None:
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
     target_params, train_params = params.target, params.train
-    features_manifest = read_manifest(features)
+    features_manifest = read_verified(features)  # every shard standardize recorded, complete
     target = features_manifest.get("info", {}).get("target")
     if not target:
         raise UserError(f"{features}/manifest.json has no info.target; re-run the standardize stage")

@@ -474,11 +474,61 @@ def test_parity_cli_against_a_server(pipeline, stub_server, capsys):
     assert "live_parity_ok" in capsys.readouterr().out
 
 
-def test_parity_against_an_unreachable_server_is_a_warning_not_a_crash(pipeline, run):
+def test_parity_against_an_unreachable_server_is_an_error_not_a_crash(pipeline, run):
     from draftlab.lifecycle import free_port
 
-    d = diagnose(pipeline, run, server_url=f"http://127.0.0.1:{free_port()}", request_timeout_s=2.0)
-    assert finding(d, "live_parity_failed").severity == "warning"
+    url = f"http://127.0.0.1:{free_port()}"
+    d = diagnose(pipeline, run, server_url=url, request_timeout_s=2.0)
+    f = finding(d, "live_parity_failed")
+    assert f.severity == "error" and url in f.cause
+    d = diagnose(pipeline, run, server_url="", live_parity_samples=0)  # the params say skip: no error
+    assert d.errors == [] and finding(d, "live_parity_skipped")
+
+
+def test_parity_cli_against_a_dead_server_exits_2_with_the_reason(pipeline, capsys):
+    from draftlab.lifecycle import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as e:
+        check_cli.main(["parity", "--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "1", "--timeout", "2"])
+    assert e.value.code == 2 and url in capsys.readouterr().err
+
+
+def test_a_features_shard_gone_is_an_error_in_diagnose_the_stage_and_the_parity_cli(pipeline, run, monkeypatch, capsys):
+    from draftlab.manifest import output_files
+    from stages.check import main
+
+    feat = run / "data/features"
+    edit_json(feat / "manifest.json", lambda m: m["info"].update(files=output_files(feat)))  # as standardize records them
+    assert diagnose(pipeline, run).errors == []
+    (feat / "train/shard-00001.safetensors").unlink()
+    d = diagnose(pipeline, run)
+    f = finding(d, "input_damaged")
+    assert f.severity == "error" and "shard-00001.safetensors: missing" in f.cause and "dvc repro standardize" in f.cause
+    monkeypatch.chdir(run)
+    (run / "params.yaml").write_text(PARAMS % "true")
+    with pytest.raises(UserError, match="input_damaged"):
+        main(paths(run), run / "reports", load_model=lambda *_: pipeline[1])
+    with pytest.raises(SystemExit) as e:
+        check_cli.main(["parity", "--features", str(feat), "--draft", str(run / "models/draft")])
+    assert e.value.code == 2 and "shard-00001.safetensors: missing" in capsys.readouterr().err
+
+
+def test_a_truncated_features_shard_is_named_not_a_traceback(pipeline, run):
+    shard = run / "data/features/train/shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    f = finding(diagnose(pipeline, run), "input_damaged")
+    assert f.severity == "error" and "truncated" in f.cause and "shard-00000" in f.cause
+
+
+@pytest.mark.parametrize("eagle", [{"eagle_aux_hidden_state_layer_ids": ["2", "4", "6"]},
+                                   {"eagle_aux_hidden_state_layer_ids": "2,4,6"}, "ids"])
+def test_malformed_layer_ids_are_a_named_finding(pipeline, run, eagle):
+    edit_config(run, lambda c: c.update(eagle_config=eagle))
+    d = diagnose(pipeline, run)
+    assert names(d.errors) == ["eagle_config_invalid"]
+    with pytest.raises(UserError, match="not a list of integers|not an object"):
+        check_cli.parity_main(["--features", str(run / "data/features"), "--draft", str(run / "models/draft")])
 
 
 def reference_server(pipeline, draft: Path, log: Path):

@@ -2,6 +2,8 @@
 
 Compares what a server (or the in-process capture path) feeds the draft with the training
 features; the full check of a pipeline run is the check stage (python -m stages.check).
+Exit codes: 0 clean, 1 findings with errors, 2 bad input (features missing, cut or changed, a
+malformed draft config) or an unreachable server; the reason is printed on stderr.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from draftlab.check.diagnose import load_local_target, read_json
 from draftlab.check.findings import errors
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.errors import UserError
+from draftlab.manifest import read_verified
 from draftlab.sglang.checkpoint import read_exported
 from draftlab.sglang.layers import VERIFIED_VERSIONS
 
@@ -35,7 +38,7 @@ def parity_main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the full parity result here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    features_manifest = read_json(args.features / "manifest.json") or {}
+    features_manifest = read_verified(args.features)  # the shards standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target") or {}
     seqs, meta = stored_sequences(args.features, args.samples)
     model = None
@@ -52,6 +55,8 @@ def parity_main(argv=None) -> int:
         version = args.sglang_version or draft.sglang_version or VERIFIED_VERSIONS[-1]
         live = draft.served_physical(target["architecture"], int(target["num_layers"]), version)
         result = run_parity(seqs, meta, inprocess_capture(model, live), "in-process", reference_states(model), live)
+    if (result.get("error") or {}).get("kind") == "unreachable":  # bad input, not a finding about the wiring: exit 2
+        raise UserError(f"live parity could not run against {result['source']}: {result['error']['message']}")
     stats = read_json(args.features / "stats.json") or {}
     findings = check_live_capture(result, stats.get("norms"), args.rtol, args.norm_tolerance)
     for s in result["slots"]:

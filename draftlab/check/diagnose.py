@@ -24,7 +24,7 @@ from draftlab.check.parity import check_live_capture, http_capture, inprocess_ca
 from draftlab.check.serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
 from draftlab.features import DRAFT_VOCAB_FILE, physical_layers_of
-from draftlab.manifest import describe_hardware
+from draftlab.manifest import describe_hardware, safetensors_header, verify_outputs
 from draftlab.sglang.checkpoint import ExportedDraft, TensorSpecs, read_exported, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, parse_version
 
@@ -57,6 +57,7 @@ class Run:
     training_d2t: torch.Tensor | None = None
     bench: dict | None = None
     server_log: str | None = None
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (path, why): an input present but not as its stage wrote it
 
     @property
     def target(self) -> dict:
@@ -76,16 +77,29 @@ def load_run(paths: Paths) -> Run:
     run = Run(paths)
     run.synth, run.hidden = read_json(paths.synth / "manifest.json"), read_json(paths.hidden / "manifest.json")
     run.features, run.stats = read_json(paths.features / "manifest.json"), read_json(paths.features / "stats.json")
+    features_ok = True
+    if run.features is not None:
+        try:  # every shard standardize recorded, complete: a missing or cut one is an error, not a smaller check
+            verify_outputs(paths.features, run.features)
+        except UserError as e:
+            run.damaged.append((str(paths.features), str(e)))
+            features_ok = False
     try:
-        run.feature_physical = physical_layers_of(paths.features)
+        run.feature_physical = physical_layers_of(paths.features) if features_ok else None
     except UserError:  # no shards: diagnose says so
         pass
-    if (paths.features / DRAFT_VOCAB_FILE).exists():
+    if features_ok and (paths.features / DRAFT_VOCAB_FILE).exists():
         with safe_open(str(paths.features / DRAFT_VOCAB_FILE), "pt") as f:
             run.training_d2t = f.get_tensor("d2t")
     run.train_metrics = read_json(paths.train_metrics)
     run.draft = read_exported(paths.draft) if (paths.draft / "config.json").exists() else None
     run.export_manifest = read_json(paths.draft / "manifest.json")
+    if run.draft is not None and run.draft.weights.exists():
+        try:
+            safetensors_header(run.draft.weights)
+        except UserError as e:
+            run.damaged.append((str(run.draft.weights), f"{e}; re-run the export stage (dvc repro export)"))
+            run.draft = None
     if run.draft is not None and run.draft.weights.exists():
         run.tensors = tensor_specs(run.draft.weights)
         if "d2t" in run.tensors:
@@ -157,6 +171,11 @@ def live_parity(run: Run, check_params, served: ServedLayers, load_model=load_lo
     try:
         return _live_parity(run, check_params, served, load_model)
     except UserError as e:  # no shards, no target here: the other checks still report
+        if check_params.server_url:  # a server was named: not reaching it (or it not answering right) fails the check
+            return None, [error("live_parity_failed", {"server_url": check_params.server_url, "reason": str(e)},
+                                f"live parity against check.server_url could not run: {e}",
+                                "start the server (with --enable-return-hidden-states), or set check.server_url: \"\" for "
+                                "in-process parity, or check.live_parity_samples: 0")]
         return None, [warning("live_parity_failed", {"reason": str(e)}, "live parity could not run, so the live capture is unproven",
                               "make the features and the target loadable here, or set check.live_parity_samples: 0")]
 
@@ -194,20 +213,26 @@ class Diagnosis:
 def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagnosis:
     """Every check over the pipeline outputs under `paths`; `check_params` is the params section `check`."""
     run = load_run(paths)
-    out: list[Finding] = []
+    out: list[Finding] = [error("input_damaged", {"path": path}, why, "re-run the stage named above") for path, why in run.damaged]
+    if out:
+        return Diagnosis(out, None, {}, run)
     for name, ok, path in (("features", run.target, paths.features / "manifest.json"),
                            ("draft", run.draft, paths.draft / "config.json")):
         if not ok:
             out.append(error("input_missing", {"path": str(path)}, f"the {name} output is missing or incomplete", "dvc repro"))
     if run.target and not run.feature_physical:
         out.append(error("input_missing", {"path": str(paths.features / "train")}, "the features hold no shards", "dvc repro standardize"))
+    if run.draft is not None and run.draft.layer_ids_problem:
+        out.append(error("eagle_config_invalid", {"path": str(paths.draft / "config.json"), "eagle_config": run.draft.config.get("eagle_config")},
+                         f"{run.draft.layer_ids_problem}: SGLang cannot read which layers to feed the draft",
+                         "re-run the export stage (dvc repro export), or write a list of integer ids"))
     if out:
         return Diagnosis(out, None, {}, run)
     for name, value, path in (("synthesize", run.synth, paths.synth / "manifest.json"), ("extract", run.hidden, paths.hidden / "manifest.json"),
                               ("train", run.train_metrics, paths.train_metrics)):
         if value is None:
-            out.append(warning("input_missing", {"path": str(path)}, f"the {name} output is missing: the checks that read it are skipped",
-                               "dvc repro"))
+            out.append(error("input_missing", {"path": str(path)}, f"the {name} output is missing: the checks that read it cannot run",
+                             f"dvc repro {name}"))
     if run.bench is None:
         out.append(warning("bench_not_run", {"path": str(paths.bench)}, "no bench report: served flags, template and tau are unchecked",
                            "dvc repro bench"))

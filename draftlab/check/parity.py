@@ -286,9 +286,11 @@ def check_live_capture(parity: dict | None, train_norms: dict | None, rtol: floa
         return [error("live_width_mismatch", {**where, **err},
                       "the serving capture feeds a different number of layers than the draft was trained on; its fc cannot read it",
                       "see the capture findings (dropped ids, missing eagle_config)")]
-    if err:
-        return [warning("live_parity_failed", {**where, **err}, "live parity could not run, so the live capture is unproven",
-                        "start the server with --enable-return-hidden-states, or set check.server_url: \"\" for the in-process check")]
+    if err:  # asked for and not obtained (a server unreachable or not returning hidden states): the check cannot pass
+        return [error("live_parity_failed", {**where, **err}, f"live parity could not run against {parity['source']}: "
+                      f"{err.get('message')}; the live capture is unproven",
+                      "start the server with --enable-return-hidden-states, or set check.server_url: \"\" for the in-process check, "
+                      "or check.live_parity_samples: 0 to skip live parity")]
     found: dict[str, list[dict]] = {}
     for slot in parity["slots"]:
         hit = classify_slot(slot, train_norms or {}, rtol, norm_tolerance)

@@ -197,8 +197,27 @@ class ExportedDraft:
         """The SGLang release whose capture rule export applied (None for a draft made elsewhere)."""
         return (self.config.get("draftlab") or {}).get("sglang_version")
 
+    @property
+    def layer_ids_problem(self) -> str | None:
+        """Why eagle_config (or its eagle_aux_hidden_state_layer_ids) is malformed; None when it is
+        absent or a list of integers. SGLang would fail on, or misread, anything else."""
+        if "eagle_config" not in self.config:
+            return None
+        eagle = self.config["eagle_config"]
+        if not isinstance(eagle, dict):
+            return f"eagle_config is {type(eagle).__name__} {eagle!r}, not an object"
+        if "eagle_aux_hidden_state_layer_ids" not in eagle:
+            return None
+        ids = eagle["eagle_aux_hidden_state_layer_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, not a list of integers"
+        return None
+
     def served_physical(self, architecture: str, num_layers: int, sglang_version: str) -> list[int]:
         """The physical layers SGLang `sglang_version` feeds this draft on that target, ascending."""
+        problem = self.layer_ids_problem
+        if problem:
+            raise UserError(f"{self.path / 'config.json'}: {problem}; re-run the export stage (dvc repro export)")
         return captured_physical(architecture, num_layers, self.layer_ids, sglang_version)
 
     def draft_config(self, num_aux_layers: int | None = None) -> DraftConfig:
