@@ -90,6 +90,23 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def check_request(self, input_ids: list, field: str = "input_ids") -> None:
+        """Raise ValueError (the server answers 400 with its message) for a prompt this engine cannot
+        serve: no tokens, an entry that is not a token id in [0, vocab_size), or no room in the context.
+        Validation only: `generate` is unchanged and assumes a prompt that passed this."""
+        if not isinstance(input_ids, list) or not input_ids:
+            raise ValueError(f"{field} must be a non-empty list of token ids (integers in [0, {self.vocab_size}))"
+                             + ("" if isinstance(input_ids, list) else f", got {short_repr(input_ids)}") + ".")
+        for i, t in enumerate(input_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{field}[{i}] is {short_repr(t)}: token ids must be integers in [0, {self.vocab_size}) "
+                                 f"(the model's vocab_size).")
+        self._check_length(input_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(getattr(self.text_config, "vocab_size", None) or self.model.get_input_embeddings().num_embeddings)
+
     def _check_length(self, input_ids: list[int]) -> None:
         if len(input_ids) >= self.context_length:
             raise ValueError(
@@ -111,6 +128,12 @@ class Engine:
             return min(hits)[1] if hits else None
 
         return matched
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: error messages never echo a whole hostile payload."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class SpecEngine(Engine):

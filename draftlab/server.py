@@ -10,6 +10,15 @@ Endpoints, in SGLang's shapes so one client talks to both:
   POST /generate               SGLang native: {"text" | "input_ids", "sampling_params", "rid"}
   POST /v1/chat/completions    OpenAI chat, non-streaming (reasoning_content with --reasoning-parser)
 
+Malformed requests get a 400 naming the field and what it allows, in SGLang's error shapes
+({"error": {"message": ...}} for /generate, OpenAI's {"object": "error", ...} for /v1/...), never
+a 500: input_ids must be integers in [0, vocab_size), temperature finite >= 0, top_p in (0, 1],
+top_k -1 or >= 1, and so on (`_sampling_params`, `Engine.check_request`). max_new_tokens (and the
+chat max_tokens) follow SGLang's SamplingParams.verify: 0 is allowed and answers an empty
+completion with finish_reason {"type": "length", "length": 0} (the engine is not called); a
+negative value is a 400 "max_new_tokens must be at least 0, got N."; null or absent means the
+default (128 for /generate, the context for chat).
+
 It is a reference, not a production server: requests are served one at a time (a lock). This
 module is the HTTP side only: request parsing and validation, the reasoning parser, the CLI.
 Decoding is draftlab.engine's: everything here calls only `engine.generate(input_ids,
@@ -21,12 +30,20 @@ to Completion.meta (SGLang's spec_verify_ct, spec_accept_length).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 import time
 import uuid
 
-from draftlab.engine import DEFAULT_MAX_NEW_TOKENS, Engine, SamplingParams, SpecEngine
+from draftlab.engine import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Completion,
+    Engine,
+    SamplingParams,
+    SpecEngine,
+    short_repr,
+)
 from draftlab.errors import UserError
 
 VERSION = "draftlab-reference"
@@ -64,7 +81,10 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     def run(input_ids: list[int], sampling: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
         t0 = time.perf_counter()
         with lock:
-            completion = engine.generate(input_ids, sampling)
+            if sampling.max_new_tokens == 0:  # SGLang allows 0: nothing is generated
+                completion = Completion([], "", {"type": "length", "length": 0})
+            else:
+                completion = engine.generate(input_ids, sampling)
             extra = {"hidden_states": engine.hidden_states(input_ids)} if hidden else {}
         return {
             "text": completion.text,
@@ -81,9 +101,27 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             },
         }
 
-    def bad_request(message: str, openai: bool = False):
-        body = {"object": "error", "message": message, "type": "BadRequestError", "code": 400} if openai else {"error": {"message": message}}
-        return JSONResponse(body, status_code=400)
+    def bad_request(message: str, openai: bool = False, status: int = 400):
+        body = {"object": "error", "message": message, "type": "BadRequestError", "code": status} if openai else {"error": {"message": message}}
+        return JSONResponse(body, status_code=status)
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    def http_error(request, exc):
+        """fastapi's own refusals (a body that is not UTF-8, an unknown path) in the endpoint's shape."""
+        if exc.status_code == 400:
+            return bad_request(f"the request body must be a JSON object ({exc.detail})", request.url.path.startswith("/v1/"))
+        response = bad_request(str(exc.detail), request.url.path.startswith("/v1/"), exc.status_code)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    def invalid_body(request, exc):
+        """A body that is not a JSON object (bad JSON, a list, nothing): a 400 in the endpoint's shape."""
+        detail = "; ".join(str(e.get("msg", e)) for e in exc.errors()[:3]) or "invalid"
+        return bad_request(f"the request body must be a JSON object ({detail})", openai=request.url.path.startswith("/v1/"))
 
     @app.get("/health")
     def health():
@@ -107,16 +145,12 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     @app.post("/generate")
     def generate(body: dict):
         try:
-            sampling = _sampling_params(body.get("sampling_params") or {})
-            text, ids = body.get("text"), body.get("input_ids")
-            if (text is None) == (ids is None):
-                raise ValueError("give exactly one of 'text' and 'input_ids'")
-            batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-            prompts = (text if batch else [text]) if text is not None else (ids if batch else [ids])
-            prompts = [engine.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-            rids = body.get("rid")
-            rids = rids if isinstance(rids, list) else [rids] * len(prompts)
-            hidden = bool(body.get("return_hidden_states", False))
+            sampling = _sampling_params(_object(body.get("sampling_params"), "sampling_params"))
+            if body.get("stream") not in (None, False):
+                raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
+            prompts, batch = _prompts(body, engine)
+            rids = _rids(body.get("rid"), len(prompts), batch)
+            hidden = _bool(body.get("return_hidden_states"), "return_hidden_states", False)
             if hidden and not server_args.get("enable_return_hidden_states"):
                 raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
             outs = [run(p, sampling, r, hidden) for p, r in zip(prompts, rids)]
@@ -127,29 +161,38 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     @app.post("/v1/chat/completions")
     def chat(body: dict):
         try:
-            if body.get("stream"):
-                raise ValueError("stream=true is not supported by the reference server")
-            if body.get("n", 1) != 1:
-                raise ValueError("only n=1 is supported")
-            messages = [{**m, "content": _text_content(m.get("content"))} for m in body["messages"]]
-            input_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or engine.info()["context_length"]
+            if body.get("stream") not in (None, False):
+                raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
+            n = body.get("n")
+            if n is not None and (isinstance(n, bool) or n != 1):
+                raise ValueError(f"n must be 1: the reference server returns one choice, got {short_repr(n)}.")
+            messages = _messages(body.get("messages"))
+            separate = _bool(body.get("separate_reasoning"), "separate_reasoning", True)
+            max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            max_tokens = body.get(max_key)
             sampling = _sampling_params({
                 "max_new_tokens": max_tokens,
-                "temperature": body.get("temperature", 1.0),
-                "top_p": body.get("top_p", 1.0),
-                "top_k": body.get("top_k", -1),
+                "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"),
+                "top_k": body.get("top_k"),
                 "sampling_seed": body.get("seed"),
                 "stop": body.get("stop"),
                 "stop_token_ids": body.get("stop_token_ids"),
-                "ignore_eos": body.get("ignore_eos", False),
-            })
+                "ignore_eos": body.get("ignore_eos"),
+            }, names={"max_new_tokens": max_key, "sampling_seed": "seed"})
+            if max_tokens is None:
+                sampling.max_new_tokens = engine.info()["context_length"]
+            try:
+                input_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:  # a template's own rejection (jinja2 raise_exception, a key it needs)
+                raise ValueError(f"messages: the chat template rejected them: {type(e).__name__}: {e}") from e
+            engine.check_request(list(input_ids), "the templated prompt")
             out = run(input_ids, sampling, None)
         except (KeyError, ValueError, TypeError) as e:
             return bad_request(f"{type(e).__name__}: {e}", openai=True)
         meta = out["meta_info"]
         content, reasoning = out["text"], None
-        if reasoning_parser and body.get("separate_reasoning", True):
+        if reasoning_parser and separate:
             reasoning, content = parse_reasoning(content, reasoning_parser)
         finish = meta["finish_reason"]
         return {
@@ -170,27 +213,162 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     return app
 
 
-def _sampling_params(raw: dict) -> SamplingParams:
-    stop = raw.get("stop") or []
+# Request validation: each raises ValueError with a message that names the field and what it
+# allows (the endpoint turns it into a 400). Where SGLang's SamplingParams.verify has a message for
+# the same check, the message is SGLang's.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _object(v, field: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError(f"{field} must be a JSON object, got {type(v).__name__} {short_repr(v)}.")
+    return v
+
+
+def _bool(v, field: str, default: bool) -> bool:
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{field} must be true or false, got {short_repr(v)}.")
+    return v
+
+
+def _number(v, field: str, default: float) -> float:
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise ValueError(f"{field} must be a number, got {short_repr(v)}.")
+    return float(v)
+
+
+def _sampling_params(raw: dict, names: dict | None = None) -> SamplingParams:
+    """SGLang's sampling_params, checked as SamplingParams.verify checks them; null means the
+    default, as in SGLang. `names`: the request's own name for a key (the chat body's max_tokens, seed)."""
+    name = lambda key: (names or {}).get(key, key)
+
+    max_new = raw.get("max_new_tokens")
+    if max_new is None:
+        max_new = DEFAULT_MAX_NEW_TOKENS
+    elif not _is_int(max_new):
+        raise ValueError(f"{name('max_new_tokens')} must be an integer >= 0, got {short_repr(max_new)}.")
+    elif max_new < 0:
+        raise ValueError(f"{name('max_new_tokens')} must be at least 0, got {max_new}.")
+
+    temperature = _number(raw.get("temperature"), name("temperature"), 1.0)
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise ValueError(f"{name('temperature')} must be a non-negative finite number, got {raw.get('temperature')}.")
+    top_p = _number(raw.get("top_p"), name("top_p"), 1.0)
+    if not 0.0 < top_p <= 1.0:  # NaN fails this too
+        raise ValueError(f"{name('top_p')} must be in (0, 1], got {raw.get('top_p')}.")
+    top_k = raw.get("top_k")
+    if top_k is None:
+        top_k = -1
+    elif not _is_int(top_k) or not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"{name('top_k')} must be -1 (disable) or at least 1, got {short_repr(top_k)}.")
+
+    seed = raw.get("sampling_seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise ValueError(f"{name('sampling_seed')} must be an integer in [-2**63, 2**64), got {short_repr(seed)}.")
+
+    stop = raw.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ValueError(f"{name('stop')} must be a string or a list of strings, got {short_repr(stop)}.")
+
+    stop_ids = raw.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    elif not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+        raise ValueError(f"{name('stop_token_ids')} must be a list of integer token ids, got {short_repr(stop_ids)}.")
+
     return SamplingParams(
-        max_new_tokens=int(raw.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
-        temperature=float(raw.get("temperature", 1.0)),
-        top_p=float(raw.get("top_p", 1.0)),
-        top_k=int(raw.get("top_k", -1)),
-        seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]),
-        stop=[stop] if isinstance(stop, str) else list(stop),
-        stop_token_ids=[int(t) for t in raw.get("stop_token_ids") or []],
-        ignore_eos=bool(raw.get("ignore_eos", False)),
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop),
+        stop_token_ids=list(stop_ids),
+        ignore_eos=_bool(raw.get("ignore_eos"), name("ignore_eos"), False),
     )
+
+
+def _prompts(body: dict, engine) -> tuple[list[list[int]], bool]:
+    """/generate's prompts as token ids, each checked by the engine, and whether it is a batch."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("give exactly one of 'text' and 'input_ids'")
+    if text is not None:
+        if isinstance(text, str):
+            texts, batch = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, batch = text, True
+        else:
+            raise ValueError(f"text must be a string or a non-empty list of strings, got {short_repr(text)}.")
+        prompts = [list(engine.tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
+        fields = ["text (tokenized)" if not batch else f"text[{i}] (tokenized)" for i in range(len(texts))]
+    else:
+        batch = isinstance(ids, list) and bool(ids) and all(isinstance(p, list) for p in ids)
+        prompts = ids if batch else [ids]
+        fields = [f"input_ids[{i}]" for i in range(len(prompts))] if batch else ["input_ids"]
+    for p, field in zip(prompts, fields):
+        engine.check_request(p, field)
+    return prompts, batch
+
+
+def _rids(rid, n: int, batch: bool) -> list:
+    if rid is None:
+        return [None] * n
+    if isinstance(rid, str):
+        return [rid] * n
+    if batch and isinstance(rid, list) and len(rid) == n and all(r is None or isinstance(r, str) for r in rid):
+        return rid
+    want = f"a list of {n} strings (one per prompt)" if batch else "a string"
+    raise ValueError(f"rid must be {want}, got {short_repr(rid)}.")
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(messages) -> list[dict]:
+    """OpenAI chat messages, checked: a non-empty list of {"role", "content"} objects."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {short_repr(messages)}.")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {short_repr(m)}.")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {short_repr(m.get('role'))}.")
+        if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
+            raise ValueError(f"messages[{i}].reasoning_content must be a string, got {short_repr(m['reasoning_content'])}.")
+        try:
+            content = _text_content(m.get("content"))
+        except ValueError as e:
+            raise ValueError(f"messages[{i}].{e}") from None
+        out.append({**m, "content": content})
+    return out
 
 
 def _text_content(content) -> str:
     """OpenAI message content: a string, or a list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise ValueError("message content must be a string or a list of text parts")
+    raise ValueError(f"content must be a string or a list of {{'type': 'text', 'text': str}} parts, got {short_repr(content)}.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from draftlab.lifecycle import free_port, serve
-from tests.support.micro import save_micro_model
 from draftlab.server import launch_command, parse_reasoning
+from tests.support.micro import save_micro_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One CPU thread: test machines are shared, and thread contention slows a micro model 10x.
@@ -154,8 +154,8 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
     import argparse
 
     from draftlab.server import apply_sglang_rules
-    from draftlab.sglang.launch import parse_log
     from draftlab.sglang.flags import default_spec_params
+    from draftlab.sglang.launch import parse_log
 
     args = argparse.Namespace(speculative_algorithm="EAGLE3", speculative_num_steps=1, speculative_eagle_topk=1,
                               speculative_num_draft_tokens=16, sglang_version="0.5.14")
@@ -167,3 +167,148 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
     apply_sglang_rules(unset, "LlamaForCausalLM")
     assert (unset.speculative_num_steps, unset.speculative_eagle_topk, unset.speculative_num_draft_tokens) == \
         default_spec_params("LlamaForCausalLM", "0.5.14")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input, in process (fastapi's TestClient over a micro engine): every malformed request is
+# a 400 whose message names the field, never a 500.
+
+MICRO_CONTEXT = 64
+
+
+def micro_client(context: int = MICRO_CONTEXT):
+    """(TestClient over build_app on a micro llama engine, the engine); bodies go through `post`."""
+    from fastapi.testclient import TestClient
+
+    from draftlab.engine import Engine
+    from draftlab.server import build_app
+    from tests.support.micro import make_micro_model, make_micro_tokenizer
+
+    model = make_micro_model("llama", max_position_embeddings=context, seed=1)
+    tok = make_micro_tokenizer(model.config.vocab_size)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    engine = Engine(model, tok, "cpu")
+    return TestClient(build_app(engine, "micro", {"model_path": "micro"})), engine
+
+
+def post(client, path, body):
+    """POST `body` as JSON text, NaN and Infinity included (httpx's json= refuses them)."""
+    import json
+
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return client.post(path, content=data, headers={"content-type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def client():
+    return micro_client()
+
+
+def error_message(r) -> str:
+    body = r.json()
+    return body["message"] if body.get("object") == "error" else body["error"]["message"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input_ids": [1, 256]}, "input_ids[1]"),  # out of the vocabulary (256)
+    ({"input_ids": [5, -1]}, "input_ids[1]"),
+    ({"input_ids": [5, 1.5]}, "input_ids[1]"),
+    ({"input_ids": [5, True]}, "input_ids[1]"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": "12"}, "input_ids"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
+    ({"text": ""}, "text"),
+    ({"text": 5}, "text"),
+    ({"text": []}, "text"),
+    ({}, "'text' and 'input_ids'"),
+    ({"text": "a", "input_ids": [1]}, "'text' and 'input_ids'"),
+    ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params"),
+    ({"text": "a", "sampling_params": "greedy"}, "sampling_params"),
+    ({"text": "a", "sampling_params": {"temperature": float("nan")}}, "temperature must be a non-negative finite number"),
+    ({"text": "a", "sampling_params": {"temperature": float("inf")}}, "temperature"),
+    ({"text": "a", "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": -1}}, "top_p must be in (0, 1], got -1."),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "a", "sampling_params": {"top_p": float("nan")}}, "top_p"),
+    ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1"),
+    ({"text": "a", "sampling_params": {"top_k": -2}}, "top_k"),
+    ({"text": "a", "sampling_params": {"top_k": 2.5}}, "top_k"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -5}}, "max_new_tokens must be at least 0, got -5."),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"stop": 3}}, "stop must be a string or a list of strings"),
+    ({"text": "a", "sampling_params": {"stop": ["a", None]}}, "stop"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [1, "x"]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"text": "a", "sampling_params": {"sampling_seed": 2**70}}, "sampling_seed"),
+    ({"text": "a", "sampling_params": {"sampling_seed": "7"}}, "sampling_seed"),
+    ({"text": "a", "rid": {"x": 1}}, "rid"),
+    ({"text": ["a", "b"], "rid": ["only-one"]}, "rid"),
+    ({"text": "a", "return_hidden_states": "yes"}, "return_hidden_states"),
+    ({"text": "a", "stream": True}, "stream"),
+    ({"input_ids": [10] * (MICRO_CONTEXT + 5)}, f"({MICRO_CONTEXT + 5} tokens) is longer than the model's context length"),
+])
+def test_generate_malformed_is_a_400_naming_the_field(client, body, field):
+    r = post(client[0], "/generate", body)
+    assert r.status_code == 400, r.text
+    assert field in error_message(r), error_message(r)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}, "junk"]}, "messages[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, "max_tokens must be at least 0, got -5."),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "9"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": float("nan")}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n must be 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": True}, "n must be 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream must be false"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
+    ({"messages": [{"role": "user", "content": "x" * (MICRO_CONTEXT + 5)}]}, "longer than the model's context length"),
+])
+def test_chat_malformed_is_an_openai_400_naming_the_field(client, body, field):
+    r = post(client[0], "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    out = r.json()
+    assert out["object"] == "error" and out["code"] == 400 and out["type"] == "BadRequestError"
+    assert field in out["message"], out["message"]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+@pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b"", b"null", b"\xff\xfe"])
+def test_a_body_that_is_not_a_json_object_is_a_400(client, path, data):
+    r = post(client[0], path, data)
+    assert r.status_code == 400, r.text
+    assert "JSON object" in error_message(r)
+
+
+def test_max_new_tokens_zero_is_an_empty_completion_as_in_sglang(client):
+    """SGLang's SamplingParams.verify allows 0 (and refuses < 0): nothing generated, finish length."""
+    c, _ = client
+    out = post(c, "/generate", {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 0}}).json()
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert out["meta_info"]["completion_tokens"] == 0 and out["meta_info"]["prompt_tokens"] == 3
+    out = post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).json()
+    assert out["choices"][0]["message"]["content"] == "" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0
+
+
+def test_null_sampling_values_mean_the_default_and_valid_edges_are_served(client):
+    c, _ = client
+    out = post(c, "/generate", {"input_ids": [10, 255], "sampling_params": {"max_new_tokens": None, "temperature": None}})
+    assert out.status_code == 200 and len(out.json()["output_ids"]) <= 128
+    body = {"input_ids": [[0, 1], [255]], "rid": ["a", None],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_p": 1, "top_k": 1, "sampling_seed": -3,
+                                "stop": "zz", "stop_token_ids": [2**40], "ignore_eos": True}}
+    out = post(c, "/generate", body)
+    assert out.status_code == 200, out.text
+    assert [o["meta_info"]["id"] for o in out.json()] == ["a", out.json()[1]["meta_info"]["id"]] and len(out.json()) == 2
