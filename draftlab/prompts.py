@@ -87,7 +87,7 @@ def _read_records(path: Path):
     with open(path, "rb") as f:
         for i, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")  # a byte-order mark opens some editors' files
             except UnicodeDecodeError as e:
                 yield i, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"
                 continue

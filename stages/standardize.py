@@ -43,8 +43,9 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     upstream = read_verified(hidden)  # every shard extract recorded, complete, before any compute
     target = {k: v for k, v in upstream["info"]["target"].items() if k != "physical_layers"}
     physical = sorted(upstream["info"]["target"]["physical_layers"])
-    if n_vocab < 1:
-        raise UserError(f"params.yaml: standardize.draft_vocab_size must be >= 1, got {n_vocab}")
+    if n_vocab > target["vocab_size"]:  # a refusal, not a silent clamp: the user asked for something else
+        raise UserError(f"params.yaml: standardize.draft_vocab_size {n_vocab} exceeds the target's vocabulary of "
+                        f"{target['vocab_size']} tokens; set it to {target['vocab_size']} (the identity map) or less")
     manifest = build_manifest("standardize", as_dict(params), {"extract": upstream["config_hash"]}, __file__)
     out.mkdir(parents=True, exist_ok=True)
     counts = torch.zeros(target["vocab_size"], dtype=torch.long)

@@ -152,6 +152,12 @@ def test_standardize_writes_the_physical_layers_into_the_shard_headers_only(tmp_
     metrics = json.loads((tmp_path / "standardize.json").read_text())
     assert metrics["settings"]["capture_physical_layers"] == [2, 5]
 
+    # A draft vocab larger than the target's is refused, not clamped without a word.
+    (tmp_path / "params.yaml").write_text(f"standardize: {{draft_vocab_size: {V + 1}}}\n")
+    with pytest.raises(UserError, match=f"draft_vocab_size {V + 1} exceeds the target's vocabulary of {V}"):
+        main(hidden, tmp_path / "features-too-wide", tmp_path / "standardize-too-wide.json")
+    assert not (tmp_path / "features-too-wide").exists()
+
 
 def test_norm_summary_of_one_value_and_of_many():
     one = norm_summary(torch.tensor([3.0]))

@@ -137,3 +137,10 @@ def test_a_directory_or_a_damaged_parquet_file_is_named(tmp_path):
     bad.write_bytes(b"PAR1 not really")
     with pytest.raises(UserError, match=f"{bad}: not a readable Parquet file"):
         prompts.read_prompt_file(bad)
+
+
+def test_a_byte_order_mark_at_the_start_is_not_a_bad_row(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode() + b"\n" + json.dumps(GOOD[1]).encode() + b"\n")
+    ps = prompts.read_prompt_file(f)
+    assert len(ps.rows) == 2 and not ps.bad

@@ -129,3 +129,11 @@ def test_dropped_ids_are_the_ones_the_capture_loop_never_reaches():
     assert dropped_ids("LlamaForCausalLM", 8, [1, 3, 7], "0.5.14") == [7]
     assert dropped_ids("LlamaForCausalLM", 8, [1, 3, 5], "0.5.14") == []
     assert dropped_ids("LlamaForCausalLM", 8, [-1, 3, 5], "0.5.14") == []  # the embedding crashes: not a silent drop
+
+
+@pytest.mark.parametrize("physical", [[], [2, 4], [2, 3, 4, 6]])
+def test_a_capture_spec_the_eagle3_draft_cannot_take_is_refused_before_extraction(physical):
+    # SGLang's fc takes exactly 3 x hidden: [1, 3] passed extract, standardize and train before
+    # export refused it; [] crashed standardize.
+    with pytest.raises(UserError, match=rf"{len(physical)} layer\(s\).*takes exactly 3"):
+        validate_capture("LlamaForCausalLM", 8, physical)

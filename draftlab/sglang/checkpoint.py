@@ -25,11 +25,10 @@ from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
-from draftlab.sglang.layers import captured_physical, ids_for_physical
+from draftlab.sglang.layers import SGLANG_AUX_LAYERS, captured_physical, ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
-SGLANG_AUX_LAYERS = 3  # SGLang's fc is hard-wired to 3 * target_hidden_size inputs
 TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor name -> (shape, dtype)
 
 

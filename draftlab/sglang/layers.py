@@ -32,6 +32,7 @@ FAMILIES = {
     "gpt-oss": ("GptOssForCausalLM",),
 }
 # Releases whose source the rules above were read from; others get the newest known rule.
+SGLANG_AUX_LAYERS = 3  # SGLang's EAGLE-3 fc is hard-wired to 3 x target_hidden_size inputs
 VERIFIED_VERSIONS = ("0.5.5", "0.5.18")
 DEEPSEEK_AS_IS_FROM = (0, 5, 13)
 GPT_OSS_BOUNDARY_FROM = (0, 5, 17)
@@ -176,9 +177,16 @@ def dropped_ids(architecture: str, num_layers: int, layer_ids: list[int], sglang
 
 
 def validate_capture(architecture: str, num_layers: int, physical: list[int], sglang_version: str | None = None) -> None:
-    """Raise UserError (naming the layer and the reason) unless SGLang can capture `physical`.
+    """Raise UserError (naming the layer and the reason) unless SGLang can capture `physical` and
+    its EAGLE-3 draft can take them (exactly SGLANG_AUX_LAYERS of them).
 
     Called by extract before any compute, so an impossible choice fails in seconds, not after
     hours of extraction and training. Without a version, the newest known rule decides.
     """
+    if len(physical) != SGLANG_AUX_LAYERS:
+        raise UserError(
+            f"capture.layers: {len(physical)} layer(s) (physical {sorted(physical)}); SGLang's EAGLE-3 draft "
+            f"(LlamaForCausalLMEagle3) takes exactly {SGLANG_AUX_LAYERS}: its fc is {SGLANG_AUX_LAYERS} x the target's "
+            f"hidden size wide. List {SGLANG_AUX_LAYERS} layers, e.g. [1, {num_layers // 2 - 1}, {num_layers - 4}]"
+        )
     ids_for_physical(architecture, num_layers, physical, sglang_version or VERIFIED_VERSIONS[-1])
