@@ -62,12 +62,7 @@ def tree_tau(rank_acceptance: list[list[float]], num_steps: int, topk: int, num_
                 depth.append(step + 1)
                 made.append(len(reach) - 1)
         frontier = sorted(made, key=lambda c: -reach[c])[:topk]
-    keep = {0}
-    for c in sorted(range(1, len(reach)), key=lambda c: -reach[c]):
-        if len(keep) == num_draft_tokens:
-            break
-        if parents[c] in keep:
-            keep.add(c)
+    keep = spec_engine.best_subtree(reach, parents, num_draft_tokens)
     return 1.0 + sum(reach[c] for c in keep if c)
 
 

@@ -309,29 +309,18 @@ def _coerce(value, tp):
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise _Mismatch
-    if tp is int:
+    if tp in (int, float):
         if isinstance(value, bool):
             raise _Mismatch
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, str):  # "5" from a hand edit or -S: parsed as the field's type
+            try:
+                return tp(value.strip())
+            except ValueError:
+                raise _Mismatch
+        if tp is int and isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise _Mismatch
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, bool):
-            raise _Mismatch
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise _Mismatch
+        if isinstance(value, int) or (tp is float and isinstance(value, float)):
+            return tp(value)
         raise _Mismatch
     if tp is str:
         # A number here means Hydra parsed an unquoted value (0.5 for "0.5", 007 -> 7): converting

@@ -334,16 +334,23 @@ def draft_tree(draft, cache: KVCache, root_state, root: int, n: int, num_steps: 
         logp = torch.log_softmax(draft.logits(rows[0]).float(), -1)
     cache.crop(start)
 
-    # The num_draft_tokens - 1 best nodes (a child never outscores its parent, so they form a tree).
-    keep = {0}
-    for c in sorted(range(1, len(tokens)), key=lambda c: -scores[c]):
-        if len(keep) == num_draft_tokens:
-            break
-        if parents[c] in keep:
-            keep.add(c)
+    keep = best_subtree(scores, parents, num_draft_tokens)
     order = sorted(keep)
     new_index = {old: i for i, old in enumerate(order)}
     return Tree([tokens[c] for c in order], [new_index.get(parents[c], -1) for c in order], [depths[c] for c in order])
+
+
+
+def best_subtree(scores, parents: list[int], num_nodes: int) -> set[int]:
+    """The root and the num_nodes - 1 best-scored nodes (a child never outscores its parent, so
+    they form a tree): SGLang's pruning of the draft tree to num_draft_tokens."""
+    keep = {0}
+    for c in sorted(range(1, len(parents)), key=lambda c: -scores[c]):
+        if len(keep) == num_nodes:
+            break
+        if parents[c] in keep:
+            keep.add(c)
+    return keep
 
 
 def verify_tree(target, cache, tree: Tree, n: int) -> torch.Tensor:
