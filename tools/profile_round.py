@@ -2,7 +2,7 @@
 the pipeline's own target, draft and eval prompts, in-process, one thread.
 
     PYTHONPATH=. python tools/profile_round.py --root . --out reports/profile/after.json
-    python tools/profile_round.py --root /tmp/wt20 --out reports/profile/before.json   # another checkout's models
+    python tools/profile_round.py --root ../other-checkout --out reports/profile/before.json   # another checkout's models
 
 Method. The engine's step functions are wrapped by timers (module attributes of spec_engine and
 methods of the loaded draft and of AuxCapture), without touching the algorithm: each wrapped call

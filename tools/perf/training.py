@@ -13,7 +13,7 @@ with N_i rows scored at TTT step i:
   - training = 3 x forward (forward + backward); soft labels 2 x H x V per token, once (no grad)
   - MFU = counted FLOPs / step time / measured matmul rate.
 One step at batch `profile_batch` runs under torch.profiler (`profile_step`): `gemm_share` = self
-device time of the matrix-multiply operators / device time of all the step's kernels.
+GPU kernel time of the matrix-multiply operators / GPU kernel time of all the step's kernels.
 `labels_cost` (reported in section decode_profile) times the soft labels' projection in fp32 and bf16.
 """
 from __future__ import annotations
@@ -160,13 +160,13 @@ def profile_step(S: str, p: str, fn, dev) -> None:
             return 0.0
 
         avgs = prof.key_averages()
-        # Kernels appear twice: as their own rows (device type CUDA) and inside the self device time
+        # Kernels appear twice: as their own rows (device type CUDA) and inside the self GPU kernel time
         # of the operator that launched them. The total counts kernel rows; shares count operators.
         kernels = [e for e in avgs if e.device_type == DeviceType.CUDA]
         ops = sorted(((e.key, self_us(e)) for e in avgs if e.device_type == DeviceType.CPU), key=lambda x: -x[1])
         total = sum(self_us(e) for e in kernels) if kernels else sum(t for _, t in ops)
         gemm = sum(t for k, t in ops if k in GEMM_OPS)
-        record(S, f"{p}_profiled_device_ms", total / 1e3, "ms (device time of one step's kernels)")
+        record(S, f"{p}_profiled_device_ms", total / 1e3, "ms (GPU kernel time of one step's kernels)")
         record(S, f"{p}_gemm_share", gemm / total if total else float("nan"), "(matrix-multiply operators' share of it)")
         RESULTS[S][f"{p}_top_ops_ms"] = [[k, round(t / 1e3, 3)] for k, t in ops[:12]]
         save()
