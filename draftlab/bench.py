@@ -114,13 +114,10 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
                 recs, seconds = run_requests(client, [prompt], sampling)
                 records[mode] += recs
                 wall[mode] += seconds
+        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency)
         out = {}
         for mode, client in clients.items():
-            sweep = []
-            for n in bench_params.concurrency:
-                if n > 1:
-                    recs, seconds = run_requests(client, prompts[warmup:], sampling, n)
-                    sweep.append({"concurrency": n, **speed(recs, seconds)})
+            sweep = sweeps[mode]
             metas = [r["meta"] for r in records[mode]]
             info = client.server_info()
             out[mode] = {"speed": speed(records[mode], wall[mode]), "spec": spec_figures(metas), "sweep": sweep,
@@ -130,6 +127,23 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
     finally:
         for client in clients.values():
             client.close()
+
+
+def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, levels: list[int],
+                      repeats: int = 2) -> dict[str, list[dict]]:
+    """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
+    several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
+    the machine's load hits every mode alike; each mode's figures pool its batches."""
+    out = {mode: [] for mode in clients}
+    for n in (n for n in levels if n > 1):
+        got = {mode: ([], 0.0) for mode in clients}
+        for rep in range(repeats if len(clients) > 1 else 1):
+            for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
+                recs, seconds = run_requests(clients[mode], prompts, sampling, n)
+                got[mode] = (got[mode][0] + recs, got[mode][1] + seconds)
+        for mode, (recs, seconds) in got.items():
+            out[mode].append({"concurrency": n, **speed(recs, seconds)})
+    return out
 
 
 def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1) -> tuple[list[dict], float]:

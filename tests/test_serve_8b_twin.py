@@ -60,3 +60,33 @@ def test_bandwidth_floor_and_decode_lines(tmp_path):
     assert tool.decode_rate_from_log(log) == {"median": 295.0, "max": 300.0, "lines": 2}
     assert tool.log_tail(log, 1)[0].endswith("#queue-req: 0") and tool.log_tail(tmp_path / "none") == []
     assert not math.isnan(tool.NOMINAL_BANDWIDTH)
+
+
+class FakeClient:
+    """A server stand-in: every request takes `seconds` and yields `tokens`; calls are logged."""
+
+    def __init__(self, name, seconds, tokens, log, verify=None):
+        self.name, self.seconds, self.tokens, self.log, self.verify = name, seconds, tokens, log, verify
+
+    def generate(self, ids, sampling):
+        self.log.append(self.name)
+        return "", GenerateMeta(completion_tokens=self.tokens, spec_verify_ct=self.verify)
+
+
+def test_concurrency_is_paired_batch_by_batch_in_abba_order(monkeypatch):
+    log = []
+    base, spec = FakeClient("b", 0, 10, log), FakeClient("s", 0, 10, log, verify=4)
+    clock = iter(range(1000))  # each perf_counter call advances one second
+    monkeypatch.setattr(tool.time, "perf_counter", lambda: next(clock))
+    out = tool.run_batches_paired(base, spec, [[1], [2], [3], [4]], {}, concurrency=1, repeats=2)
+    assert log == ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4  # ABBA: a load drift hits both alike
+    assert out["baseline"]["completion_tokens"] == out["spec"]["completion_tokens"] == 80
+    assert out["spec"]["served_tau"] == pytest.approx(2.5)
+    assert out["speedup"] == pytest.approx(out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"])
+    assert len(out["baseline"]["batches"]) == 2 and out["repeats"] == 2
+
+
+def test_an_existing_baseline_server_is_used_not_started():
+    args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--baseline-url", "http://127.0.0.1:9/"])
+    with tool.baseline_server(args, ["python", "-m", "sglang.launch_server"], Path("unused.log")) as url:
+        assert url == "http://127.0.0.1:9"

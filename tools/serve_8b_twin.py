@@ -23,6 +23,7 @@ then speculative). The results JSON is rewritten after every configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -80,6 +81,9 @@ def parse_args(argv=None):
     ap.add_argument("--mem-fraction-static", type=float, default=0.4, help="per server (two share the GPU)")
     ap.add_argument("--max-running-requests", type=int, default=16, help="both servers (also caps CUDA-graph batch sizes)")
     ap.add_argument("--port", type=int, default=31000, help="baseline port; the speculative server uses port + 1 (<= 55535)")
+    ap.add_argument("--baseline-url", default=None, help="a baseline server of the same twin already running (same "
+                    "server flags, no speculation): measure against it instead of starting one")
+    ap.add_argument("--baseline-log", default=None, help="that server's log (its decode-rate lines go in the results)")
     ap.add_argument("--startup-timeout-s", type=float, default=600)
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting configurations that would not finish within this many seconds of the start")
@@ -233,16 +237,40 @@ def run_paired(base, spec, prompts, sampling) -> list[dict]:
 
 def run_batch(client, prompts, sampling, concurrency: int) -> dict:
     def one(ids):
-        return client.generate(ids, sampling)[1]
+        t0 = time.perf_counter()
+        meta = client.generate(ids, sampling)[1]
+        return meta, time.perf_counter() - t0
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        metas = list(pool.map(one, prompts))
+        done = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
+    metas = [m for m, _ in done]
     tokens = sum(m.completion_tokens for m in metas)
     verify = sum(m.spec_verify_ct or 0 for m in metas)
     return {"concurrency": concurrency, "requests": len(metas), "completion_tokens": tokens, "seconds": wall,
-            "tokens_per_s": tokens / wall, "served_tau": tokens / verify if verify else None}
+            "tokens_per_s": tokens / wall, "served_tau": tokens / verify if verify else None,
+            "request_tokens_per_s": [m.completion_tokens / sec for m, sec in done if sec > 0]}
+
+
+def run_batches_paired(base, spec, prompts, sampling, concurrency: int, repeats: int = 2) -> dict:
+    """Throughput with `concurrency` requests in flight, paired: whole batches alternate between the
+    two servers in ABBA order (`repeats` batches each), so a drift in the machine's load hits both."""
+    got = {"baseline": [], "spec": []}
+    for rep in range(repeats):
+        order = (("baseline", base), ("spec", spec)) if rep % 2 == 0 else (("spec", spec), ("baseline", base))
+        for mode, client in order:
+            got[mode].append(run_batch(client, prompts, sampling, concurrency))
+    out = {"concurrency": concurrency, "repeats": repeats}
+    for mode, batches in got.items():
+        tokens, seconds = sum(b["completion_tokens"] for b in batches), sum(b["seconds"] for b in batches)
+        taus = [b["served_tau"] for b in batches if b["served_tau"]]
+        out[mode] = {"completion_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                     "per_request_tokens_per_s": statistics.median(r for b in batches for r in b["request_tokens_per_s"]),
+                     "served_tau": statistics.mean(taus) if taus else None, "batches": batches}
+    out["speedup"] = out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
+    out["per_request_speedup"] = out["spec"]["per_request_tokens_per_s"] / out["baseline"]["per_request_tokens_per_s"]
+    return out
 
 
 def warm_up(client, prompts, sampling, concurrency: int) -> None:
@@ -328,8 +356,10 @@ def main(argv=None) -> dict:
         return results
     base_argv = launch_argv(str(twin), args.port, baseline=True, flags=server_flags, extra_args=extra)
     t0 = elapsed()
-    with serve(base_argv, logs / "baseline.log", args.startup_timeout_s) as base_srv, Client(base_srv.url) as base:
+    base_log = Path(args.baseline_log) if args.baseline_log else logs / "baseline.log"
+    with baseline_server(args, base_argv, base_log) as base_url, Client(base_url) as base:
         results["baseline_startup_s"] = elapsed() - t0
+        results["baseline_url_given"] = bool(args.baseline_url)
         print(f"[{elapsed():.0f}s] baseline up in {results['baseline_startup_s']:.0f}s", flush=True)
         warm_up(base, prompts, sampling, max_c)
         startup_estimate = results.get("max_spec_startup_s", 150.0)
@@ -368,11 +398,11 @@ def main(argv=None) -> dict:
                     if sweep:
                         entry["concurrency"] = []
                         for c in sweep:
-                            b, s = run_batch(base, prompts, sampling, c), run_batch(spec, prompts, sampling, c)
-                            entry["concurrency"].append({"concurrency": c, "baseline": b, "spec": s,
-                                                         "speedup": s["tokens_per_s"] / b["tokens_per_s"]})
-                            print(f"[{elapsed():.0f}s] {name} c={c}: baseline {b['tokens_per_s']:.0f} tok/s, spec "
-                                  f"{s['tokens_per_s']:.0f} tok/s, speedup {s['tokens_per_s'] / b['tokens_per_s']:.2f}", flush=True)
+                            point = run_batches_paired(base, spec, prompts, sampling, c)
+                            entry["concurrency"].append(point)
+                            print(f"[{elapsed():.0f}s] {name} c={c}: baseline {point['baseline']['tokens_per_s']:.0f} tok/s, spec "
+                                  f"{point['spec']['tokens_per_s']:.0f} tok/s, speedup {point['speedup']:.2f} "
+                                  f"(per request {point['per_request_speedup']:.2f})", flush=True)
                             save()
             except Exception as e:  # noqa: BLE001  (one configuration failing must not lose the others)
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -380,14 +410,26 @@ def main(argv=None) -> dict:
             entry["spec_decode_log"] = decode_rate_from_log(log) if log.exists() else None
             entry["spec_log_tail"] = log_tail(log)
             results["configs"][name] = entry
-            results["baseline_decode_log"] = decode_rate_from_log(logs / "baseline.log")
+            results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
             save()
-    results["baseline_decode_log"] = decode_rate_from_log(logs / "baseline.log")
-    results["baseline_log_tail"] = log_tail(logs / "baseline.log")
+    results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
+    results["baseline_log_tail"] = log_tail(base_log)
     results["wall_s"] = elapsed()
     save()
     print(f"[{elapsed():.0f}s] done", flush=True)
     return results
+
+
+@contextlib.contextmanager
+def baseline_server(args, argv, log):
+    """The baseline's URL: --baseline-url when given (left running), else a server started here."""
+    if args.baseline_url:
+        yield args.baseline_url.rstrip("/")
+        return
+    from draftlab.sglang.launch import serve
+
+    with serve(argv, log, args.startup_timeout_s) as srv:
+        yield srv.url
 
 
 def _version(name: str) -> str | None:

@@ -1,0 +1,31 @@
+"""draftlab.bench.concurrency_sweep: throughput with requests in flight, paired between servers."""
+import threading
+
+from draftlab import bench
+from draftlab.sglang.client import GenerateMeta
+
+
+class Recorder:
+    def __init__(self, name, tokens, log):
+        self.name, self.tokens, self.log, self.lock = name, tokens, log, threading.Lock()
+
+    def generate(self, ids, sampling):
+        with self.lock:
+            self.log.append(self.name)
+        return "", GenerateMeta(completion_tokens=self.tokens)
+
+
+def test_batches_alternate_abba_and_each_mode_pools_its_batches():
+    log = []
+    clients = {"baseline": Recorder("b", 10, log), "speculative": Recorder("s", 30, log)}
+    out = bench.concurrency_sweep(clients, [[1]] * 4, {}, [1, 4, 8])
+    # Level 1 is the paired single-stream figure measured elsewhere; 4 and 8 each: B S S B.
+    assert log == ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4 + ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4
+    assert [p["concurrency"] for p in out["baseline"]] == [4, 8]
+    assert out["speculative"][0]["completion_tokens"] == 240 and out["speculative"][0]["requests"] == 8
+
+
+def test_one_server_runs_each_level_once():
+    log = []
+    out = bench.concurrency_sweep({"speculative": Recorder("s", 5, log)}, [[1]] * 3, {}, [2])
+    assert log == ["s"] * 3 and out["speculative"][0]["completion_tokens"] == 15

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""The whole pipeline at 8B cost on one GPU with SGLang, then the measurements a deployer needs.
+
+    python tools/gpu_8b.py --work WORK --results RESULTS [--deadline-s 1500]
+
+Run on a GPU box with SGLang installed (README, "SGLang on a GPU machine"), from the repository
+root. In order, each step skipped when its output exists (re-run the same command to resume):
+
+ 1. twin      tools/make_twin.py: the Llama-3.1-8B body computing the embedded target's function
+              (WORK/twin, 14 GB bf16; --target DIR uses that model instead)
+ 2. server    an SGLang server of the target, no speculation (CUDA graphs on). It answers the
+              synthesize stage and is the baseline of the configuration sweep.
+ 3. pipeline  dvc.yaml's stages prompts .. export with params.yaml + configs/gpu-8b.yaml
+              (tools/sglang_run.py --phases pipeline,bench): synthesis through that server
+              (synth.backend openai), extraction and training on the GPU at the target's width,
+              export, and the bench stage (SGLang, side by side, concurrency 1/4/8/16)
+ 4. sweep     tools/serve_8b_twin.py with the trained draft: bs=1 paired speedup per
+              configuration, paired concurrency for the trees named in --concurrency-configs
+ 5. parity    the check stage with live parity against an EAGLE3 server with
+              --enable-return-hidden-states (tools/sglang_run.py --phases parity)
+
+Everything lands under RESULTS (logs, reports, the sweep JSON); RESULTS/run.json says what ran,
+for how long, and what was skipped for time. --deadline-s stops starting steps that would not
+finish in time (their expected durations are in the script below, measured on an H200).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftlab.sglang.flags import SpecFlags  # noqa: E402
+from draftlab.sglang.launch import free_port, launch_argv, serve  # noqa: E402
+
+CONFIG = ROOT / "configs" / "gpu-8b.yaml"
+# The sweep's server flags: the same as the bench stage's (configs/gpu-8b.yaml), so the persistent
+# baseline and every EAGLE3 server differ only in speculation.
+SERVER_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none", "--disable-piecewise-cuda-graph"]
+MEM_FRACTION = "0.28"  # three servers of a 14 GB target fit on one 141 GB GPU (baseline + bench's two)
+MAX_RUNNING = 16
+# Expected seconds per step on one H200 (the deadline logic skips a step that would not fit).
+EXPECT_S = {"pipeline": 900, "sweep_config": 110, "sweep_concurrency": 45, "parity": 150}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="twin, pipeline work dir (data/, models/), server logs")
+    ap.add_argument("--results", required=True, help="what to keep: logs, reports, sweep JSON, run.json")
+    ap.add_argument("--target", default="", help="a local model directory instead of building the twin")
+    ap.add_argument("--small", default=str(ROOT / "models" / "tiny-target"), help="the model the twin inflates")
+    ap.add_argument("--configs", default="6-8-32,3-1-4,7-1-8,5-4-8",
+                    help="sweep configurations STEPS-TOPK-DRAFT_TOKENS (the bench stage measures spec.* = 5-1-6)")
+    ap.add_argument("--concurrency-configs", default="6-8-32", help="sweep configurations that also get concurrency 4/8/16")
+    ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
+    return ap.parse_args(argv)
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.t0 = args, time.monotonic()
+        self.work, self.results = Path(args.work).resolve(), Path(args.results).resolve()
+        self.results.mkdir(parents=True, exist_ok=True)
+        self.record_path = self.results / "run.json"
+        self.record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {"steps": {}}
+        self.skip = set(filter(None, args.skip.split(",")))
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.t0)
+
+    def note(self, step: str, **what) -> None:
+        self.record["steps"].setdefault(step, {}).update(what)
+        tmp = self.record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record, indent=1))
+        tmp.replace(self.record_path)
+        print(f"[gpu_8b {time.monotonic() - self.t0:5.0f}s] {step}: {what}", flush=True)
+
+    def call(self, step: str, argv: list[str]) -> int:
+        t = time.monotonic()
+        log = self.results / "logs" / f"{step}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        self.note(step, rc=rc, seconds=round(time.monotonic() - t, 1), log=os.path.relpath(log, self.results))
+        if rc:
+            print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:]), flush=True)
+        return rc
+
+    def fits(self, step: str, need_s: float) -> bool:
+        if self.left() >= need_s:
+            return True
+        self.note(step, skipped=f"{need_s:.0f} s expected, {self.left():.0f} s left")
+        return False
+
+
+def build_twin(run: Run) -> Path:
+    if run.args.target:
+        return Path(run.args.target).resolve()
+    twin = run.work / "twin"
+    if not (twin / "config.json").exists():
+        t = time.monotonic()
+        sys.path.insert(0, str(ROOT / "tools"))
+        import make_twin
+
+        shape = make_twin.SHAPES["llama-3.1-8b"]
+        make_twin.make_twin(Path(run.args.small), twin, shape, "llama-3.1-8b", "bfloat16")
+        run.note("twin", seconds=round(time.monotonic() - t, 1))
+    return twin
+
+
+def run_params(run: Run, base_url: str) -> Path:
+    """configs/gpu-8b.yaml with synthesis pointed at the running server."""
+    params = yaml.safe_load(CONFIG.read_text())
+    params["synth"]["base_url"] = f"{base_url}/v1"
+    path = run.results / "params-gpu-8b.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run = Run(args)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    twin = build_twin(run)
+    sglang_run = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--results", str(run.results / "pipeline"),
+                  "--work", str(run.work / "pipeline"), "--target", str(twin)]
+    flags = SpecFlags(algorithm=None, max_running_requests=MAX_RUNNING, attention_backend="triton")
+    port = free_port()
+    argv_base = launch_argv(str(twin), port, baseline=True, flags=flags, dtype="bfloat16",
+                            extra_args=SERVER_ARGS + ["--mem-fraction-static", MEM_FRACTION])
+    base_log = run.results / "logs" / "server-baseline.log"
+    base_log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.monotonic()
+    with serve(argv_base, base_log, 600) as srv:
+        run.note("server", startup_s=round(time.monotonic() - t, 1), url=srv.url)
+        params = run_params(run, srv.url)
+        if "pipeline" not in run.skip and run.fits("pipeline", 300):
+            rc = run.call("pipeline", sglang_run + ["--params", str(params), "--phases", "pipeline,bench",
+                                                    "--time-limit-s", str(max(60, run.left() - 60))])
+            if rc:
+                return rc
+        draft = run.work / "pipeline" / "models" / "draft"
+        configs = args.configs.split(",")
+        conc = set(args.concurrency_configs.split(","))
+        need = len(configs) * EXPECT_S["sweep_config"] + len(conc) * EXPECT_S["sweep_concurrency"]
+        if "sweep" not in run.skip and (draft / "config.json").exists() and run.fits("sweep", EXPECT_S["sweep_config"] + 30):
+            run.call("sweep", [sys.executable, str(ROOT / "tools" / "serve_8b_twin.py"), "--work-dir", str(run.work / "sweep"),
+                               "--twin", str(twin), "--draft", str(draft), "--baseline-url", srv.url, "--baseline-log", str(base_log),
+                               "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
+                               "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
+                               "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),
+                               "--port", str(free_port()), "--out", str(run.results / "sweep.json"),
+                               "--mirror", str(run.work / "sweep.json"), "--deadline-s", str(max(0, run.left() - 30))])
+            run.note("sweep", planned_s=need)
+    if "parity" not in run.skip and (run.work / "pipeline" / "models" / "draft").exists() and run.fits("parity", EXPECT_S["parity"]):
+        run.call("parity", sglang_run + ["--params", str(params), "--phases", "parity"])
+    run.note("done", wall_s=round(time.monotonic() - run.t0, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
