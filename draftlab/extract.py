@@ -204,8 +204,36 @@ def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: lis
         pending = handle
     if pending is not None:
         unpack(*pending)
-    tensors = dict(out)
-    tensors["input_ids"] = torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.long)
-    tensors["loss_mask"] = torch.tensor([m for _, mask in rows for m in mask], dtype=torch.bool)
-    tensors["seq_offsets"] = torch.tensor(offsets, dtype=torch.long)
-    return tensors
+    return {**out, **tokens_record(rows)}
+
+
+# --- train.features online: a tokens-only record of every row, no hidden states ---------------
+
+TOKENS_FILE = "tokens.safetensors"  # per split, beside the (sample) shards
+
+
+def tokens_record(rows: list[tuple[list[int], list[bool]]]) -> dict[str, torch.Tensor]:
+    """The packed token arrays of a shard (input_ids, loss_mask, seq_offsets) without the states:
+    a few bytes per token, where the states cost (k+1)*H*2."""
+    offsets = [0]
+    for ids, _ in rows:
+        offsets.append(offsets[-1] + len(ids))
+    return {
+        "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.long),
+        "loss_mask": torch.tensor([m for _, mask in rows for m in mask], dtype=torch.bool),
+        "seq_offsets": torch.tensor(offsets, dtype=torch.long),
+    }
+
+
+def read_tokens_record(path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(arrays, header metadata as written) of a tokens record; UserError naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            arrays = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "seq_offsets")}
+            return arrays, dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise UserError(f"{path}: tokens record not found; re-run the extract stage with train.features online") from None
+    except Exception as e:  # noqa: BLE001 - damaged or foreign file
+        raise UserError(f"{path}: not a readable tokens record ({e}); re-run the extract stage") from None

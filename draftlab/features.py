@@ -13,6 +13,11 @@ Layout of `data/features/`:
     t2d bool [target_vocab] (True where a target token is in the draft vocab)
   stats.json: per-layer L2-norm statistics (norm_summary), keyed by physical index and "final"
   manifest.json
+With train.features online (manifest info.mode "online"), the shards hold only a sample of each
+split (the first extract.online_sample_sequences rows: stats.json norms and the check read them)
+and {train,eval}/tokens.safetensors holds every sequence's input_ids, loss_mask and seq_offsets,
+in the order the offline shards would hold them; the train stage computes the states itself
+(draftlab.online).
 
 The shard headers are where the physical layers of the features are read (physical_layers_of):
 a shard is self-describing (DESIGN.md section 5); the manifest does not repeat them.
@@ -31,6 +36,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
@@ -72,6 +78,27 @@ def write_shard(path: str | Path, arrays: dict[str, torch.Tensor], metadata: dic
             raise ValueError(f"{name} shape {tuple(arrays[name].shape)} != {shape} (T={T}, k={k}, H={H})")
     if off.ndim != 1 or off[0] != 0 or off[-1] != T or bool((off[1:] < off[:-1]).any()):
         raise ValueError(f"seq_offsets must rise from 0 to T={T}")
+    meta = {key: json.dumps(value) for key, value in metadata.items()}
+    tensors = {name: t.contiguous() for name, t in arrays.items()}
+    atomic_write_bytes(path, canonical_safetensors(st_save(tensors, metadata=meta)))
+
+
+TOKENS_DTYPES = {name: SHARD_DTYPES[name] for name in ("input_ids", "loss_mask", "seq_offsets")}
+
+
+def write_tokens(path: str | Path, arrays: dict[str, torch.Tensor], metadata: dict) -> None:
+    """train.features online: one split's token record (a shard without the states), written
+    atomically; the metadata is a shard's plus `dtype`, the storage dtype the states are rounded to."""
+    if set(arrays) != set(TOKENS_DTYPES):
+        raise ValueError(f"token record tensors must be exactly {sorted(TOKENS_DTYPES)}, got {sorted(arrays)}")
+    for name, dtypes in TOKENS_DTYPES.items():
+        if arrays[name].dtype not in dtypes:
+            raise ValueError(f"{name} must be {dtypes[0]}, got {arrays[name].dtype}")
+    if set(REQUIRED_METADATA + ("dtype",)) - set(metadata):
+        raise ValueError(f"token record metadata needs {REQUIRED_METADATA + ('dtype',)}, got {sorted(metadata)}")
+    off, T = arrays["seq_offsets"], arrays["input_ids"].shape[0]
+    if arrays["loss_mask"].shape != (T,) or off.ndim != 1 or off[0] != 0 or off[-1] != T or bool((off[1:] < off[:-1]).any()):
+        raise ValueError(f"loss_mask must be [T={T}] and seq_offsets must rise from 0 to T")
     meta = {key: json.dumps(value) for key, value in metadata.items()}
     tensors = {name: t.contiguous() for name, t in arrays.items()}
     atomic_write_bytes(path, canonical_safetensors(st_save(tensors, metadata=meta)))
@@ -186,6 +213,23 @@ def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 # Reader
 
 
+def collate(items: list[dict], device) -> dict[str, torch.Tensor]:
+    """Pad sequences at the end to the longest; padding has loss_mask False (and, being after
+    every real token, is never attended to under a causal mask)."""
+    T = max(len(x["input_ids"]) for x in items)
+
+    def pad(name, fill):
+        rows = [F.pad(x[name], (0, 0) * (x[name].ndim - 1) + (0, T - len(x[name])), value=fill) for x in items]
+        return torch.stack(rows).to(device)
+
+    return {
+        "input_ids": pad("input_ids", 0),
+        "loss_mask": pad("loss_mask", False),
+        "aux_hidden": pad("aux_hidden", 0.0).float(),
+        "final_hidden": pad("final_hidden", 0.0).float(),
+    }
+
+
 class FeatureDataset(torch.utils.data.Dataset):
     """Sequences of one split (`data/features/train`), read lazily from the shards.
 
@@ -213,6 +257,7 @@ class FeatureDataset(torch.utils.data.Dataset):
                 off = f.get_tensor("seq_offsets").tolist()
             self.index += [(s, a, b) for a, b in zip(off[:-1], off[1:]) if b > a]
         self._open: dict[int, object] = {}
+        self.tokens_served = 0  # real tokens of the batches made so far (the stage's training rate)
 
     @property
     def physical_layers(self) -> list[int]:
@@ -234,6 +279,13 @@ class FeatureDataset(torch.utils.data.Dataset):
             self._open[s] = safe_open(str(self.paths[s]), framework="pt")
         f = self._open[s]
         return {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+
+    def batch(self, indices: list[int], device) -> dict[str, torch.Tensor]:
+        """Sequences `indices` padded into one batch on `device` (the train loop's only reader;
+        draftlab.online.OnlineFeatures computes the same batch with the target instead)."""
+        items = [self[i] for i in indices]
+        self.tokens_served += sum(len(x["input_ids"]) for x in items)
+        return collate(items, device)
 
     def __getstate__(self):  # open file handles do not cross process boundaries
         state = dict(self.__dict__)

@@ -90,6 +90,7 @@ class ExtractParams:
     batch_size: int
     shard_tokens: int
     dtype: str = choice("bfloat16", "float16", "float32")
+    online_sample_sequences: int = 64  # train.features online: rows per split captured for stats and check
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class TrainParams:
     checkpoint_every: int  # optimizer steps between resumable checkpoints; 0 = epoch ends only
     device: str = choice("auto", "cpu", "cuda")
     autocast: str = choice("auto", "bfloat16", "none")
+    # offline: read stored hidden states; online: run the target on every batch (nothing stored).
+    # The default lets code that builds TrainParams directly (tests, tools) keep working; the
+    # params.yaml loader still requires the key.
+    features: str = choice("offline", "online", default="offline")
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,7 @@ RANGES: dict[str, tuple] = {
     "extract.max_length": _at_least(2),
     "extract.batch_size": POSITIVE_INT,
     "extract.shard_tokens": POSITIVE_INT,
+    "extract.online_sample_sequences": POSITIVE_INT,
     "standardize.draft_vocab_size": POSITIVE_INT,
     "train.epochs": POSITIVE_INT,
     "train.batch_size": POSITIVE_INT,

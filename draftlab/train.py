@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 from torch import nn
@@ -29,7 +28,7 @@ from tqdm import tqdm
 
 from draftlab.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
-from draftlab.features import FeatureDataset, draft_to_target
+from draftlab.features import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab import parallel
 from draftlab.metrics import acceptance_counts, chain_tau, conditional_acceptance
@@ -65,23 +64,6 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[i
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(n, generator=g).tolist()
     return [order[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
-
-
-def collate(items: list[dict], device) -> dict[str, torch.Tensor]:
-    """Pad sequences at the end to the longest; padding has loss_mask False (and, being after
-    every real token, is never attended to under a causal mask)."""
-    T = max(len(x["input_ids"]) for x in items)
-
-    def pad(name, fill):
-        rows = [F.pad(x[name], (0, 0) * (x[name].ndim - 1) + (0, T - len(x[name])), value=fill) for x in items]
-        return torch.stack(rows).to(device)
-
-    return {
-        "input_ids": pad("input_ids", 0),
-        "loss_mask": pad("loss_mask", False),
-        "aux_hidden": pad("aux_hidden", 0.0).float(),
-        "final_hidden": pad("final_hidden", 0.0).float(),
-    }
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -215,7 +197,7 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     stats = torch.zeros(5, ttt.steps, device=device)
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
     for a in range(0, len(mine), batch_size):
-        batch = collate([dataset[i] for i in mine[a : a + batch_size]], device)
+        batch = dataset.batch(mine[a : a + batch_size], device)
         labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
         counts = step_token_counts(batch["loss_mask"], ttt.steps, 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -293,7 +275,7 @@ def fit(
         batches = epoch_batches(len(train_ds), tp.batch_size, tp.seed, epoch)
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
-            batch = collate([train_ds[i] for i in batches[b][rank::world]], device)
+            batch = train_ds.batch(batches[b][rank::world], device)
             labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
             counts = step_token_counts(batch["loss_mask"], tp.ttt_steps, world)
             for group in opt.param_groups:

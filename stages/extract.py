@@ -2,7 +2,10 @@
 
     python -m stages.extract --synth data/synth --out data/hidden
     torchrun --nproc-per-node 8 -m stages.extract ...    (data parallel: one process and one writer per GPU)
-Reads params sections: target, capture, extract.
+Reads params sections: target, capture, extract, and train.features.
+With train.features online, only the first extract.online_sample_sequences rows of each split are
+captured (the stats and the check need them); every row's tokens go to <split>/tokens.safetensors
+(no states), and the train stage runs the target itself.
 Resumable: shards are written atomically one by one; a re-run keeps every shard whose header
 carries this run's config hash and computes only the missing ones.
 Data parallel: the shard plan depends only on the data, so every process plans the same shards
@@ -55,9 +58,37 @@ def shard_is_done(path: Path, config_hash: str) -> bool:
         return False
 
 
+def hashed_params(params) -> dict:
+    """The params that make this stage's output: target, capture, extract, plus train.features.
+
+    Offline, train.features and extract.online_sample_sequences change nothing extract writes,
+    so they stay out of the hash (changing them keeps every shard); online, both do.
+    """
+    out = {name: sec for name, sec in as_dict(params).items() if name != "train"}
+    if params.train.features == "offline":
+        out["extract"] = {k: v for k, v in out["extract"].items() if k != "online_sample_sequences"}
+    else:
+        out["train"] = {"features": params.train.features}
+    return out
+
+
+def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    canonicalize_safetensors_file(tmp)  # the same bytes on every recompute
+    tmp.replace(path)  # atomic: a file is either complete or absent
+
+
+def sample_plan(lengths: list[int], n: int, shard_tokens: int) -> list[list[int]]:
+    """Online mode: the shard plan of the split's first `n` rows (file order, so the sample is
+    as mixed as the split; the plan's length sort would keep only the shortest rows)."""
+    first = list(range(min(n, len(lengths))))
+    return [[first[i] for i in shard] for shard in extract.plan_shards([lengths[i] for i in first], shard_tokens)]
+
+
 def main(synth: Path, out: Path) -> None:
-    params = load_params(["target", "capture", "extract"])
-    target_params, extract_params = params.target, params.extract
+    params = load_params(["target", "capture", "extract", "train"])  # of train, only train.features is read
+    target_params, extract_params, mode = params.target, params.extract, params.train.features
     synth_manifest = read_verified(synth)  # every answer file as synthesize wrote it, before any compute
     device = resolve_device(target_params.device)
     rank, world = parallel.setup_distributed(torch.device(device).type)
@@ -69,7 +100,7 @@ def main(synth: Path, out: Path) -> None:
     validate_capture(info["architecture"], info["num_layers"], physical)
     info["physical_layers"] = physical  # their one record among the manifests; each shard's header has them too
     inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(target_params)}
-    manifest = build_manifest("extract", as_dict(params), inputs, __file__)
+    manifest = build_manifest("extract", hashed_params(params), inputs, __file__)
     config_hash = manifest["config_hash"]
     dtype = torch_dtype(extract_params.dtype, "extract.dtype")
     limit = min(extract_params.max_length, info["max_position_embeddings"] or extract_params.max_length)
@@ -98,13 +129,27 @@ def main(synth: Path, out: Path) -> None:
                     f"{synth / (split + '.jsonl')}: row {r['id']} has {len(ids)} tokens, more than "
                     f"extract.max_length/context {limit}; raise extract.max_length or shorten synth.max_new_tokens"
                 )
-        plan = extract.plan_shards([len(ids) for ids, _ in rendered], extract_params.shard_tokens)
+        lengths = [len(ids) for ids, _ in rendered]
+        plan = extract.plan_shards(lengths, extract_params.shard_tokens)
         (out / split).mkdir(exist_ok=True)
+        record = out / split / extract.TOKENS_FILE
+        if mode == "online":
+            # Every row's tokens, in the order the offline shards hold them (so online training
+            # sees the same sequence i); the states themselves only for a sample.
+            order = [i for shard in plan for i in shard]
+            if rank == 0:
+                save_atomic(extract.tokens_record([rendered[i] for i in order]), record,
+                            {**meta, "row_ids": json.dumps([rows[i]["id"] for i in order])})
+            plan = sample_plan(lengths, extract_params.online_sample_sequences, extract_params.shard_tokens)
+        elif rank == 0:
+            record.unlink(missing_ok=True)  # of an earlier online run
         if rank == 0:
             for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
                 if int(old.stem.split("-")[1]) >= len(plan):
                     old.unlink()
-        counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(len(i) for i, _ in rendered)}
+        counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths)}
+        if mode == "online":
+            counts[split] |= {"sample_rows": sum(len(s) for s in plan), "sample_tokens": sum(lengths[i] for s in plan for i in s)}
         mine = [(s, idx) for s, idx in enumerate(plan) if s % world == rank]
         bar = tqdm(mine, desc=f"extract {split}" + (f" (rank {rank} of {world})" if world > 1 else ""), unit="shard", position=rank)
         for s, idx in bar:
@@ -112,11 +157,7 @@ def main(synth: Path, out: Path) -> None:
             if shard_is_done(path, config_hash):
                 continue
             tensors = extract.extract_shard(model, [rendered[i] for i in idx], physical, extract_params.batch_size, dtype, device)
-            smeta = {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])}
-            tmp = path.with_name(path.name + ".tmp")
-            save_file(tensors, str(tmp), metadata=smeta)
-            canonicalize_safetensors_file(tmp)  # the same bytes on every recompute
-            tmp.replace(path)  # atomic: a shard is either complete or absent
+            save_atomic(tensors, path, {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])})
             tokens_done += len(tensors["input_ids"])
             bytes_written += path.stat().st_size
             bar.set_postfix(tok_s=f"{tokens_done / (time.time() - t0):.0f}")
@@ -125,6 +166,7 @@ def main(synth: Path, out: Path) -> None:
     if rank == 0:  # one manifest, once every process has written its shards
         per_token = bytes_written / tokens_done if tokens_done else None
         manifest["info"] = {
+            "mode": mode,  # online: the shards are a sample; TOKENS_FILE lists every row (standardize reads this)
             "target": info,
             "chat_template_sha256": meta["chat_template_sha256"],
             "tokenizer_sha256": meta["tokenizer_sha256"],
@@ -136,11 +178,15 @@ def main(synth: Path, out: Path) -> None:
             "files": output_files(out),  # per shard bytes + tokens: standardize names the one missing or cut
         }
         write_manifest(out, manifest)
+        what = "sample " if mode == "online" else ""
         if tokens_done:
-            print(f"extract: {tokens_done} tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
+            print(f"extract: {tokens_done} {what}tokens in {seconds:.1f}s ({tokens_done / seconds:.0f} tok/s), "
                   f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")
         else:
-            print(f"extract: all shards already present for config {config_hash[:12]} -> {out}")
+            print(f"extract: all {what}shards already present for config {config_hash[:12]} -> {out}")
+        if mode == "online":
+            print(f"extract: train.features online: tokens of every row in {out}/<split>/{extract.TOKENS_FILE}, "
+                  f"hidden states of the first {extract_params.online_sample_sequences} rows per split only")
     parallel.finish(world)
 
 if __name__ == "__main__":

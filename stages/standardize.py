@@ -13,6 +13,10 @@ Reads params section: standardize.
 The physical layers come from the extract manifest (info.target.physical_layers, their one place
 among the manifests) and go into every feature shard's header; the features manifest does not
 repeat them (readers take them from the shards: draftlab.features.physical_layers_of).
+
+train.features online (the extract manifest's info.mode): the shards are a sample, used for the
+norm statistics and the check; the draft vocabulary and token counts come from every row's
+tokens record (<split>/tokens.safetensors), which is copied into the features for the train stage.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from tqdm import tqdm
 from draftlab import features
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.extract import layer_key
+from draftlab.extract import TOKENS_FILE, layer_key, read_tokens_record
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, output_files, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
@@ -37,12 +41,27 @@ def load_shard(path: Path) -> tuple[dict, dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def copy_tokens(hidden: Path, out: Path, split: str, config_hash: str, shard_meta: dict, upstream_hash: str) -> dict:
+    """train.features online: the split's tokens record, checked and copied into the features
+    (the train stage reads only data/features); returns its arrays."""
+    path = hidden / split / TOKENS_FILE
+    arrays, meta = read_tokens_record(path)
+    if meta.get("config_hash") != upstream_hash:
+        raise UserError(f"{path}: written by another extract run than {hidden}/manifest.json; re-run extract")
+    features.write_tokens(out / split / TOKENS_FILE, arrays, {**shard_meta, "row_ids": json.loads(meta["row_ids"]),
+                                                              "dtype": meta["dtype"], "config_hash": config_hash})
+    return arrays
+
+
 def main(hidden: Path, out: Path, metrics: Path) -> None:
     params = load_params(["standardize"])
     n_vocab = params.standardize.draft_vocab_size
     upstream = read_verified(hidden)  # every shard extract recorded, complete, before any compute
     target = {k: v for k, v in upstream["info"]["target"].items() if k != "physical_layers"}
     physical = sorted(upstream["info"]["target"]["physical_layers"])
+    # online (train.features): the shards are a sample for the stats; vocab and counts come from
+    # the tokens record of every row.
+    online = upstream["info"].get("mode", "offline") == "online"
     if n_vocab > target["vocab_size"]:  # a refusal, not a silent clamp: the user asked for something else
         raise UserError(f"params.yaml: standardize.draft_vocab_size {n_vocab} exceeds the target's vocabulary of "
                         f"{target['vocab_size']} tokens; set it to {target['vocab_size']} (the identity map) or less")
@@ -52,6 +71,8 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     norms: dict[str, list[torch.Tensor]] = {str(i): [] for i in physical} | {"final": []}
     split_tokens = {}
     masked_ids = {"train": [], "eval": []}
+    shard_meta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
+                  "architecture": target["architecture"], "vocab_size": target["vocab_size"]}
     for split in ("train", "eval"):
         listed = (upstream.get("info") or {}).get("files")
         shards = ([hidden / n for n in sorted(listed) if n.startswith(f"{split}/shard-")] if listed
@@ -63,24 +84,32 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             if not (hidden / split / old.name).exists():
                 old.unlink()
         n_tok = 0
-        for path in tqdm(shards, desc=f"standardize {split}", unit="shard"):
+        for path in tqdm(shards, desc=f"standardize {split}" + (" (sample)" if online else ""), unit="shard"):
             t, meta = load_shard(path)
             if meta.get("config_hash") != upstream["config_hash"]:
                 raise UserError(f"{path}: written by another extract run than {hidden}/manifest.json; re-run extract")
             aux = torch.cat([t[layer_key(i)] for i in physical], dim=-1)  # ascending physical order
             arrays = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux,
                       "final_hidden": t["final_hidden"], "seq_offsets": t["seq_offsets"]}
-            shard_meta = {"physical_layers": physical, "hidden_size": target["hidden_size"], "num_layers": target["num_layers"],
-                          "architecture": target["architecture"], "vocab_size": target["vocab_size"],
-                          "row_ids": json.loads(meta["row_ids"])}
-            features.write_shard(out / split / path.name, arrays, {**shard_meta, "config_hash": manifest["config_hash"]})
-            masked_ids[split].append(t["input_ids"][t["loss_mask"]])
+            features.write_shard(out / split / path.name, arrays,
+                                 {**shard_meta, "row_ids": json.loads(meta["row_ids"]), "config_hash": manifest["config_hash"]})
+            if not online:
+                masked_ids[split].append(t["input_ids"][t["loss_mask"]])
+                if split == "train":
+                    counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
             if split == "train":
-                counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
                 for i in physical:
                     norms[str(i)].append(t[layer_key(i)].float().norm(dim=-1))
                 norms["final"].append(t["final_hidden"].float().norm(dim=-1))
             n_tok += len(t["input_ids"])
+        if online:
+            t = copy_tokens(hidden, out, split, manifest["config_hash"], shard_meta, upstream["config_hash"])
+            masked_ids[split].append(t["input_ids"][t["loss_mask"]])
+            if split == "train":  # the same count as offline, over every row
+                counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
+            n_tok = len(t["input_ids"])
+        else:
+            (out / split / TOKENS_FILE).unlink(missing_ok=True)  # of an earlier online run
         split_tokens[split] = n_tok
     d2t, t2d = features.build_draft_vocab(counts, n_vocab)
     features.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
@@ -96,12 +125,14 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     manifest["info"] = {"target": target, "chat_template_sha256": upstream["info"]["chat_template_sha256"],
                         "tokenizer_sha256": upstream["info"]["tokenizer_sha256"], **stats,
                         "files": output_files(out)}  # per shard bytes + tokens: train, export and check verify them
+    if online:  # the train stage reads this: the shards are a sample, tokens.safetensors the data
+        manifest["info"]["mode"] = "online"
     write_manifest(out, manifest)
     figures = {"draft_vocab_size": int(len(d2t)), "draft_vocab_coverage_eval": coverage["eval"],
                "train_tokens": split_tokens["train"], "eval_tokens": split_tokens["eval"]}
     atomic_write_json(metrics, with_lineage(figures, manifest, {"capture_physical_layers": physical, "target": target["model"]}))
-    print(f"standardize: {split_tokens} tokens, draft vocab {len(d2t)} covering "
-          f"{100 * (coverage['eval'] or 0):.1f}% of eval answer tokens -> {out}")
+    print(f"standardize: {split_tokens} tokens" + (" (online: states of a sample only)" if online else "") +
+          f", draft vocab {len(d2t)} covering {100 * (coverage['eval'] or 0):.1f}% of eval answer tokens -> {out}")
 
 
 if __name__ == "__main__":

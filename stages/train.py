@@ -3,6 +3,9 @@
     python -m stages.train --features data/features --out models/draft-ckpt --reports reports/train
     torchrun --nproc_per_node 2 -m stages.train ...      (data parallel; gloo on CPU, nccl on CUDA)
 Reads params sections: target, train.
+train.features online (the features' manifest says so too): no stored hidden states; every
+process loads the target once on its training device and computes each batch's states
+(draftlab.online). The training rate (tokens/s) is printed and recorded either way.
 Resumable: a checkpoint is written every train.checkpoint_every steps under --resume-dir; a re-run
 with the same configuration continues from it and ends with the same weights as an
 uninterrupted run. It is deleted once the stage completes.
@@ -23,6 +26,7 @@ from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
+from draftlab.online import OnlineFeatures, OnlineTarget
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.layers import user_layers_from_physical
 from draftlab.target import target_fingerprint
@@ -35,6 +39,21 @@ def physical_layers(train_ds: FeatureDataset, eval_ds: FeatureDataset) -> list[i
         raise UserError(f"{train_ds.dir} holds physical layers {train_ds.physical_layers} but {eval_ds.dir} holds "
                         f"{eval_ds.physical_layers}; re-run standardize")
     return train_ds.physical_layers
+
+
+def datasets(features: Path, features_manifest: dict, params):
+    """(train, eval) datasets: stored states (FeatureDataset) or, with train.features online, the
+    tokens records and one target per process computing the states per batch (OnlineFeatures)."""
+    mode = features_manifest["info"].get("mode", "offline")
+    if mode != params.train.features:
+        raise UserError(f"params.yaml: train.features is {params.train.features!r} but {features} was standardized for "
+                        f"{mode!r} (its manifest info.mode); run dvc repro (extract reads train.features), or set "
+                        f"train.features: {mode}")
+    max_length = params.train.max_length
+    if mode == "offline":
+        return FeatureDataset(features / "train", max_length), FeatureDataset(features / "eval", max_length)
+    target = OnlineTarget(params.target)
+    return OnlineFeatures(features / "train", max_length, target), OnlineFeatures(features / "eval", max_length, target)
 
 
 def write_plots(reports: Path, history: list[dict]) -> None:
@@ -80,8 +99,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         raise UserError(f"{features} was extracted from target {target.get('model')!r} but target.model is "
                         f"{target_params.model!r}; run dvc repro")
     d2t, t2d = load_draft_vocab(features)
-    train_ds = FeatureDataset(features / "train", train_params.max_length)
-    eval_ds = FeatureDataset(features / "eval", train_params.max_length)
+    train_ds, eval_ds = datasets(features, features_manifest, params)
     physical = physical_layers(train_ds, eval_ds)
     embed, head = load_target_head(target_params.model, target_params.revision)
     if tuple(head.shape) != (target["vocab_size"], target["hidden_size"]):
@@ -95,10 +113,14 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     inputs = {"features": features_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
-    t0 = time.time()
+    t0, step_seconds = time.time(), []
     history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
-                        device, rank, world)
+                        device, rank, world, on_step=lambda _step, _loss, sec: step_seconds.append(sec))
     seconds = time.time() - t0
+    # Training rate: real tokens of every process's batches over this process's optimizer-step
+    # time (batch making, the target's forward when online, draft forward/backward; no eval).
+    tokens = int(parallel.all_sum([train_ds.tokens_served], str(device), world)[0])
+    tokens_per_s = round(tokens / sum(step_seconds), 1) if step_seconds else None
     if rank == 0:
         last = history[-1]
         tmp = out.with_name(f".{out.name}.tmp")
@@ -108,7 +130,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         # No physical layers here: they are the features' (manifest inputs.features names the run).
         manifest["info"] = {"draft": cfg.to_dict(), "history": history,
                             "seconds": round(seconds, 1), "processes": world, "device": str(device),
-                            "train_sequences": len(train_ds), "eval_sequences": len(eval_ds)}
+                            "train_sequences": len(train_ds), "eval_sequences": len(eval_ds),
+                            "features": train_params.features, "train_tokens": tokens, "tokens_per_s": tokens_per_s,
+                            # online: the target's states are computed per batch; none are stored or read
+                            "hidden_bytes_written": 0}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)
         K = train_params.ttt_steps
@@ -122,16 +147,20 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "epochs": last["epoch"],
             "optimizer_steps": last["step"],
             "seconds": round(seconds, 1),
+            "tokens_per_s": tokens_per_s,  # training tokens/s of the optimizer steps (eval excluded)
         }
         settings = {"target_model": target_params.model, "target_revision": target_params.revision,
                     "capture_layers": user_layers_from_physical(physical), "physical_layers": physical,
                     "ttt_steps": K, "ttt_decay": train_params.ttt_decay, "draft_vocab_size": cfg.draft_vocab_size,
-                    "epochs": train_params.epochs, "batch_size": train_params.batch_size, "lr": train_params.lr}
+                    "epochs": train_params.epochs, "batch_size": train_params.batch_size, "lr": train_params.lr,
+                    "features": train_params.features}
         atomic_write_json(reports / "metrics.json", with_lineage(metrics, manifest, settings))
         write_plots(reports, history)
         (resume_dir / "last.pt").unlink(missing_ok=True)
         print(f"train: tau_pred {last['eval_tau_pred']:.3f} over {K} steps, accept {[round(a, 3) for a in last['eval_accept']]}, "
               f"{seconds:.0f}s -> {out}")
+        print(f"train: features {train_params.features}: {tokens} training tokens at {tokens_per_s} tokens/s "
+              f"(optimizer steps only{', target forward included' if train_params.features == 'online' else ''})")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,180 @@
+"""train.features online: the train stage computes the target's states per batch, nothing stored.
+
+One micro project runs extract -> standardize -> train twice in-process (offline, then online);
+the tests compare the two runs and exercise resume and the params key.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.online import OnlineFeatures, OnlineTarget
+from draftlab.params import ParamsError, load_params
+from tests.support.micro import save_micro_model
+
+ROOT = Path(__file__).resolve().parents[1]
+N_TRAIN, N_EVAL, SAMPLE = 24, 8, 4
+
+
+def write_rows(path: Path, n: int, prefix: str):
+    """Answers with some structure (a counting pattern) so the draft has something to learn."""
+    rows = [{"id": f"{prefix}{i:014d}", "messages": [
+        {"role": "user", "content": f"count from {i}"},
+        {"role": "assistant", "content": "<think>\nok\n</think>\n" + " ".join(str(i + j) for j in range(6 + i % 7))}]}
+        for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_params(root: Path, features: str):
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p["target"].update(model=str(root / "micro"), device="cpu")  # absolute: some tests run from elsewhere
+    p["capture"]["layers"] = [0, 2, 3]
+    p["extract"].update(shard_tokens=300, batch_size=8, online_sample_sequences=SAMPLE)
+    p["standardize"]["draft_vocab_size"] = 96
+    p["train"].update(epochs=3, batch_size=4, checkpoint_every=4, ttt_steps=3, device="cpu", lr=0.01, features=features)
+    (root / "params.yaml").write_text(yaml.safe_dump(p))
+
+
+def run_pipeline(root: Path, features: str, monkeypatch) -> Path:
+    from stages import extract, standardize, train
+
+    write_params(root, features)
+    monkeypatch.chdir(root)
+    extract.main(Path("synth"), Path(f"hidden-{features}"))
+    standardize.main(Path(f"hidden-{features}"), Path(f"features-{features}"), Path(f"reports/{features}/standardize.json"))
+    train.main(Path(f"features-{features}"), Path(f"ckpt-{features}"), Path(f"reports/{features}"), Path(f"resume-{features}"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    model = save_micro_model(root / "micro", arch="llama", num_layers=5)
+    with torch.no_grad():  # peaked next-token distributions, like a trained model's: something to learn
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(root / "micro")
+    (root / "synth").mkdir()
+    write_rows(root / "synth" / "train.jsonl", N_TRAIN, "a")
+    write_rows(root / "synth" / "eval.jsonl", N_EVAL, "b")
+    (root / "synth" / "manifest.json").write_text(json.dumps({"config_hash": "0" * 64}))
+    with pytest.MonkeyPatch.context() as mp:
+        run_pipeline(root, "offline", mp)
+        run_pipeline(root, "online", mp)
+    return root
+
+
+def metrics(root: Path, features: str) -> dict:
+    return json.loads((root / "reports" / features / "metrics.json").read_text())
+
+
+def test_online_training_matches_offline(runs):
+    off, on = metrics(runs, "offline"), metrics(runs, "online")
+    assert on["settings"]["features"] == "online" and off["settings"]["features"] == "offline"
+    assert on["tokens_per_s"] > 0
+    print(f"tau_pred offline {off['tau_pred']:.4f} online {on['tau_pred']:.4f}")
+    assert abs(on["tau_pred"] - off["tau_pred"]) <= 0.02 * off["tau_pred"], (off["tau_pred"], on["tau_pred"])
+    manifest = json.loads((runs / "ckpt-online" / "manifest.json").read_text())["info"]
+    assert manifest["features"] == "online" and manifest["hidden_bytes_written"] == 0 and manifest["tokens_per_s"] > 0
+
+
+def test_online_vocab_and_sample_match_offline(runs):
+    for a, b in zip(load_draft_vocab(runs / "features-offline"), load_draft_vocab(runs / "features-online")):
+        assert torch.equal(a, b)  # counted over every row's tokens, not over the sample
+    s_off = json.loads((runs / "features-offline" / "stats.json").read_text())
+    s_on = json.loads((runs / "features-online" / "stats.json").read_text())
+    assert s_on["tokens"] == s_off["tokens"] and s_on["draft_vocab_coverage"] == s_off["draft_vocab_coverage"]
+    assert s_on["norms"].keys() == s_off["norms"].keys()
+    # The sample's states are the offline states of the same rows (up to the batch-shape rounding).
+    stored, sample = rows_of(runs / "features-offline" / "train"), rows_of(runs / "features-online" / "train")
+    assert len(sample) == SAMPLE and sample.keys() <= stored.keys()
+    for row, (aux, final) in sample.items():
+        assert torch.allclose(aux, stored[row][0], rtol=1e-2, atol=1e-2) and torch.allclose(final, stored[row][1], rtol=1e-2, atol=1e-2)
+
+
+def rows_of(split_dir: Path) -> dict:
+    """{row id: (aux_hidden, final_hidden) as float32} of a features split."""
+    out = {}
+    for path in sorted(split_dir.glob("shard-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            rows, off = json.loads(f.metadata()["row_ids"]), f.get_tensor("seq_offsets").tolist()
+            aux, final = f.get_tensor("aux_hidden").float(), f.get_tensor("final_hidden").float()
+        out.update({r: (aux[a:b], final[a:b]) for r, a, b in zip(rows, off[:-1], off[1:])})
+    return out
+
+
+def test_online_batches_are_the_offline_batches(runs):
+    """Same sequence i in both datasets; states equal up to bf16 rounding of the target's output."""
+    stored = FeatureDataset(runs / "features-offline" / "train", 512)
+    online = OnlineFeatures(runs / "features-online" / "train", 512, OnlineTarget(load_params(["target"], runs / "params.yaml").target))
+    assert len(online) == len(stored) == N_TRAIN and online.physical_layers == stored.physical_layers
+    idx = [3, 0, 17, 9]
+    a, b = stored.batch(idx, "cpu"), online.batch(idx, "cpu")
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    for name in ("aux_hidden", "final_hidden"):
+        assert a[name].shape == b[name].shape
+        assert torch.allclose(a[name], b[name], rtol=1e-2, atol=1e-2), name
+        assert (a[name] == b[name]).float().mean() > 0.95, name  # most values round to the same bf16
+
+
+def test_online_resume_gives_the_uninterrupted_weights(runs, tmp_path):
+    from draftlab import train
+    from draftlab.draft import DraftConfig
+    from draftlab.target_weights import load_target_head
+
+    p = load_params(["target", "train"], runs / "params.yaml")
+    tp = p.train
+    feat = runs / "features-online"
+    target = OnlineTarget(p.target)
+    train_ds, eval_ds = (OnlineFeatures(feat / s, tp.max_length, target) for s in ("train", "eval"))
+    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
+    d2t, t2d = load_draft_vocab(feat)
+    embed, head = load_target_head(str(runs / "micro"))
+    cfg = DraftConfig.from_target(info, 3, len(d2t))
+
+    def run(path, stop=None):
+        draft = train.init_draft(cfg, embed, head, d2t, t2d, tp.seed)
+        train.fit(draft, head.float(), train_ds, eval_ds, tp, path, "k", torch.device("cpu"), stop_after_steps=stop)
+        return draft.state_dict()
+
+    straight = run(tmp_path / "a.pt")
+    run(tmp_path / "b.pt", stop=9)  # interrupted after the checkpoint of step 8
+    resumed = run(tmp_path / "b.pt")
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
+
+
+def test_online_stores_only_the_sample(runs):
+    def size(d):
+        return sum(p.stat().st_size for p in (runs / d).rglob("shard-*.safetensors"))
+
+    manifest = json.loads((runs / "hidden-online" / "manifest.json").read_text())["info"]
+    assert manifest["mode"] == "online"
+    for split, n in (("train", N_TRAIN), ("eval", N_EVAL)):
+        assert manifest["counts"][split]["rows"] == n and manifest["counts"][split]["sample_rows"] == SAMPLE
+        assert (runs / "hidden-online" / split / "tokens.safetensors").exists()
+    # 8 of 32 rows, and the shortest rows are not favoured: well under half the offline bytes.
+    assert size("hidden-online") < 0.5 * size("hidden-offline")
+    tokens = sum(p.stat().st_size for p in (runs / "hidden-online").rglob("tokens.safetensors"))
+    assert tokens < 0.05 * size("hidden-offline")  # ~10 bytes per token against (k+1)*H*2
+
+
+def test_params_reject_an_unknown_features_mode(tmp_path):
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p["train"]["features"] = "foo"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    with pytest.raises(ParamsError, match=r"train\.features must be one of offline, online, got 'foo'"):
+        load_params(["train"], tmp_path / "params.yaml")
+
+
+def test_train_refuses_features_of_the_other_mode(runs):
+    from draftlab.errors import UserError
+    from stages.train import datasets
+
+    p = load_params(["target", "train"], runs / "params.yaml")  # online
+    offline = json.loads((runs / "features-offline" / "manifest.json").read_text())
+    with pytest.raises(UserError, match=r"train\.features is 'online' but .* standardized for 'offline'.*dvc repro"):
+        datasets(runs / "features-offline", offline, p)
