@@ -1,9 +1,12 @@
-"""python -m draftlab.check parity [--url URL] ...: live parity outside the pipeline.
+"""The wiring check outside the pipeline (the full check of a pipeline run is python -m stages.check):
 
-Compares what a server (or the in-process capture path) feeds the draft with the training
-features; the full check of a pipeline run is the check stage (python -m stages.check).
-Exit codes: 0 clean, 1 findings with errors, 2 bad input (features missing, cut or changed, a
-malformed draft config) or an unreachable server; the reason is printed on stderr.
+  python -m draftlab.check parity [--url URL] ...   live parity: what a server (or the in-process
+                                                    capture path) feeds the draft vs the training features
+  python -m draftlab.check draft PATH --target MODEL ...   a verdict on any SGLang EAGLE-3 checkpoint
+                                                    (this project's, SpecForge's, vLLM speculators'), see check.external
+
+Exit codes: 0 clean, 1 findings with errors, 2 bad input (a path or features missing, cut or
+changed, a malformed config) or an unreachable server; the reason is printed on stderr.
 """
 from __future__ import annotations
 
@@ -69,13 +72,46 @@ def parity_main(argv=None) -> int:
     return 1 if errors(findings) else 0
 
 
+def draft_main(argv=None) -> int:
+    from draftlab.check.external import check_external, verdict_dict, verdict_text
+
+    parser = argparse.ArgumentParser(prog="python -m draftlab.check draft",
+                                     description="a verdict on an SGLang EAGLE-3 draft checkpoint trained anywhere (this project, "
+                                                 "SpecForge, vLLM speculators): the layers SGLang feeds it, its config, d2t and shapes")
+    parser.add_argument("path", type=Path, help="the checkpoint directory (config.json + model.safetensors or safetensors shards)")
+    parser.add_argument("--target", required=True, help="the target model (local folder or hub id); only its config.json is read, "
+                                                        "unless live parity needs it")
+    parser.add_argument("--sglang-version", default=None,
+                        help=f"the SGLang release that serves it (default: the one the draft records, else {VERIFIED_VERSIONS[-1]})")
+    parser.add_argument("--server", default="", help="a running SGLang EAGLE3 server with --enable-return-hidden-states: live parity")
+    parser.add_argument("--features", type=Path, default=None, help="this project's training features: the trained layers, d2t, norms")
+    parser.add_argument("--samples", type=int, default=4, help="sequences for live parity")
+    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a live slot may show")
+    parser.add_argument("--norm-tolerance", type=float, default=0.15)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
+    parser.add_argument("--json", type=Path, default=None, help="write the findings (and the parity result) here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    verdict = check_external(args.path, args.target, args.sglang_version, args.server, args.features, args.samples, args.rtol,
+                             args.norm_tolerance, args.timeout)
+    print(verdict_text(verdict))
+    if args.json:
+        args.json.write_text(json.dumps(verdict_dict(verdict), indent=2) + "\n")
+    return 1 if verdict.errors else 0
+
+
+COMMANDS = {"parity": parity_main, "draft": draft_main}
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "parity":
-        print("usage: python -m draftlab.check parity [--url URL] [options]  (the full check is: python -m stages.check)", file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: python -m draftlab.check parity [--url URL] [options]\n"
+              "       python -m draftlab.check draft PATH --target MODEL [--sglang-version V] [--server URL] [--features DIR] [--json OUT]\n"
+              "(the full check of a pipeline run is: python -m stages.check)", file=sys.stderr)
         sys.exit(2)
     try:
-        sys.exit(parity_main(argv[1:]))
+        sys.exit(COMMANDS[argv[0]](argv[1:]))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

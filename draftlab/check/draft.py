@@ -53,10 +53,11 @@ def _expected_ids(arch: str, L: int, physical: list[int], version: str) -> list[
         return None
 
 
-def check_capture(trained_physical: list[int], served: ServedLayers) -> list[Finding]:
+def check_capture(trained_physical: list[int], served: ServedLayers, redo: str | None = None) -> list[Finding]:
     """Fault 1: the layers SGLang captures for the exported config vs the layers training used.
 
     trained_physical: the physical indices in the order the features concatenate them.
+    redo: how to rewrite the config, for a draft this project did not export (default: re-export).
     """
     arch, L, sglang_version = served.architecture, served.num_layers, served.sglang_version
     physical = sorted(trained_physical)
@@ -85,7 +86,8 @@ def check_capture(trained_physical: list[int], served: ServedLayers) -> list[Fin
     want = _expected_ids(arch, L, physical, sglang_version)
     ev = {"architecture": arch, "num_layers": L, "sglang_version": sglang_version, "exported_for_sglang": exported_for,
           "trained_physical": physical, "eagle_aux_hidden_state_layer_ids": ids, "ids_for_trained_layers": want}
-    fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids: {want} in the draft's config.json ({REEXPORT} with export.sglang_version: \"{sglang_version}\")"
+    how = redo or f"{REEXPORT} with export.sglang_version: \"{sglang_version}\""
+    fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids: {want} in the draft's config.json ({how})"
     versions = f"the draft was exported for SGLang {exported_for} but is served by {sglang_version}; " if exported_for and exported_for != sglang_version else ""
     captured = served.physical
     if captured is None:
@@ -139,12 +141,16 @@ def check_capture(trained_physical: list[int], served: ServedLayers) -> list[Fin
     return out
 
 
-def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torch.Tensor | None = None) -> list[Finding]:
-    """Fault 3: SGLang maps draft ids to target ids with d2t only (target = draft + d2t[draft])."""
+def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torch.Tensor | None = None,
+              redo: str | None = None) -> list[Finding]:
+    """Fault 3: SGLang maps draft ids to target ids with d2t only (target = draft + d2t[draft]).
+
+    redo: how to rewrite the weights, for a draft this project did not export (default: re-export)."""
     V = draft.config.get("vocab_size")
     Vd = draft.config.get("draft_vocab_size") or V
     ev = {"vocab_size": V, "draft_vocab_size": Vd}
-    fix = f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})"
+    fix = (f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})" if redo is None else
+           f"write d2t (int64 [{Vd}], target id minus draft id) from the trainer's vocabulary map into the weights ({redo})")
     reduced = V is not None and Vd < V
     if d2t is None:
         if not reduced:
@@ -183,11 +189,14 @@ def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torc
     return []
 
 
-def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict, num_aux_layers: int) -> list[Finding]:
+def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict, num_aux_layers: int,
+                       redo: str | None = None) -> list[Finding]:
     """Fault 4: architecture, fc width, hidden/vocab/context vs the target, and the tensor set SGLang loads.
 
-    tensors: name -> (shape, dtype) of the exported weights; num_aux_layers: k of the training features.
+    tensors: name -> (shape, dtype) of the exported weights; num_aux_layers: k of the training features;
+    redo: how to fix a draft this project did not export (default: re-export).
     """
+    redo = redo or REEXPORT
     config = draft.config
     out: list[Finding] = []
     H_t, V, ctx = target.get("hidden_size"), target.get("vocab_size"), target.get("max_position_embeddings")
@@ -195,7 +204,7 @@ def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict,
     if archs != [ARCHITECTURE]:
         out.append(error("draft_architecture_wrong", {"architectures": archs, "expected": [ARCHITECTURE]},
                          f"SGLang picks the draft class from config.json architectures; only {ARCHITECTURE} reads the aux states through fc",
-                         f"set architectures: [\"{ARCHITECTURE}\"] ({REEXPORT})"))
+                         f"set architectures: [\"{ARCHITECTURE}\"] ({redo})"))
     fc = tensors.get("fc.weight")
     if fc is not None and H_t and fc[0][-1] != num_aux_layers * H_t:
         out.append(error("fc_width_mismatch", {"fc_weight_shape": list(fc[0]), "aux_layers": num_aux_layers, "target_hidden_size": H_t,
@@ -218,7 +227,7 @@ def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict,
                                                    "target_context": ctx},
                          "SGLang refuses a draft whose max_position_embeddings is below the target's context (ValueError) unless "
                          "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which then overrides it",
-                         f"export with max_position_embeddings >= {ctx} ({REEXPORT})"))
+                         f"export with max_position_embeddings >= {ctx} ({redo})"))
     dtype = TORCH_DTYPES.get(config.get("torch_dtype"))
     try:
         cfg = draft.draft_config(num_aux_layers)
@@ -232,5 +241,6 @@ def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict,
     if problems:
         out.append(error("draft_tensors_mismatch", {"problems": problems},
                          "SGLang loads tensors by name and shape; a missing or renamed one stays randomly initialised without any error",
-                         f"{REEXPORT}; it checks the full name/shape/dtype set"))
+                         f"{REEXPORT}; it checks the full name/shape/dtype set" if redo == REEXPORT else
+                         f"give every tensor listed SGLang's name and shape ({redo})"))
     return out
