@@ -11,3 +11,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def dvc_run(tmp_path_factory):
+    """One `dvc repro` of the reduced project (tests/support/project.py), shared by the DVC tests:
+    (root, stdout of that run). Tests work in their own copy (copy_run), never in `root`."""
+    from tests.support.project import reproduced_project
+
+    return reproduced_project(tmp_path_factory.mktemp("dvc-run"))

@@ -19,7 +19,7 @@ import yaml
 
 from draftlab.check.hardware import check_hardware
 from draftlab.manifest import dir_hash
-from tests.support.project import copy_project
+from tests.support.project import copy_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHED = ["data/prompts", "data/synth", "data/hidden", "data/features", "models/draft-ckpt", "models/draft"]  # DVC-cached outs
@@ -54,35 +54,19 @@ def clone(origin: Path, dest: Path) -> Path:
     return dest
 
 
-def make_project(root: Path):
-    """The project as tests/test_pipeline_dvc.py copies it: micro target, reduced params."""
-    copy_project(root)
-    p = yaml.safe_load((root / "params.yaml").read_text())
-    changes = {"target": {"model": "models/micro"}, "prompts": {"num_prompts": 24, "eval_fraction": 0.25},
-               "synth": {"max_new_tokens": 12, "batch_size": 12}, "capture": {"layers": [0, 2, 4]},
-               "extract": {"shard_tokens": 400}, "standardize": {"draft_vocab_size": 64},
-               "train": {"epochs": 1, "batch_size": 4, "checkpoint_every": 0},
-               "bench": {"num_prompts": 2, "warmup": 1, "max_new_tokens": 8},
-               "check": {"live_parity_samples": 0,  # parity is tests/test_pipeline_dvc.py's business; here it only costs time
-                         "fail_on_error": False}}  # random micro target, 1-epoch draft: tau may warn
-    for section, values in changes.items():
-        p[section].update(values)
-    (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-
-
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Alice runs the pipeline, commits, pushes git to origin and the data to the DVC remote;
-    Bob clones origin and pulls."""
+def shared(dvc_run, tmp_path_factory):
+    """Alice has run the pipeline (a copy of the reduced project after its `dvc repro`, the run
+    tests/test_pipeline_dvc.py starts from), commits, pushes git to origin and the data to the
+    DVC remote; Bob clones origin and pulls."""
     base = tmp_path_factory.mktemp("sharing")
     storage, origin, alice = base / "dvc-storage", base / "origin.git", base / "alice"
     sh(["git", "init", "-q", "--bare", "-b", "main", str(origin)], base)
-    make_project(alice)
+    copy_run(dvc_run[0], alice)
     sh(["git", "init", "-q", "-b", "main"], alice)
     identity(alice)
     sh(["dvc", "remote", "add", "-d", "storage", str(storage)], alice)
     sh(["dvc", "remote", "modify", "storage", "jobs", "4"], alice)
-    repro = sh(["dvc", "repro"], alice)
     sh(["git", "add", "-A"], alice)
     sh(["git", "commit", "-q", "-m", "pipeline run"], alice)
     sh(["git", "remote", "add", "origin", str(origin)], alice)
@@ -92,7 +76,7 @@ def shared(tmp_path_factory):
     bob = clone(origin, base / "bob")
     pull = sh(["dvc", "pull"], bob)
     return {"base": base, "storage": storage, "origin": origin, "alice": alice, "bob": bob, "sha": sha,
-            "repro": repro.stdout, "push": push.stdout, "pull": pull.stdout}
+            "repro": dvc_run[1], "push": push.stdout, "pull": pull.stdout}
 
 
 def test_the_remote_is_committed_with_its_jobs_and_in_sync_after_push(shared):

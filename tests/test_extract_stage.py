@@ -1,7 +1,11 @@
 """The extract stage as users run it: resume per shard, clear errors for bad input."""
+import contextlib
 import hashlib
+import io
 import json
 import os
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +27,13 @@ def write_rows(path: Path, n: int, answer_len: int, prefix: str):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.fixture
-def project(tmp_path):
-    save_micro_model(tmp_path / "micro", arch="llama", num_layers=6)
-    synth = tmp_path / "synth"
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    """The project every test starts from, and its hidden states as one `python -m stages.extract`
+    process writes them (hidden/), with their digests."""
+    root = tmp_path_factory.mktemp("extract")
+    save_micro_model(root / "micro", arch="llama", num_layers=6)
+    synth = root / "synth"
     synth.mkdir()
     write_rows(synth / "train.jsonl", 12, 20, "a")
     write_rows(synth / "eval.jsonl", 3, 20, "b")
@@ -35,8 +42,26 @@ def project(tmp_path):
     params["target"]["model"] = "micro"
     params["capture"]["layers"] = [0, 2, 4]
     params["extract"].update(shard_tokens=100, batch_size=4)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    return tmp_path
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    r = extract(root)
+    assert r.returncode == 0, r.stderr
+    return root, digests(root)
+
+
+@pytest.fixture
+def project(extracted, tmp_path):
+    """A fresh copy of the project, without the extracted states."""
+    root = tmp_path / "project"
+    shutil.copytree(extracted[0], root, ignore=lambda d, names: ["hidden"] if Path(d) == extracted[0] else [])
+    return root
+
+
+@pytest.fixture
+def extracted_project(extracted, tmp_path):
+    """A fresh copy of the project with hidden/ as one process extracted it (file times kept)."""
+    root = tmp_path / "project"
+    shutil.copytree(extracted[0], root)
+    return root
 
 
 def set_params(root, section, **kw):
@@ -49,6 +74,21 @@ def extract(root, out="hidden", nproc=1):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     return subprocess.run(launcher + ["-m", "stages.extract", "--synth", "synth", "--out", out], cwd=root,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+
+
+def extract_here(root, monkeypatch, out="hidden") -> subprocess.CompletedProcess:
+    """`python -m stages.extract` run in this process (the same __main__, argv and working
+    directory; no new interpreter to start): its exit status and what it wrote to stderr."""
+    argv = ["stages.extract", "--synth", "synth", "--out", out]
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    err, rc = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("stages.extract", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(argv, rc, "", err.getvalue())
 
 
 def digest(path: Path) -> str:
@@ -66,17 +106,16 @@ def digests(root, out="hidden") -> dict:
     return {p.relative_to(root / out).as_posix(): digest(p) for p in sorted((root / out).rglob("shard-*.safetensors"))}
 
 
-def test_interrupted_extraction_resumes_to_the_same_shards(project):
-    r = extract(project)
-    assert r.returncode == 0, r.stderr
-    full = digests(project)
+def test_interrupted_extraction_resumes_to_the_same_shards(extracted, extracted_project, monkeypatch):
+    project, full = extracted_project, extracted[1]
+    assert digests(project) == full
     train = sorted((project / "hidden" / "train").glob("shard-*.safetensors"))
     assert len(train) >= 3  # several shards, so a resume has something to keep
     kept = {p: p.stat().st_mtime_ns for p in train[1:]}
     # An interruption: the first shard never finished (only its temp file exists).
     train[0].unlink()
     (train[0].parent / (train[0].name + ".tmp")).write_bytes(b"torn")
-    r = extract(project)
+    r = extract_here(project, monkeypatch)
     assert r.returncode == 0, r.stderr
     assert digests(project) == full  # nothing lost, nothing duplicated
     assert {p: p.stat().st_mtime_ns for p in train[1:]} == kept  # finished shards were not recomputed
@@ -84,19 +123,18 @@ def test_interrupted_extraction_resumes_to_the_same_shards(project):
     assert manifest["info"]["counts"]["train"]["rows"] == 12
 
 
-def test_changed_capture_layers_recompute_every_shard(project):
-    assert extract(project).returncode == 0
-    before = digests(project)
+def test_changed_capture_layers_recompute_every_shard(extracted, extracted_project, monkeypatch):
+    project, before = extracted_project, extracted[1]
     set_params(project, "capture", layers=[1, 2, 4])
-    r = extract(project)
+    r = extract_here(project, monkeypatch)
     assert r.returncode == 0, r.stderr
     after = digests(project)
     assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
 
 
-def test_row_longer_than_max_length_is_named(project):
+def test_row_longer_than_max_length_is_named(project, monkeypatch):
     set_params(project, "extract", max_length=40)
-    r = extract(project)
+    r = extract_here(project, monkeypatch)
     assert r.returncode == 2
     assert "row a00000000000000 has" in r.stderr and "extract.max_length" in r.stderr
     assert "Traceback" not in r.stderr
@@ -104,29 +142,31 @@ def test_row_longer_than_max_length_is_named(project):
 
 @pytest.mark.parametrize("layers,says", [([0, 2, 9], "layer 9 is out of range"), ([1, 5], "layer 5 is out of range"),
                                          ("middle", "must be a list of layer numbers or 'default'")])
-def test_layers_sglang_cannot_capture_are_refused(project, layers, says):
+def test_layers_sglang_cannot_capture_are_refused(project, monkeypatch, layers, says):
     set_params(project, "capture", layers=layers)
-    r = extract(project)
+    r = extract_here(project, monkeypatch)
     assert r.returncode == 2 and says in r.stderr
     assert not (project / "hidden").exists()  # refused before any compute
 
 
-def test_bad_json_in_answers_names_file_and_line(project):
+def test_bad_json_in_answers_names_file_and_line(project, monkeypatch):
     with open(project / "synth" / "train.jsonl", "a") as f:
         f.write("{torn line\n")
-    r = extract(project)
+    r = extract_here(project, monkeypatch)
     assert r.returncode == 2 and "train.jsonl:13: not valid JSON" in r.stderr
 
 
-def test_two_processes_write_the_shards_one_process_writes(project):
+def test_two_processes_write_the_shards_one_process_writes(extracted, extracted_project):
     """torchrun: each process writes every other shard; together they are the single process's
-    shards, byte for byte, and one manifest with the same config hash and the summed counts."""
-    one, two = extract(project, "one"), extract(project, "two", nproc=2)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    shards (hidden/, written by `python -m stages.extract`), byte for byte, and one manifest with
+    the same config hash and the summed counts."""
+    project = extracted_project
+    two = extract(project, "two", nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
     assert "extract train (rank 0 of 2)" in two.stderr and "extract train (rank 1 of 2)" in two.stderr
-    assert len(digests(project, "one")) >= 4 and digests(project, "two") == digests(project, "one")
-    for a, b in zip(sorted((project / "one").rglob("*.safetensors")), sorted((project / "two").rglob("*.safetensors"))):
+    assert len(extracted[1]) >= 4 and digests(project, "two") == digests(project, "hidden") == extracted[1]
+    for a, b in zip(sorted((project / "hidden").rglob("*.safetensors")), sorted((project / "two").rglob("*.safetensors"))):
         assert a.read_bytes() == b.read_bytes()
-    m1, m2 = (json.loads((project / d / "manifest.json").read_text()) for d in ("one", "two"))
+    m1, m2 = (json.loads((project / d / "manifest.json").read_text()) for d in ("hidden", "two"))
     assert m1["config_hash"] == m2["config_hash"] and m1["info"]["counts"] == m2["info"]["counts"]
     assert m2["info"]["bytes_per_token"] == m1["info"]["bytes_per_token"] and m2["info"]["device"] == "cpu x 2 processes"

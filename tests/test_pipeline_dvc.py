@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from draftlab.features import physical_layers_of
-from tests.support.project import copy_project
+from tests.support.project import copy_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,31 +39,13 @@ def set_params(root: Path, **changes):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    root = tmp_path_factory.mktemp("project")
-    copy_project(root)
-    set_params(
-        root,
-        target__model="models/micro",
-        prompts__num_prompts=24,
-        prompts__eval_fraction=0.25,
-        synth__max_new_tokens=12,
-        synth__batch_size=12,
-        capture__layers=[0, 2, 4],
-        extract__shard_tokens=400,
-        standardize__draft_vocab_size=64,
-        train__epochs=1,
-        train__batch_size=4,
-        train__checkpoint_every=0,
-        bench__num_prompts=2,
-        bench__warmup=1,
-        bench__max_new_tokens=8,
-        check__live_parity_samples=1,
-        check__fail_on_error=False,  # a random micro target and a 1-epoch draft: tau checks may warn
-    )
+def project(dvc_run, tmp_path_factory):
+    """A copy of the reduced project (micro target, few prompts and tokens, 1 epoch: REDUCED in
+    tests/support/project.py) after its first `dvc repro`, and that run's output."""
+    first_root, first_out = dvc_run
+    root = copy_run(first_root, tmp_path_factory.mktemp("project") / "project")
     sh(["git", "init", "-q"], root)
-    first = sh(["dvc", "repro"], root)
-    return root, first.stdout
+    return root, first_out
 
 
 def stages_in_dag(root) -> set[str]:

@@ -18,8 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 STANDIN = ROOT / "tests" / "fixtures" / "sglang_standin"  # `python -m sglang.launch_server` -> the reference server
 
 
+# Merged over --quick's sizes (--params, as a user would): fewer prompts and shorter answers, still
+# 10 eval prompts (the fault bench's 8, the sweep's 3 + 1 warm-up). None of the figures asserted
+# below depends on the sizes; the pipeline's stages then train on half the tokens.
+SMALLER = "prompts: {num_prompts: 32, eval_fraction: 0.3}\nsynth: {max_new_tokens: 64}\n"
+
+
 def drive(results: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--backend", "reference", "--quick",
+    params = results.parent / "smaller.yaml"
+    params.write_text(SMALLER)
+    argv = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--backend", "reference", "--quick", "--params", str(params),
             "--results", str(results), "--pack", str(results.parent / "out" / "pack.tar.gz"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
 
@@ -50,20 +58,31 @@ def test_stage_logs_show_the_command_as_typed(rehearsal):
     assert head[0].startswith("$ python -m stages.prompts ") and head[1].startswith("# cwd work ")
 
 
-def test_a_target_that_is_not_a_model_directory_is_refused(tmp_path):
-    r = drive(tmp_path / "results", "--target", str(tmp_path))
-    assert r.returncode == 2 and "no config.json" in r.stderr
-
-
-def test_work_dir_target_and_params_come_from_the_arguments(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tool():
+    """tools/sglang_run.py as a module, for what needs no process of its own."""
     import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sglang_run", ROOT / "tools" / "sglang_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_target_that_is_not_a_model_directory_is_refused(tool, tmp_path, monkeypatch, capsys):
+    """The driver's own main() with drive()'s argv: it refuses before it starts anything."""
+    argv = ["sglang_run.py", "--backend", "reference", "--quick", "--results", str(tmp_path / "results"),
+            "--pack", str(tmp_path / "out" / "pack.tar.gz"), "--target", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert tool.main() == 2 and "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists() and not (tmp_path / "out").exists()
+
+
+def test_work_dir_target_and_params_come_from_the_arguments(tool, tmp_path, monkeypatch):
     import types
 
     import yaml
 
-    spec = importlib.util.spec_from_file_location("sglang_run", ROOT / "tools" / "sglang_run.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     (tmp_path / "over.yaml").write_text("bench:\n  num_prompts: 7\n")
     args = types.SimpleNamespace(results=str(tmp_path / "results"), work=str(tmp_path / "elsewhere"),
                                  target=str(ROOT / "models" / "tiny-target"), params=str(tmp_path / "over.yaml"),
