@@ -131,7 +131,12 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
 
     out = PromptSet(rows=[])
     seen = set()
-    for prob in tasks.generate(n, seed=seed, split="heldout"):
+    try:
+        problems = tasks.generate(n, seed=seed, split="heldout")
+    except ValueError as e:
+        raise UserError(f"params.yaml: prompts.num_prompts {n}: {e}; lower prompts.num_prompts, or give a prompt "
+                        "file as prompts.source for a larger set") from None
+    for prob in problems:
         msgs = [{"role": "user", "content": prob.prompt}]
         pid = prompt_id(msgs)
         if pid in seen:

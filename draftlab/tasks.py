@@ -412,22 +412,30 @@ def generate(n: int, seed: int, split: str, families=FAMILIES) -> list[Problem]:
     """n problems of `split`, families in turn; same (n, seed, split) -> same list.
 
     Held-out problems are all distinct (they are evaluation prompts); train problems may repeat.
+    A family whose distinct held-out prompts run out leaves the rotation and the others go on
+    (the first problems do not change with n); when every family has run out, ValueError says
+    how many there were.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     rng = random.Random(f"{seed}:{split}")
     out, seen = [], set()
-    for i in range(n):
-        family = families[i % len(families)]
+    active, turn = list(families), 0
+    while len(out) < n:
+        if not active:
+            raise ValueError(f"every task family ran out of distinct {split} prompts: there are {len(out)} (asked for {n})")
+        family = active[turn % len(active)]
         sample_fn, solve_fn = FAMILY_FUNCS[family]
         for _ in range(10_000):
             prompt = sample_fn(rng)
             if split_of(prompt) == split and not (split == "heldout" and prompt in seen):
                 break
-        else:
-            raise ValueError(f"family {family!r} ran out of distinct {split} prompts at n={n}")
+        else:  # this family has no new prompt left: the others take its turns
+            active.remove(family)
+            continue
         seen.add(prompt)
         out.append(Problem(family, prompt, *solve_fn(prompt)))
+        turn += 1
     return out
 
 

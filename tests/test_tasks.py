@@ -76,3 +76,26 @@ def test_reasoning_is_step_by_step():
 def test_extract_answer_reads_only_after_think():
     assert extract_answer("<think>\nThe answer is 3.\n</think>\nThe answer is 4.<|end|>") == "4"
     assert extract_answer("<think>\nThe answer is 3.") is None
+
+
+def test_a_large_heldout_set_keeps_its_first_problems_and_stays_distinct():
+    # 'mul' runs out of distinct held-out prompts near 410; the other families take its turns.
+    big = generate(4800, seed=1234, split="heldout")
+    assert big[:480] == generate(480, seed=1234, split="heldout")
+    assert len({p.prompt for p in big}) == 4800
+    assert {p.family for p in big[-90:]} == set(FAMILIES) - {"mul"}
+
+
+def test_when_every_family_runs_out_the_error_says_how_many_there_are():
+    with pytest.raises(ValueError, match=r"there are 410 \(asked for 500\)"):
+        generate(500, seed=1234, split="heldout", families=("mul",))
+
+
+def test_builtin_prompts_beyond_the_supply_name_the_param(monkeypatch):
+    from draftlab.errors import UserError
+    from draftlab.prompts import builtin_prompts
+
+    only_mul = tasks.generate
+    monkeypatch.setattr(tasks, "generate", lambda n, seed, split: only_mul(n, seed, split, families=("mul",)))
+    with pytest.raises(UserError, match="prompts.num_prompts 500: .*there are 410"):
+        builtin_prompts(500, seed=1234)
