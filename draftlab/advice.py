@@ -5,19 +5,36 @@ The bench stage's second opinion on a served draft: the same exported draft deco
 timed by running the engine's own step functions; and from those and the measured acceptance the
 predicted tau and speedup of chains and trees, with "don't speculate" when none pays.
 
-The cost model counts the round as the engine runs it (spec_engine.generate):
+The cost model counts the round as the engine runs it (spec_engine.generate). For a configuration
+of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tokens (seconds):
 
-    round  = draft(config)          draft_chain / draft_tree: the head on the root, num_steps - 1 draft forwards
-           + verify(config)         one target forward over the num_draft_tokens, the acceptance walk, the KV rollback
-           + extend(tau)            the draft over the accepted rows + bonus (aux concatenation and fc included)
-           + loop                   the rest of the round loop (emitting, counting); measured as what the
-                                    offline run's rounds took beyond the parts above
-    speedup = (prefill + T * baseline_step) / (prefill + draft_prefill + (T / tau) * round)
+    round(s, k, w, tau) = D0 + (s - 1) * d_k      drafting (draft_chain / draft_tree): the head on the
+                                                   root, then s - 1 draft forwards of the k-wide frontier
+                        + V0 + V1 * w              verify: one target forward over the w draft tokens,
+                                                   the acceptance walk, the KV rollback
+                        + E0 + E1 * tau            extend: the draft over the accepted rows + bonus
+                                                   (aux concatenation and fc included)
+                        + L                        the rest of the round loop (emitting, counting, cache
+                                                   bookkeeping): what the offline run's rounds took beyond
+                                                   the fitted parts above, at the configuration that ran
+    speedup = (P + T * b) / (P + P_d + (T / tau) * round)
 
-with T the tokens per request (T -> infinity: the steady-state tau * baseline_step / round). A
-costs dict holds these terms measured at one batch size; `advise_by_concurrency` takes one such
-dict per concurrency (e.g. an SGLang server's decode step and verify times per batch size) and
-names the concurrency from which no candidate is predicted to pay.
+b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
+T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
+1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
+draft's depth-1 rank shares (`tree_tau`).
+
+The terms are fitted, not read off one timing each (`fit_costs`): a timing of one configuration on
+a shared CPU moves by more than the difference between neighbouring configurations, so
+D0 (s, shared by every k) and d_k (s/step, one per topk) are the non-negative least-squares line
+through the median drafting times of every (num_steps, topk) measured; V0, V1 (s, s/token) the line
+through the verify times by width (chains and trees each their own line, a tree timed at one width
+takes the chains' slope); E0, E1 (s, s/row) the line through the extend times by rows. Every slope
+is >= 0: a costlier draft or a wider verify never predicts a higher speedup. L (s) is the only
+term calibrated on a whole run. A costs dict holds these terms measured at one batch size (a plain
+number where a term is one constant; {size: seconds} where it was timed per size);
+`advise_by_concurrency` takes one such dict per concurrency (e.g. an SGLang server's decode step and
+verify times per batch size) and names the concurrency from which no candidate is predicted to pay.
 """
 from __future__ import annotations
 
@@ -25,6 +42,7 @@ import math
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from draftlab import spec_engine
@@ -85,7 +103,7 @@ def rank_acceptance_of(acceptance: list[float], depth1_ranks: list[float] | None
 
 
 def _lookup(table, key: float) -> float:
-    """table: a number, or {size: seconds} interpolated linearly (extrapolated past the largest size)."""
+    """table: a number, or {size: value} interpolated linearly (extrapolated past the largest size)."""
     if not isinstance(table, dict):
         return float(table)
     pts = sorted((float(k), float(v)) for k, v in table.items())
@@ -96,21 +114,91 @@ def _lookup(table, key: float) -> float:
             return y0 + (y1 - y0) * (key - x0) / (x1 - x0)
 
 
+def _nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares y ~ sum_j c_j * columns[j] with every c_j >= 0 (a cost term is never negative):
+    solved unconstrained, then the most negative coefficient is pinned at 0 and the rest solved
+    again, until none is negative. Columns that are all zero get 0."""
+    A = np.asarray(columns, dtype=float).T.reshape(len(y), len(columns))
+    free = [j for j in range(A.shape[1]) if np.any(A[:, j])]
+    coef = np.zeros(A.shape[1])
+    while free:
+        sol = np.linalg.lstsq(A[:, free], np.asarray(y, dtype=float), rcond=None)[0]
+        if sol.min() >= 0:
+            coef[free] = sol
+            break
+        free.pop(int(sol.argmin()))
+    return coef.tolist()
+
+
+def fit_line(points: dict) -> tuple[float, float]:
+    """(intercept, slope), both >= 0, of the least-squares line through {x: y}; one x: (y, 0)."""
+    xs, ys = [float(x) for x in points], [float(v) for v in points.values()]
+    if len(set(xs)) < 2:
+        return (statistics.fmean(ys), 0.0) if ys else (0.0, 0.0)
+    a, b = _nonnegative_lstsq([[1.0] * len(xs), xs], ys)
+    return a, b
+
+
+def fit_draft(draft_s: dict) -> tuple[float, dict]:
+    """(D0, {topk: d_k}) from {"num_steps-topk": seconds}: draft(s, k) = D0 + (s - 1) * d_k, non-negative
+    least squares over every configuration timed (D0 is the head on the root, shared by all widths).
+    A topk timed at num_steps 1 only has no d_k (the lookup takes it from the neighbouring widths)."""
+    pts = [(int(key.split("-")[0]) - 1, int(key.split("-")[1]), float(t)) for key, t in draft_s.items()]
+    widths = sorted({k for x, k, _ in pts if x > 0})
+    coef = _nonnegative_lstsq([[1.0] * len(pts)] + [[x if kk == k else 0.0 for x, kk, _ in pts] for k in widths],
+                              [t for *_, t in pts])
+    return coef[0], dict(zip(widths, coef[1:]))
+
+
+def fit_costs(costs: dict) -> dict:
+    """The fitted terms of the round model (seconds, or whatever unit `costs` holds):
+    draft_fixed (D0), draft_per_step ({topk: d_k}), verify_fixed/verify_per_token (V0, V1 of a
+    chain), tree_verify_fixed/tree_verify_per_token, extend_fixed/extend_per_row (E0, E1).
+
+    From the raw timings where they are: draft_s {"s-k": t} (else draft_head_s + draft_step_s, a
+    number or {topk: t}), verify_s and tree_verify_s {width: t}, extend_s {rows: t} (else one draft
+    step). costs["fit_s"], when present, is returned as it is (the fit a report already holds).
+    """
+    if "fit_s" in costs:
+        return costs["fit_s"]
+    if costs.get("draft_s"):
+        d0, per_step = fit_draft(costs["draft_s"])
+        per_step = per_step or {1: 0.0}  # num_steps 1 only: no draft forward was timed
+    else:
+        d0, step = float(costs.get("draft_head_s", 0.0)), costs["draft_step_s"]
+        per_step = {int(float(k)): float(v) for k, v in step.items()} if isinstance(step, dict) else {1: float(step)}
+
+    def line(table):
+        return fit_line(table) if isinstance(table, dict) else (float(table), 0.0)
+
+    v0, v1 = line(costs["verify_s"])
+    tree = costs.get("tree_verify_s") or {}
+    if isinstance(tree, dict) and len(tree) == 1:  # one width: the chains' slope through it
+        (w, t), = tree.items()
+        t0, t1 = max(0.0, float(t) - v1 * float(w)), v1
+    else:
+        t0, t1 = line(tree) if tree else (v0, v1)
+    extend = costs.get("extend_s")
+    e0, e1 = line(extend) if extend is not None else (_lookup(per_step, 1), 0.0)
+    return {"draft_fixed": d0, "draft_per_step": per_step, "verify_fixed": v0, "verify_per_token": v1,
+            "tree_verify_fixed": t0, "tree_verify_per_token": t1, "extend_fixed": e0, "extend_per_row": e1}
+
+
 def round_cost(costs: dict, num_steps: int, topk: int, num_draft_tokens: int, tau: float) -> dict:
-    """Seconds of each part of one round of this configuration, and their sum."""
-    chain = topk == 1
-    drafting = costs.get("draft_s", {}).get(f"{num_steps}-{topk}")  # measured for this very configuration
-    if drafting is None:
-        drafting = costs.get("draft_head_s", 0.0) + (num_steps - 1) * _lookup(costs["draft_step_s"], topk)
-    verify = _lookup(costs["verify_s"] if chain else costs.get("tree_verify_s", costs["verify_s"]), num_draft_tokens)
-    extend = _lookup(costs.get("extend_s", costs["draft_step_s"]), tau)
+    """Each part of one round of this configuration and their sum, by the fitted model (module
+    docstring; the unit of `costs`, seconds as measured)."""
+    fit = fit_costs(costs)
+    drafting = fit["draft_fixed"] + (num_steps - 1) * _lookup(fit["draft_per_step"], topk)
+    kind = "verify" if topk == 1 else "tree_verify"
+    verify = fit[f"{kind}_fixed"] + fit[f"{kind}_per_token"] * num_draft_tokens
+    extend = fit["extend_fixed"] + fit["extend_per_row"] * tau
     parts = {"draft": drafting, "verify": verify, "extend": extend, "loop": costs.get("loop_s", 0.0)}
     parts["round"] = sum(parts.values())
     return parts
 
 
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
-    """Predicted speedup of one configuration whose rounds yield `tau` tokens."""
+    """Predicted speedup of one configuration whose rounds yield `tau` tokens (module docstring)."""
     r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"]
     T = costs.get("tokens_per_request") or math.inf
     base, prefill = costs["baseline_step_s"], costs.get("prefill_s", 0.0)
@@ -119,14 +207,25 @@ def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens
     return (prefill + T * base) / (prefill + costs.get("draft_prefill_s", 0.0) + (T / tau) * r)
 
 
+DONT_SPECULATE = "don't speculate"
+
+
+def config_name(row: dict) -> str:
+    return f"num_steps={row['num_steps']} topk={row['topk']} num_draft_tokens={row['num_draft_tokens']}"
+
+
 def advise(acceptance: list[float], costs: dict, configs=None, depth1_ranks: list[float] | None = None) -> dict:
-    """Predicted tau and speedup of each configuration, the recommended one, or "don't speculate".
+    """Predicted tau and speedup of each configuration, and the recommendation: the best one, or
+    "don't speculate" when no candidate is predicted above 1.0x.
 
     acceptance: the measured a_i (depths past those measured reuse the last one: extrapolated);
     configs: (num_steps, topk, num_draft_tokens) triples (chains of 1..8 and a few trees by default);
-    trees need depth1_ranks (else they are skipped).
+    trees need depth1_ranks (else they are skipped). Returns candidates (one row each), recommended
+    (the best row, or None), speculate (bool), recommendation ("num_steps=.. topk=.. num_draft_tokens=.."
+    or "don't speculate") and advice (the recommendation with its predicted speedup, in words).
     """
     configs = configs if configs is not None else CHAINS + (TREES if depth1_ranks else [])
+    costs = {**costs, "fit_s": fit_costs(costs)}  # fitted once for every candidate
     rows = []
     for steps, topk, ndt in configs:
         a = [acceptance[min(i, len(acceptance) - 1)] for i in range(steps)] if acceptance else [0.0] * steps
@@ -138,10 +237,10 @@ def advise(acceptance: list[float], costs: dict, configs=None, depth1_ranks: lis
     best = max(rows, key=lambda r: r["predicted_speedup"]) if rows else None
     speculate = best is not None and best["predicted_speedup"] > 1.0
     return {"candidates": rows, "recommended": best if speculate else None, "speculate": speculate,
-            "advice": (f"num_steps={best['num_steps']} topk={best['topk']} num_draft_tokens={best['num_draft_tokens']} "
-                       f"(predicted {best['predicted_speedup']:.2f}x)") if speculate else
-                      "don't speculate: no candidate is predicted above 1.0x"
-                      + (f" (best {best['predicted_speedup']:.2f}x)" if best else "")}
+            "recommendation": config_name(best) if speculate else DONT_SPECULATE,
+            "advice": f"{config_name(best)} (predicted {best['predicted_speedup']:.2f}x)" if speculate else
+                      f"{DONT_SPECULATE}: no candidate is predicted above 1.0x"
+                      + (f" (best {best['predicted_speedup']:.2f}x, {config_name(best)})" if best else "")}
 
 
 def advise_by_concurrency(acceptance: list[float], costs_by_batch: dict, configs=None, depth1_ranks=None) -> dict:
@@ -212,23 +311,41 @@ def _rollback(cache, n: int) -> None:
         cache.crop(-drop)
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
+def _interleaved_medians(timers: dict, repeats: int) -> dict:
+    """{name: median seconds} of `timers` ({name: fn() -> seconds it took}), run round-robin: one
+    pass over every timer per repeat, after one warm-up pass. A drift in the machine's load then
+    shifts every term alike, rather than all the timings of one configuration (timed one after the
+    other, a slow minute made the longer chains look slower per step than the short ones)."""
+    for fn in timers.values():
+        fn()
+    times = {name: [] for name in timers}
     for _ in range(repeats):
+        for name, fn in timers.items():
+            times[name].append(fn())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _timed(fn, device):
+    """fn as a timer: the seconds one call takes, the device synchronized."""
+    def run():
         t0 = time.perf_counter()
         fn()
-        spec_engine._sync("cuda" if torch.cuda.is_available() else "cpu")
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        spec_engine._sync(device)
+        return time.perf_counter() - t0
+    return run
 
 
 @torch.inference_mode()
-def measure_costs(target, draft, prompt: list[int], physical: list[int], configs=None, repeats: int = 9) -> dict:
-    """Seconds of each term of the round model, timed on `prompt` by the engine's own functions.
+def measure_costs(target, draft, prompt: list[int], physical: list[int], configs=None, repeats: int = 15) -> dict:
+    """The raw timings of the round model's terms (seconds), on `prompt`, by the engine's own functions:
+    baseline_step_s, prefill_s, draft_prefill_s, draft_s {"num_steps-topk": s}, verify_s and
+    tree_verify_s {width: s}, extend_s {rows: s}. `fit_costs` turns them into the model's terms.
 
-    Each timing is a median of `repeats`; a term is timed from the state the engine would be in
-    (the prompt prefilled in the target's and the draft's caches), and every cache is rolled back
-    after it, so that the next timing starts from the same state.
+    Each timing is the median of `repeats`, the terms interleaved (`_interleaved_medians`); a term is
+    timed from the state the engine would be in (the prompt prefilled in the target's and the
+    draft's caches), and every cache is rolled back after it, so that the next timing starts from
+    the same state. The baseline step is timed before and after the rest (3 runs each), its median
+    taken over both.
     """
     configs = configs or CHAINS + TREES
     device = target.device
@@ -236,8 +353,12 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
     n = len(prompt)
     spec_engine.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
     steps = 16
-    base_runs = [spec_engine.baseline_generate(target, prompt, steps + 1, ignore_eos=True) for _ in range(3)]
-    baseline_step = statistics.median((b.total_s - b.prefill_s) / steps for b in base_runs)
+
+    def baseline_steps():
+        return [(b.total_s - b.prefill_s) / steps
+                for b in (spec_engine.baseline_generate(target, prompt, steps + 1, ignore_eos=True) for _ in range(3))]
+
+    base_before = baseline_steps()
     with AuxCapture(target, physical) as aux, spec_engine.attention_kernels(device):
         cache = spec_engine.new_cache(target)
         t0 = time.perf_counter()
@@ -250,15 +371,14 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
         draft_prefill = time.perf_counter() - t0
         d0 = len(dcache)
 
-        drafting, trees = {}, {}
+        timers, trees = {}, {}
         for s, k, ndt in configs:
             if k == 1:
                 fn = lambda s=s: spec_engine.draft_chain(draft, dcache, root, x, n, s)  # noqa: E731
             else:
                 fn = lambda s=s, k=k, ndt=ndt: spec_engine.draft_tree(draft, dcache, root, x, n, s, k, ndt)  # noqa: E731
-            drafting[f"{s}-{k}"] = _median_time(fn, repeats)
-            if k > 1:
                 trees[ndt] = fn()
+            timers[("draft", f"{s}-{k}")] = _timed(fn, device)
 
         def verify(tree):
             logits = spec_engine.verify_tree(target, cache, tree, n)
@@ -267,24 +387,35 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
 
         chain_widths = sorted({ndt for s, k, ndt in configs if k == 1} | {2})
         chain = lambda w: spec_engine.Tree([x] + prompt[:w - 1], list(range(-1, w - 1)), list(range(w)))  # noqa: E731
-        verify_s = {w: _median_time(lambda w=w: verify(chain(w)), repeats) for w in chain_widths}
-        tree_verify_s = {w: _median_time(lambda t=t: verify(t), repeats) for w, t in trees.items()}
+        for w in chain_widths:
+            timers[("verify", w)] = _timed(lambda w=w: verify(chain(w)), device)
+        for w, t in trees.items():
+            timers[("tree_verify", w)] = _timed(lambda t=t: verify(t), device)
 
-        def extend(r):  # the draft over r accepted rows, fed by the verify forward's aux states
-            spec_engine.verify_tree(target, cache, chain(max(r, 2)), n)
-            t0 = time.perf_counter()
-            draft.step(torch.tensor([prompt[:r]], device=device), draft.project(aux.take()[:, :r]),
-                       torch.arange(n, n + r, device=device)[None], dcache)
-            spec_engine._sync(device)
-            took = time.perf_counter() - t0
-            dcache.crop(d0)
-            _rollback(cache, n)
-            return took
+        def extend(r):  # the draft over r accepted rows, fed by the verify forward's aux states (not timed)
+            def run():
+                spec_engine.verify_tree(target, cache, chain(max(r, 2)), n)
+                spec_engine._sync(device)
+                t0 = time.perf_counter()
+                draft.step(torch.tensor([prompt[:r]], device=device), draft.project(aux.take()[:, :r]),
+                           torch.arange(n, n + r, device=device)[None], dcache)
+                spec_engine._sync(device)
+                took = time.perf_counter() - t0
+                dcache.crop(d0)
+                _rollback(cache, n)
+                return took
+            return run
 
-        extend_s = {r: statistics.median(extend(r) for _ in range(repeats)) for r in range(1, max(chain_widths) + 1)}
+        for r in range(1, max(chain_widths) + 1):
+            timers[("extend", r)] = extend(r)
+        med = _interleaved_medians(timers, repeats)
+    baseline_step = statistics.median(base_before + baseline_steps())
+
+    def by(term):
+        return {key: t for (name, key), t in med.items() if name == term}
+
     return {"baseline_step_s": baseline_step, "prefill_s": prefill, "draft_prefill_s": draft_prefill,
-            "draft_s": drafting, "draft_step_s": (drafting.get("2-1", 0.0) - drafting.get("1-1", 0.0)) or 1e-4,
-            "draft_head_s": drafting.get("1-1", 0.0), "verify_s": verify_s, "tree_verify_s": tree_verify_s, "extend_s": extend_s}
+            "draft_s": by("draft"), "verify_s": by("verify"), "tree_verify_s": by("tree_verify"), "extend_s": by("extend")}
 
 
 @torch.inference_mode()

@@ -113,6 +113,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
     measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
                  "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
+    compared = advice.predicted_vs_measured(advised["candidates"], measured)
     res = plan.resolution
     report = {
         "backend": bench_params.backend,
@@ -132,7 +133,9 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "sweep": {"baseline": baseline["sweep"] if baseline else [], "speculative": spec["sweep"]},
         "costs": {**{k: _ms(v) for k, v in costs.items() if k.endswith("_s")}, "tokens_per_request": costs["tokens_per_request"],
                   "depth1_rank_shares": ranks, "unit": "ms (keys ending _s hold milliseconds here)"},
-        "advice": {**advised, "predicted_vs_measured": advice.predicted_vs_measured(advised["candidates"], measured)},
+        # "ran": the served configuration's row as a dict, so that `dvc exp show` (which leaves lists
+        # out) tabulates predicted against measured per experiment
+        "advice": {**advised, "predicted_vs_measured": compared, "ran": compared[0] if compared else None},
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
@@ -201,9 +204,12 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
     costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical,
                                  advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else []))
-    # The loop: what the offline run's rounds took beyond the parts timed one by one.
+    costs["fit_s"] = advice.fit_costs(costs)  # the model's terms, fitted over every configuration timed
+    # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
+    # configuration that ran; never negative (a fit above the measured round predicts low, not less).
     round_s = (offline["decode_s"] - offline["requests"] * costs["draft_prefill_s"]) / max(1, offline["verify_ct"])
     parts = advice.round_cost(costs, *ran, offline["tau"])
+    costs["offline_round_s"] = round_s
     costs["loop_s"] = max(0.0, round_s - parts["round"])
     costs["tokens_per_request"] = offline["tokens_per_request"]
     ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
@@ -211,10 +217,17 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
 
 
 def summary(report: dict) -> str:
-    """One line: served and offline tau, speed against the baseline, the recommended chain."""
+    """One line: served and offline tau, speed against the baseline, the advice (the recommended
+    configuration, or "don't speculate") and the prediction for the configuration that ran."""
     speedup, baseline, advised = report["speedup"], report["baseline"], report["advice"]
     speedup_text = f"{speedup:.2f}x" if speedup else "n/a"
+    ran = advised.get("ran")
+    ran_text = ""
+    if ran and ran.get("predicted_speedup") is not None:
+        err = ran.get("speedup_error")
+        ran_text = (f"; this configuration predicted {ran['predicted_speedup']:.2f}x"
+                    + (f" ({100 * err:+.0f}% against measured)" if err is not None else ""))
     return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
             f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
             f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "
-            f"(speedup {speedup_text}); advice: {advised['advice']}")
+            f"(speedup {speedup_text}); advice: {advised['advice']}{ran_text}")
