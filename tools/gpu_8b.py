@@ -48,6 +48,8 @@ SERVER_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none", "--
 MEM_FRACTION = "0.28"  # three servers of a 14 GB target fit on one 141 GB GPU (baseline + bench's two)
 MAX_RUNNING = 16
 # Expected seconds per step on one H200 (the deadline logic skips a step that would not fit).
+# Measured (reports/gpu-8b/pipeline.json): synthesize 146 s, extract 177 s, standardize 52 s for 3,600
+# prompts; the train stage ran 0.8 s per step of 16 sequences (unexplained, see the report).
 EXPECT_S = {"pipeline": 900, "sweep_config": 110, "sweep_concurrency": 45, "parity": 150}
 
 
@@ -62,6 +64,7 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency-configs", default="6-8-32", help="sweep configurations that also get concurrency 4/8/16")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
+    ap.add_argument("--summary", default="", help="only write this JSON: what RESULTS and WORK hold so far (no GPU needed)")
     return ap.parse_args(argv)
 
 
@@ -126,9 +129,78 @@ def run_params(run: Run, base_url: str) -> Path:
     return path
 
 
+def epoch_lines(train_log: Path) -> list[dict]:
+    """The train stage's per-epoch eval lines ("epoch 3: eval loss 0.69, accept [...], tau_pred 5.18")."""
+    import re
+
+    out = []
+    for line in train_log.read_text(errors="replace").replace("\r", "\n").splitlines():
+        m = re.match(r"epoch (\d+): eval loss ([\d.]+), accept \[([^\]]*)\], tau_pred ([\d.]+)", line)
+        if m:
+            out.append({"epoch": int(m[1]), "eval_loss": float(m[2]), "accept": [float(x) for x in m[3].split(",")],
+                        "tau_pred": float(m[4])})
+    return out
+
+
+def train_rate(train_log: Path) -> dict | None:
+    """Median step rate and tokens/s (padded tokens, as the progress bar shows them) of the train stage."""
+    import re
+    import statistics
+
+    text = train_log.read_text(errors="replace").replace("\r", "\n")
+    steps = [float(x) for x in re.findall(r"([\d.]+)step/s", text)]
+    toks = [float(x) for x in re.findall(r"tok_s=(\d+)", text)]
+    last = re.findall(r"(\d+)/(\d+) \[", text)
+    if not steps:
+        return None
+    return {"steps_per_s": statistics.median(steps), "tokens_per_s": statistics.median(toks) if toks else None,
+            "last_step": int(last[-1][0]) if last else None, "total_steps": int(last[-1][1]) if last else None}
+
+
+def summary(run: Run) -> dict:
+    """What the run holds so far, from its manifests, logs and timings (for reports/gpu-8b/)."""
+    import statistics
+    from collections import defaultdict
+
+    from draftlab.sglang.launch import read_log
+
+    work = run.work / "pipeline"
+    out = {"run": run.record, "stage_seconds": {}, "manifests": {}}
+    timings = run.results / "pipeline" / "timings.json"
+    if timings.exists():
+        out["stage_seconds"] = json.loads(timings.read_text())
+    for name in ("prompts", "synth", "hidden", "features"):
+        path = work / "data" / name / "manifest.json"
+        if path.exists():
+            info = json.loads(path.read_text()).get("info") or {}
+            out["manifests"][name] = {k: v for k, v in info.items() if k not in ("files", "target", "norms")}
+            if str(info.get("served_model", "")).startswith("/"):  # SGLang names a local model by its path
+                out["manifests"][name]["served_model"] = Path(info["served_model"]).name
+    logs = run.results / "pipeline" / "logs"
+    if (logs / "train.log").exists():
+        out["train_epochs"] = epoch_lines(logs / "train.log")
+        out["train_rate"] = train_rate(logs / "train.log")
+    base_log = run.results / "logs" / "server-baseline.log"
+    if base_log.exists():  # SGLang's own decode rate by batch size, while it answered the synthesize stage
+        by = defaultdict(list)
+        for d in read_log(base_log).decode:
+            if d.gen_throughput:
+                by[d.running_req].append(d.gen_throughput)
+        out["baseline_decode_tokens_per_s"] = {str(k): {"median": statistics.median(v), "lines": len(v)} for k, v in sorted(by.items())}
+    for name in ("bench.json", "check.json", "train/metrics.json"):
+        path = work / "reports" / name
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     run = Run(args)
+    if args.summary:  # the report names the run's folders WORK and RESULTS, not this machine's paths
+        text = json.dumps(summary(run), indent=1).replace(str(run.work), "WORK").replace(str(run.results), "RESULTS")
+        Path(args.summary).write_text(text + "\n")
+        return 0
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     twin = build_twin(run)
     sglang_run = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--results", str(run.results / "pipeline"),
