@@ -81,7 +81,9 @@ class SynthParams:
 
 @dataclass(frozen=True)
 class CaptureParams:
-    layers: Union[list[int], str]  # decoder-layer outputs, 0-based, or "default"
+    # decoder-layer outputs, 0-based, and optionally the word "embedding" (the embedding output);
+    # or the word "default". Checked by _check_capture_layers.
+    layers: Union[list[Union[int, str]], str]
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,31 @@ def _check_range(path: str, key: str, value) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers
+
+
+def _check_capture_layers(path: str, key: str, value) -> None:
+    """capture.layers: "default", or a list of decoder layer numbers (>= 0) and the word embedding.
+    Whether the target and the SGLang release can serve them is draftlab.sglang.layers' question."""
+    if isinstance(value, str):
+        if value != "default":
+            raise ParamsError(f"{path}: key {key} must be a list of decoder layer numbers (0-based; the word embedding for "
+                              f"the embedding output) or the word default, got {value!r}")
+        return
+    for item in value:
+        if isinstance(item, str) and item not in CAPTURE_WORDS:
+            raise ParamsError(f"{path}: key {key} must be list of int or str: decoder layer numbers (0-based) and the word "
+                              f"embedding (the embedding output), e.g. [embedding, 3, 5]; {item!r} is neither")
+        if isinstance(item, int) and item < 0:
+            raise ParamsError(f"{path}: key {key} lists layer {item}; layers count from 0 (the output of the first decoder "
+                              f"layer); for the embedding output write the word embedding")
+    if value.count("embedding") > 1:
+        raise ParamsError(f"{path}: key {key} names embedding twice")
+
+
+CHECKS = {"capture.layers": _check_capture_layers}  # checks of one key beyond its type and range
+
+
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -367,6 +394,8 @@ def _load_section(name: str, raw, path: str):
         if choices and value not in choices:
             raise ParamsError(f"{path}: key {name}.{fname} must be one of {', '.join(choices)}, got {value!r}")
         _check_range(path, f"{name}.{fname}", value)
+        if f"{name}.{fname}" in CHECKS:
+            CHECKS[f"{name}.{fname}"](path, f"{name}.{fname}", value)
         values[fname] = value
     return cls(**values)
 

@@ -2,7 +2,9 @@
 
     python -m stages.extract --synth data/synth --out data/hidden
     torchrun --nproc-per-node 8 -m stages.extract ...    (data parallel: one process and one writer per GPU)
-Reads params sections: target, capture, extract, and train.features.
+Reads params sections: target, capture, extract, train.features, and export.sglang_version (only to
+refuse, before any compute, layers that SGLang release cannot capture: the embedding output of a
+Llama target before 0.5.22, say; it changes nothing the stage writes, so it stays out of the hash).
 With train.features online, only the first extract.online_sample_sequences rows of each split are
 captured (the stats and the check need them); every row's tokens go to <split>/tokens.safetensors
 (no states), and the train stage runs the target itself.
@@ -63,8 +65,9 @@ def hashed_params(params) -> dict:
 
     Offline, train.features and extract.online_sample_sequences change nothing extract writes,
     so they stay out of the hash (changing them keeps every shard); online, both do.
+    export.sglang_version only decides whether the layers are refused: never hashed.
     """
-    out = {name: sec for name, sec in as_dict(params).items() if name != "train"}
+    out = {name: sec for name, sec in as_dict(params).items() if name not in ("train", "export")}
     if params.train.features == "offline":
         out["extract"] = {k: v for k, v in out["extract"].items() if k != "online_sample_sequences"}
     else:
@@ -87,7 +90,8 @@ def sample_plan(lengths: list[int], n: int, shard_tokens: int) -> list[list[int]
 
 
 def main(synth: Path, out: Path) -> None:
-    params = load_params(["target", "capture", "extract", "train"])  # of train, only train.features is read
+    # of train, only train.features is read; of export, only export.sglang_version (as dvc.yaml lists them)
+    params = load_params(["target", "capture", "extract", "train", "export"])
     target_params, extract_params, mode = params.target, params.extract, params.train.features
     synth_manifest = read_verified(synth)  # every answer file as synthesize wrote it, before any compute
     device = resolve_device(target_params.device)
@@ -95,9 +99,9 @@ def main(synth: Path, out: Path) -> None:
     device = parallel.local_device(device)
     model, tok = load_target(target_params, device)
     info = target_info(model, target_params)
-    # Refuse a layer spec SGLang cannot serve before any compute.
+    # Refuse a layer spec the SGLang release that will serve the draft cannot capture, before any compute.
     physical = physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
-    validate_capture(info["architecture"], info["num_layers"], physical)
+    validate_capture(info["architecture"], info["num_layers"], physical, params.export.sglang_version)
     info["physical_layers"] = physical  # their one record among the manifests; each shard's header has them too
     inputs = {"synth": synth_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("extract", hashed_params(params), inputs, __file__)

@@ -635,3 +635,61 @@ def test_a_server_running_other_flags_than_params_is_named(pipeline, run):
     assert f.evidence["flags"]["num_steps"] == {"effective": 3, "served": 2}
     edit_bench(run, lambda b: b["flags"].update(served={**FLAGS, "algorithm": "EAGLE"}))
     assert "served" in " ".join(finding(diagnose(pipeline, run), "eagle_instead_of_eagle3").evidence)
+
+
+# --- a draft that captures the embedding output (physical 0) ----------------------------------------
+
+
+def test_embedding_trained_draft_served_where_sglang_captures_it_is_clean():
+    # Llama from 0.5.22: id -1 captures physical 0 (layer-boundary capture)
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5]}})
+    f = check_capture([0, 4, 6], served_layers(draft, {"architecture": "LlamaForCausalLM", "num_layers": 8}, "0.5.22"))
+    assert [x for x in f if x.severity == "error"] == [] and "embedding_served" in names(f)
+    # DeepSeek-V3 from 0.5.14: a first id 0 is taken as-is (measured on 0.5.14: [0, 3, 5] -> hidden_states[0], [3], [5])
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}})
+    served = served_layers(draft, {"architecture": "DeepseekV3ForCausalLM", "num_layers": 8}, "0.5.14")
+    assert served.physical == [0, 3, 5] and not [x for x in check_capture([0, 3, 5], served) if x.severity == "error"]
+
+
+def test_embedding_trained_draft_served_by_a_release_that_crashes_on_it_names_the_version():
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5]}})
+    f = check_capture([0, 4, 6], served_layers(draft, {"architecture": "LlamaForCausalLM", "num_layers": 8}, "0.5.21"))
+    found = [x for x in f if x.name == "embedding_captured"]
+    assert {x.evidence["side"] for x in found} == {"training features", "exported config"}
+    assert all(x.severity == "error" for x in found) and "0.5.22" in found[0].fix
+
+
+def test_ids_that_capture_the_embedding_instead_of_layer_zero_are_named():
+    # trained on decoder layer 0's output (physical 1); the config's -1 makes SGLang 0.5.22 feed the embedding
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5]}})
+    f = check_capture([1, 4, 6], served_layers(draft, {"architecture": "LlamaForCausalLM", "num_layers": 8}, "0.5.22"))
+    hit = [x for x in f if x.name == "embedding_captured"]
+    assert hit and hit[0].severity == "error" and hit[0].evidence["sglang_captures"] == [0, 4, 6]
+    assert "[0, 3, 5]" in hit[0].fix
+
+
+def _embedding_parity(tmp_path, live_physical):
+    from draftlab.check.parity import StoredSequence, reference_states, run_parity
+
+    model = save_micro_model(tmp_path / "target", num_layers=L, hidden_size=H, vocab_size=V, seed=0)
+    trained = [0, 4, 6]
+    seqs = []
+    for i, (q, a) in enumerate(CHATS[:2]):
+        ids = torch.tensor([[7 + i + j for j in range(12)]])
+        aux, final = capture(model, ids, torch.ones_like(ids), trained)
+        seqs.append(StoredSequence(f"r{i}", ids[0].tolist(), torch.cat([aux[p][0] for p in trained], -1).float(), final[0].float()))
+    meta = {"physical_layers": trained, "hidden_size": H}
+    return run_parity(seqs, meta, inprocess_capture(model, live_physical), "in-process", reference_states(model), live_physical)
+
+
+def test_live_parity_checks_the_embedding_slot_like_any_layer(tmp_path):
+    ok = _embedding_parity(tmp_path, [0, 4, 6])
+    assert names(check_live_capture(ok, {}, 0.05, 0.15)) == ["live_parity_ok"]
+    assert ok["slots"][0]["best_match"] == "physical 0" and ok["slots"][0]["rel_err"] < 1e-6
+
+
+def test_live_parity_names_layer_zero_served_where_the_embedding_was_trained(tmp_path):
+    shifted = _embedding_parity(tmp_path, [1, 4, 6])
+    f = check_live_capture(shifted, {}, 0.05, 0.15)
+    (hit,) = [x for x in f if x.name == "layer_shift"]
+    assert [(s["trained_physical"], s["matches_physical"]) for s in hit.evidence["slots"]] == [(0, 1)]

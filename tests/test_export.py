@@ -94,6 +94,25 @@ def test_layer_ids_follow_the_architecture_and_version_rule(tmp_path):
     assert export_sglang(draft, tmp_path / "b", deepseek, [3, 31, 58], "0.5.12")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 57]
 
 
+def test_export_writes_the_ids_that_capture_the_embedding_where_the_release_serves_it(tmp_path):
+    draft = trained_draft()
+    deepseek = {**TARGET, "architecture": "DeepseekV3ForCausalLM"}
+    # DeepSeek-V3 from 0.5.14: a first id 0 is taken as-is (measured: [0, 3, 5] fed hidden_states[0], [3], [5])
+    config = export_sglang(draft, tmp_path / "a", deepseek, [0, 3, 5], "0.5.14")
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
+    assert config["draftlab"]["physical_layers"] == [0, 3, 5]
+    # Llama from 0.5.22 (layer-boundary capture): id -1
+    config = export_sglang(draft, tmp_path / "b", TARGET, [0, 4, 6], "0.5.22")
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 3, 5]
+    assert read_exported(tmp_path / "b").served_physical("LlamaForCausalLM", 8, "0.5.22") == [0, 4, 6]
+    # and refused where the release crashes on it, with the release that serves it
+    with pytest.raises(UserError, match=r"SGLang 0.5.21 cannot capture the embedding.*SGLang >= 0.5.22"):
+        export_sglang(draft, tmp_path / "c", TARGET, [0, 4, 6], "0.5.21")
+    with pytest.raises(UserError, match=r"SGLang 0.5.13 cannot capture the embedding.*SGLang >= 0.5.14"):
+        export_sglang(draft, tmp_path / "c", deepseek, [0, 3, 5], "0.5.13")
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("physical, target, reason", [
     ([2, 4, 8], TARGET, "after the norm"),
     ([0, 4, 6], TARGET, "embedding"),

@@ -236,3 +236,46 @@ def test_each_rule_that_fires_is_a_rule_outcome_recorded_with_the_same_fields():
     assert res.findings and all(isinstance(f, RuleOutcome) for f in res.findings)
     recorded = res.as_dict()["findings"]  # what bench.json keeps and the wiring check reads (check.serving.check_flags)
     assert {"rule", "kind", "what", "sglang_message", "fix"} == set(recorded[0])
+
+
+# --- releases 0.5.18..0.5.23: rules on flags passed in bench.extra_server_args ------------------------
+
+MIXED = ["--enable-mixed-chunk"]
+BLOCK = ["--speculative-use-block-verification"]
+DETERMINISTIC = ["--enable-deterministic-inference"]
+
+
+@pytest.mark.parametrize("version, kind", [("0.5.5", "adjusted"), ("0.5.14", "error"), ("0.5.17", "adjusted"),
+                                           ("0.5.18", "adjusted"), ("0.5.19", None), ("0.5.23", None)])
+def test_mixed_chunk_with_speculation_by_release(version, kind):
+    # 0.5.18 -> 0.5.19: _handle_eagle_family keeps it when SpeculativeAlgorithm.supports_mixed_chunk() (EAGLE, EAGLE3)
+    res = resolve(flags(), LLAMA, version, extra_server_args=MIXED)
+    hit = [f for f in res.findings if f.rule == "mixed_chunk"]
+    assert [f.kind for f in hit] == ([kind] if kind else [])
+    assert resolve(flags(), LLAMA, version).findings == resolve(flags(), LLAMA, version, extra_server_args=["--foo"]).findings
+
+
+def test_block_verification_is_unknown_before_0_5_22_and_turns_rejection_sampling_on_after():
+    # 0.5.21 -> 0.5.22: --speculative-use-block-verification added (handle_speculative_decoding)
+    with pytest.raises(UserError, match="rule block_verification: SGLang 0.5.21 has no --speculative-use-block-verification"):
+        effective_flags(flags(5, 1, 6), LLAMA, "0.5.21", extra_server_args=BLOCK)
+    res = effective_flags(flags(5, 1, 6), LLAMA, "0.5.22", extra_server_args=BLOCK)
+    assert rules_hit(res, "default") == ["block_verification", "max_running_requests_default"]
+    assert rules_hit(resolve(flags(5, 1, 6), LLAMA, "0.5.22", extra_server_args=BLOCK + ["--speculative-use-rejection-sampling"])) \
+        == ["max_running_requests_default"]
+
+
+def test_rejection_sampling_needs_a_chain():
+    res = resolve(flags(5, 4, 8), LLAMA, "0.5.22", extra_server_args=BLOCK)
+    assert "rejection_sampling_topk" in rules_hit(res, "error")
+    # SGLang's defaults for a Llama target are a tree (5, 4, 8): refused too
+    assert "rejection_sampling_topk" in rules_hit(resolve(SpecFlags("EAGLE3"), LLAMA, "0.5.23",
+                                                          extra_server_args=["--speculative-use-rejection-sampling"]), "error")
+    assert "rejection_sampling_topk" not in rules_hit(resolve(flags(5, 4, 8), LLAMA, "0.5.23"))
+
+
+@pytest.mark.parametrize("version, refused", [("0.5.17", True), ("0.5.22", True), ("0.5.23", False)])
+def test_rejection_sampling_with_deterministic_inference_is_allowed_from_0_5_23(version, refused):
+    # 0.5.22 -> 0.5.23: the ValueError became a CUDA-only check (deterministic rejection sampling)
+    res = resolve(flags(5, 1, 6), LLAMA, version, extra_server_args=["--speculative-use-rejection-sampling"] + DETERMINISTIC)
+    assert ("rejection_sampling_deterministic" in rules_hit(res, "error")) == refused

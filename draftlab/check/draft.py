@@ -16,7 +16,8 @@ from draftlab.dtypes import TORCH_DTYPES
 from draftlab.errors import UserError
 from draftlab.features import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs, expected_tensors, tensor_problems
-from draftlab.sglang.layers import default_physical, dropped_ids, family, ids_for_physical
+from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, can_capture_embedding, default_physical, dropped_ids, family,
+                                    ids_for_physical)
 
 REEXPORT = "re-run the export stage"
 
@@ -68,9 +69,23 @@ def check_capture(trained_physical: list[int], served: ServedLayers, redo: str |
                          "ascending, so the draft's fc reads each layer in another layer's slot",
                          "re-run standardize (it concatenates in ascending physical order), then train and export"))
     if 0 in physical:
-        out.append(error("embedding_captured", {"trained_physical": physical, "side": "training features"},
-                         f"the draft was trained on physical layer 0, the embedding output; SGLang cannot capture it on {arch}",
-                         f"set capture.layers to decoder layers 0..{L - 2} and re-run extract and everything after it"))
+        try:
+            served_embedding = can_capture_embedding(arch, sglang_version)
+        except UserError:  # unknown architecture: capture_rule_unknown below says so
+            served_embedding = None
+        since = ".".join(map(str, EMBEDDING_CAPTURE_FROM.get(arch, ()))) or None
+        ev0 = {"trained_physical": physical, "architecture": arch, "sglang_version": sglang_version,
+               "embedding_captured_from": since}
+        if served_embedding is False:
+            out.append(error("embedding_captured", {**ev0, "side": "training features"},
+                             f"the draft was trained on physical layer 0, the embedding output; SGLang {sglang_version} cannot "
+                             f"capture it on {arch} (its capture loop crashes with a TypeError; SGLang {since} and later capture it)",
+                             f"serve with SGLang >= {since} (export.sglang_version: \"{since}\"), or set capture.layers to decoder "
+                             f"layers 0..{L - 2} and re-run extract and everything after it"))
+        elif served_embedding:
+            out.append(info("embedding_served", {**ev0, "side": "training features"},
+                            f"the draft was trained on the embedding output (physical 0), which SGLang {sglang_version} captures "
+                            f"on {arch} (read from SGLang's source; live parity proves it on the server)"))
     if L in physical:
         out.append(error("final_state_captured", {"trained_physical": physical, "num_layers": L},
                          f"the draft was trained on physical layer {L}, the final state AFTER the norm; SGLang never captures it "
@@ -137,6 +152,10 @@ def check_capture(trained_physical: list[int], served: ServedLayers, redo: str |
         else:
             cause = f"{versions}SGLang captures physical {captured} but the draft was trained on {physical}"
         name = "capture_layers_shifted" if shifts in ({1}, {-1}) else "capture_layers_mismatch"
+        if 0 in captured and 0 not in physical:
+            cause = (f"{versions}SGLang captures physical 0, the embedding output, where the draft was trained on "
+                     f"{physical} (captures {captured}): a -1 id on {arch}, or a first id 0 read as-is")
+            name = "embedding_captured"
         out.append(error(name, {**ev, "shift": shifts.pop() if len(shifts) == 1 else None}, cause, fix))
     return out
 

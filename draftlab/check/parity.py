@@ -5,8 +5,9 @@ capture source that returns, per prompt token, the k*H aux concatenation the ser
 draft; each of the k slots is compared with the stored features of the same tokens (per slot:
 max abs difference, relative error ||live - stored|| / ||stored||, mean cosine, norm ratio).
 Each live slot is also matched against every reference state at hand (the stored slots, the
-stored post-norm final state, and when the target is loaded here every physical layer), which
-names what the server really captures.
+stored post-norm final state, and when the target is loaded here every physical layer, the
+embedding output, physical 0, included), which names what the server really captures: a draft
+trained on the embedding output is checked like any other layer.
 
 Capture sources:
   http_capture(url)            any SGLang EAGLE3 server started with --enable-return-hidden-states,
@@ -263,7 +264,8 @@ CAUSES = {
                             "concatenates in ascending layer order", "re-run standardize, train and export"),
     "final_norm_applied": ("the live state equals the target's final state AFTER the norm: one side applies the final norm "
                            "(a post-norm capture such as hidden_states[-1]) where the other takes the pre-norm residual stream",
-                           "capture pre-norm residual streams on both sides (physical 1..L-1)"),
+                           "capture pre-norm residual streams on both sides (physical 0..L-1: the embedding output and "
+                           "the decoder layers' outputs)"),
     "hidden_norm_mismatch": ("the live layer points the same way as the trained one but its norm differs: a dtype or "
                              "normalisation difference (features scaled or normalised at extraction, fp16 overflow, another dtype)",
                              "extract features exactly as the server computes them; compare the dtype of extract and serving"),

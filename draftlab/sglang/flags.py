@@ -19,9 +19,13 @@ turns the bench's record of them into Findings, draftlab.check.serving.check_fla
   error     SGLang refuses to start, crashes, or runs a broken setup: always refused
 
 Sources (sgl-project/sglang): the EAGLE rules live in `ServerArgs._handle_speculative_decoding`
-(python/sglang/srt/server_args.py) in 0.5.x releases and in `_handle_eagle_family`
-(python/sglang/srt/speculative/spec_info.py) on main; the rules below read the same in both
-places, except the list of attention backends of rule paged_tree_backend.
+(python/sglang/srt/server_args.py) up to 0.5.14, in `_handle_eagle_family`
+(python/sglang/srt/arg_groups/speculative_hook.py) in 0.5.17..0.5.23, and in
+python/sglang/srt/speculative/spec_info.py on main; the rules below read the same in those
+places, except the list of attention backends of rule paged_tree_backend. What changed release
+by release from 0.5.18 to 0.5.23 is in reports/sglang-releases.md; the flags that no SpecFlags
+field holds (--enable-mixed-chunk, --speculative-use-block-verification, ...) are read from the
+extra server arguments (Setup.extra_server_args, bench.extra_server_args).
 """
 from __future__ import annotations
 
@@ -47,6 +51,25 @@ WIDE_ARCHS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")  # (5
 # Before 0.5.8 every other architecture got (5, 4, 8) except these (SGLang PR #9470 added gpt-oss).
 CHAIN_ARCHS_BEFORE_0_5_8 = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+# Extra server arguments the rules below read (store-true flags: present or not).
+MIXED_CHUNK_FLAG = "--enable-mixed-chunk"
+BLOCK_VERIFICATION_FLAG = "--speculative-use-block-verification"
+REJECTION_SAMPLING_FLAG = "--speculative-use-rejection-sampling"
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+# What SGLang does with --enable-mixed-chunk when speculating with EAGLE/EAGLE3, from the first
+# release read with that behaviour (a release between two entries gets the earlier one's):
+MIXED_CHUNK_BY_RELEASE = (
+    ((0, 5, 5), "adjusted"),  # v0.5.5 python/sglang/srt/server_args.py: turned off with a WARNING
+    ((0, 5, 14), "error"),  # v0.5.14 python/sglang/srt/server_args.py check_server_args: bare AssertionError
+    ((0, 5, 17), "adjusted"),  # v0.5.17 python/sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family: turned off
+    ((0, 5, 19), None),  # v0.5.19 same file: kept, SpeculativeAlgorithm.supports_mixed_chunk() holds EAGLE and EAGLE3
+)
+# --speculative-use-block-verification exists from 0.5.22 and turns rejection sampling on for
+# EAGLE/EAGLE3 (v0.5.22 python/sglang/srt/arg_groups/speculative_hook.py handle_speculative_decoding).
+BLOCK_VERIFICATION_FROM = (0, 5, 22)
+# Rejection sampling with --enable-deterministic-inference: ValueError up to 0.5.22, allowed on
+# CUDA from 0.5.23 (v0.5.23 python/sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family).
+DETERMINISTIC_REJECTION_FROM = (0, 5, 23)
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,16 @@ class Setup:
     target_context_length: int | None = None  # the target's context length (or --context-length)
     allow_longer_context: bool = False  # SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the server's env
     max_concurrency: int | None = None  # most requests the benchmark keeps in flight
+    extra_server_args: tuple[str, ...] = ()  # other launch arguments (bench.extra_server_args), read by some rules
+
+    def passes(self, flag: str) -> bool:
+        """Whether the extra server arguments pass the store-true `flag`."""
+        return flag in self.extra_server_args
+
+    def rejection_sampling(self) -> bool:
+        """Whether SGLang verifies by rejection sampling: asked for, or turned on by block verification (0.5.22+)."""
+        return self.passes(REJECTION_SAMPLING_FLAG) or (
+            self.passes(BLOCK_VERIFICATION_FLAG) and parse_version(self.sglang_version) >= BLOCK_VERIFICATION_FROM)
 
 
 @dataclass(frozen=True)
@@ -123,6 +156,45 @@ def _eagle_with_eagle3_draft(s, setup):
     if s["algorithm"] == "EAGLE" and draft.endswith("Eagle3"):
         what = f"the draft is {draft} but SGLang runs it as EAGLE: fc is skipped and acceptance collapses (tau 1.6 instead of 3.3 on the embedded default, SGLang 0.5.14)"
         return "error", what, "set spec.algorithm: EAGLE3"
+
+
+def _block_verification(s, setup):
+    if not setup.passes(BLOCK_VERIFICATION_FLAG):
+        return None
+    if parse_version(setup.sglang_version) < BLOCK_VERIFICATION_FROM:
+        what = f"SGLang {setup.sglang_version} has no {BLOCK_VERIFICATION_FLAG} (added in 0.5.22): it refuses to start (unrecognized argument)"
+        return "error", what, f"remove {BLOCK_VERIFICATION_FLAG} from bench.extra_server_args, or serve with SGLang >= 0.5.22"
+    if not setup.passes(REJECTION_SAMPLING_FLAG):
+        what = (f"{BLOCK_VERIFICATION_FLAG} turns rejection sampling on for {s['algorithm']} without a word: verification "
+                "then samples instead of matching the target's argmax, so acceptance is not comparable with a greedy run")
+        return "default", what, f"add {REJECTION_SAMPLING_FLAG} to bench.extra_server_args to ask for it explicitly"
+
+
+def _mixed_chunk(s, setup):
+    if not setup.passes(MIXED_CHUNK_FLAG):
+        return None
+    v = parse_version(setup.sglang_version)
+    kind = None
+    for since, effect in MIXED_CHUNK_BY_RELEASE:
+        if v >= since:
+            kind = effect
+    fix = f"remove {MIXED_CHUNK_FLAG} from bench.extra_server_args (or serve with SGLang >= 0.5.19, which keeps it)"
+    if kind == "error":
+        return "error", f"SGLang {setup.sglang_version} refuses {MIXED_CHUNK_FLAG} with speculative decoding (AssertionError at start-up)", fix
+    if kind == "adjusted":
+        return "adjusted", f"SGLang {setup.sglang_version} turns {MIXED_CHUNK_FLAG} off when speculating (WARNING)", fix
+
+
+def _rejection_sampling_topk(s, setup):
+    if setup.rejection_sampling() and s["topk"] is not None and s["topk"] != 1:
+        what = f"rejection sampling (asked for, or turned on by {BLOCK_VERIFICATION_FLAG}) needs a chain: SGLang refuses topk={s['topk']} (ValueError)"
+        return "error", what, "set spec.topk: 1 (and spec.num_draft_tokens: spec.num_steps + 1)"
+
+
+def _rejection_sampling_deterministic(s, setup):
+    if setup.rejection_sampling() and setup.passes(DETERMINISTIC_FLAG) and parse_version(setup.sglang_version) < DETERMINISTIC_REJECTION_FROM:
+        what = f"SGLang {setup.sglang_version} refuses rejection sampling with {DETERMINISTIC_FLAG} (ValueError; allowed on CUDA from 0.5.23)"
+        return "error", what, f"drop {DETERMINISTIC_FLAG} or rejection sampling, or serve with SGLang >= 0.5.23"
 
 
 def _max_running_requests_default(s, setup):
@@ -217,8 +289,10 @@ def _concurrency_above_running(s, setup):
         return "adjusted", what, f"set bench.max_running_requests: {want} or keep bench.concurrency <= {cap}"
 
 
-_ARGS = ("python/sglang/srt/server_args.py ServerArgs._handle_speculative_decoding (0.5.x); "
+_ARGS = ("python/sglang/srt/server_args.py ServerArgs._handle_speculative_decoding (0.5.x up to 0.5.14); "
+         "python/sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family (0.5.17..0.5.23); "
          "python/sglang/srt/speculative/spec_info.py _handle_eagle_family (main)")
+_HOOK = "sgl-project/sglang v0.5.23 python/sglang/srt/arg_groups/speculative_hook.py"
 
 RULES: tuple[Rule, ...] = (
     Rule("eagle_with_eagle3_draft",
@@ -227,12 +301,28 @@ RULES: tuple[Rule, ...] = (
          sglang_message=None, log_pattern=None, fix="set spec.algorithm: EAGLE3",
          source="DESIGN.md section 4 (read from SGLang's EAGLE worker and LlamaForCausalLMEagle3)",
          check=_eagle_with_eagle3_draft),
+    Rule("block_verification",
+         condition=f"{BLOCK_VERIFICATION_FLAG} in bench.extra_server_args",
+         effect="up to 0.5.21: unknown argument, SGLang refuses to start; from 0.5.22: EAGLE/EAGLE3 verify by rejection sampling "
+                f"({REJECTION_SAMPLING_FLAG} turned on, no message)",
+         sglang_message=None, log_pattern=None, fix=f"pass {REJECTION_SAMPLING_FLAG} too, or drop {BLOCK_VERIFICATION_FLAG}",
+         source=f"{_HOOK} handle_speculative_decoding (added in v0.5.22)", check=_block_verification),
     Rule("max_running_requests_default",
          condition="max_running_requests unset",
          effect=f"max_running_requests := {SPEC_MAX_RUNNING_REQUESTS}, which also caps the CUDA-graph batch sizes",
          sglang_message=f"Max running requests is reset to {SPEC_MAX_RUNNING_REQUESTS} for speculative decoding",
          log_pattern=r"Max running requests is reset to \d+ for speculative decoding",
          fix="set bench.max_running_requests", source=_ARGS, check=_max_running_requests_default),
+    Rule("mixed_chunk",
+         condition=f"{MIXED_CHUNK_FLAG} in bench.extra_server_args",
+         effect="0.5.5: turned off (WARNING); 0.5.14: AssertionError; 0.5.17-0.5.18: turned off (WARNING); from 0.5.19: kept "
+                "for EAGLE/EAGLE3",
+         sglang_message="Mixed chunked prefill is disabled because of using eagle speculative decoding.",
+         log_pattern=r"Mixed chunked prefill is disabled because of using eagle speculative decoding",
+         fix=f"drop {MIXED_CHUNK_FLAG}",
+         source=f"python/sglang/srt/server_args.py (v0.5.5, v0.5.14); {_HOOK} _handle_eagle_family and "
+                "python/sglang/srt/speculative/spec_info.py SpeculativeAlgorithm.supports_mixed_chunk (v0.5.19+)",
+         check=_mixed_chunk),
     Rule("defaults_need_num_steps",
          condition="num_steps unset but topk or num_draft_tokens set",
          effect="start-up stops: assert speculative_eagle_topk is None and speculative_num_draft_tokens is None",
@@ -255,6 +345,20 @@ RULES: tuple[Rule, ...] = (
          sglang_message="trtllm_mha backend only supports topk = 1 for speculative decoding.",
          log_pattern=r"trtllm_mha backend only supports topk = 1 for speculative decoding",
          fix="set spec.topk: 1 or another bench.attention_backend", source=_ARGS, check=_trtllm_mha_topk),
+    Rule("rejection_sampling_topk",
+         condition=f"rejection sampling ({REJECTION_SAMPLING_FLAG}, or {BLOCK_VERIFICATION_FLAG} from 0.5.22) and topk != 1",
+         effect="ValueError at start-up",
+         sglang_message="--speculative-use-rejection-sampling requires --speculative-eagle-topk=1.",
+         log_pattern=r"--speculative-use-rejection-sampling requires --speculative-eagle-topk=1",
+         fix="set spec.topk: 1", source=f"{_HOOK} _handle_eagle_family (read in v0.5.17..v0.5.23)", check=_rejection_sampling_topk),
+    Rule("rejection_sampling_deterministic",
+         condition=f"rejection sampling and {DETERMINISTIC_FLAG}, SGLang before 0.5.23",
+         effect="ValueError at start-up (0.5.23 allows it on CUDA)",
+         sglang_message="--speculative-use-rejection-sampling is incompatible with --enable-deterministic-inference",
+         log_pattern=r"--speculative-use-rejection-sampling is incompatible with --enable-deterministic-inference",
+         fix=f"drop {DETERMINISTIC_FLAG}, or serve with SGLang >= 0.5.23",
+         source=f"python/sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family (v0.5.17..v0.5.22; changed in v0.5.23)",
+         check=_rejection_sampling_deterministic),
     Rule("chain_draft_tokens",
          condition="topk == 1 and num_draft_tokens != num_steps + 1 (unset included)",
          effect="num_draft_tokens := num_steps + 1 (WARNING, once)",
@@ -362,11 +466,13 @@ class Resolution:
 
 def resolve(requested: SpecFlags, target_architecture: str, sglang_version: str, *, draft_architecture: str | None = None,
             draft_context_length: int | None = None, target_context_length: int | None = None,
-            allow_longer_context: bool | None = None, max_concurrency: int | None = None) -> Resolution:
+            allow_longer_context: bool | None = None, max_concurrency: int | None = None,
+            extra_server_args: list[str] | tuple[str, ...] = ()) -> Resolution:
     """Apply every rule to `requested`; never raises for a bad combination (see Resolution.enforce).
 
     allow_longer_context None = read SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN from this
-    process's environment (the server inherits it).
+    process's environment (the server inherits it). extra_server_args: the other launch
+    arguments (bench.extra_server_args); the rules read the store-true flags among them.
     """
     if requested.algorithm not in ALGORITHMS:
         raise UserError(f"spec.algorithm must be one of {', '.join(ALGORITHMS)}, got {requested.algorithm!r}")
@@ -374,7 +480,7 @@ def resolve(requested: SpecFlags, target_architecture: str, sglang_version: str,
     if allow_longer_context is None:
         allow_longer_context = os.environ.get(ALLOW_LONGER_CONTEXT_ENV, "").strip().lower() in ("1", "true")
     setup = Setup(target_architecture, sglang_version, draft_architecture, draft_context_length,
-                  target_context_length, allow_longer_context, max_concurrency)
+                  target_context_length, allow_longer_context, max_concurrency, tuple(extra_server_args or ()))
     state = dataclasses.asdict(requested)
     findings = tuple(f for f in (rule.apply(state, setup) for rule in RULES) if f is not None)
     return Resolution(requested, SpecFlags(**state), findings, target_architecture, sglang_version)
