@@ -77,7 +77,8 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     requested = requested_from_params(spec_params, bench_params)
     res = resolve(requested, info["architecture"], sglang_version, draft_architecture=(draft.config.get("architectures") or [None])[0],
                   draft_context_length=draft.config.get("max_position_embeddings"),
-                  target_context_length=info["max_position_embeddings"], max_concurrency=max(bench_params.concurrency))
+                  target_context_length=info["max_position_embeddings"], max_concurrency=max(bench_params.concurrency),
+                  extra_server_args=bench_params.extra_server_args)
     if bench_params.backend == "url":
         # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
         for f in res.errors + res.adjustments:

@@ -196,3 +196,17 @@ def test_read_draft_refuses_another_speculator_kind(tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
     with pytest.raises(UserError, match="dflash"):
         read_draft(tmp_path / "d")
+
+
+def test_a_variant_flag_is_named_only_for_releases_that_ignore_it(target, tmp_path):
+    # fc_norm is read by llama_eagle3.py from 0.5.14, norm_before_fc from 0.5.17 (the released wheels)
+    path, facts = target
+    draft = write_specforge(tmp_path / "specforge", facts, fc_norm=True, norm_before_fc=True)
+
+    def variant(version):
+        found = {f.name: f for f in check_external(draft, str(path), version).findings}
+        return found["draft_variant_unsupported"].evidence["flags"] if "draft_variant_unsupported" in found else []
+
+    assert variant("0.5.5") == ["fc_norm", "norm_before_fc"]
+    assert variant("0.5.14") == ["norm_before_fc"]
+    assert variant("0.5.17") == []

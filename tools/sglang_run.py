@@ -194,7 +194,8 @@ class Driver:
         target_arch = json.loads((self.work / p.target.model / "config.json").read_text())["architectures"][0]
         res = resolve(requested_from_params(sp, p.bench), target_arch, p.export.sglang_version,
                       draft_architecture=config["architectures"][0], draft_context_length=config.get("max_position_embeddings"),
-                      target_context_length=config.get("max_position_embeddings"), max_concurrency=max(p.bench.concurrency))
+                      target_context_length=config.get("max_position_embeddings"), max_concurrency=max(p.bench.concurrency),
+                      extra_server_args=p.bench.extra_server_args)
         return res.effective, res
 
     def server(self, p, draft: Path | None, flags: SpecFlags, log: Path, hidden: bool = False):

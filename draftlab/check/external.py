@@ -39,8 +39,10 @@ from draftlab.sglang.layers import VERIFIED_VERSIONS, default_physical, ids_for_
 INDEX = "model.safetensors.index.json"
 SPECULATORS_RENAMES = {"layers.0.": "midlayer."}  # speculators' name -> SGLang's (LlamaForCausalLMEagle3.midlayer)
 NOT_SERVED = ("embed_tokens.weight",)  # SGLang shares the target's embedding; a draft copy is not what it serves
-# Config switches that change the draft's function; SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py, read
-# from source) computes the plain EAGLE-3 layer and reads none of them.
+# Config switches that change the draft's function. SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py, read
+# from source) computes the plain EAGLE-3 layer in 0.5.5 and reads none of them; later releases read some
+# (VARIANT_READ_FROM: the first release whose llama_eagle3.py reads the flag, from the released wheels).
+VARIANT_READ_FROM = {"fc_norm": (0, 5, 14), "norm_before_fc": (0, 5, 17)}
 VARIANT_FLAGS = {
     "norm_before_residual": "hidden_norm applied before the residual is stored (speculators)",
     "norm_before_fc": "one RMSNorm over the concatenated aux states before fc (speculators, gpt-oss style)",
@@ -247,15 +249,16 @@ def check_speculators(d: ForeignDraft, target: dict, served: ServedLayers) -> li
     return out
 
 
-def check_variant_flags(d: ForeignDraft) -> list[Finding]:
-    """Config switches of a variant EAGLE-3 layer that SGLang's LlamaForCausalLMEagle3 does not compute."""
+def check_variant_flags(d: ForeignDraft, version: str) -> list[Finding]:
+    """Config switches of a variant EAGLE-3 layer that SGLang's LlamaForCausalLMEagle3 at `version` does not compute."""
     flags = dict(VARIANT_FLAGS, **(SPECULATORS_ONLY_FLAGS if d.layout == "speculators" else {}))
-    on = {k: what for k, what in flags.items() if d.config.get(k) is True}
+    served = {k for k, since in VARIANT_READ_FROM.items() if parse_version(version) >= since}
+    on = {k: what for k, what in flags.items() if d.config.get(k) is True and k not in served}
     if not on:
         return []
     return [warning("draft_variant_unsupported", {"flags": sorted(on), "meaning": on},
-                    f"the draft was built with {', '.join(sorted(on))}; SGLang's {ARCHITECTURE} (llama_eagle3.py, read from "
-                    f"source) computes the plain EAGLE-3 layer and reads none of these, so it serves a different function than "
+                    f"the draft was built with {', '.join(sorted(on))}; SGLang {version}'s {ARCHITECTURE} (llama_eagle3.py, read "
+                    f"from source) reads none of these, so it serves a different function than "
                     f"was trained (extra norm weights, if any, are dropped)",
                     "serve it where the variant is implemented, or check the served acceptance against training before use")]
 
@@ -336,7 +339,7 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
     out += check_draft_shapes(d.draft, tensors, target, len(intended.physical) or 3, redo=REDO)
     out += check_d2t(d.draft, d2t, training_d2t, redo=REDO)
     out += check_t2d(d, d2t)
-    out += check_variant_flags(d)
+    out += check_variant_flags(d, version)
     return out, served, intended
 
 
