@@ -17,9 +17,13 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
                         + L                        the rest of the round loop (emitting, counting, cache
                                                    bookkeeping): what the offline run's rounds took beyond
                                                    the fitted parts above, at the configuration that ran
-    speedup = (P + T * b) / (P + P_d + (T / tau) * round)
+    speedup = (P + T * b) / (P + P_d + (T / tau) * round * c)
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
+c: in-process to served: with the served baseline's requests fitted as P + T * b_server
+(`fit_requests`), b = b_server, P = its fixed part (prefill, HTTP) and c = b_server / the decode
+step timed here, with its rollback like every term above (`server_costs`); without a served
+baseline, b is that step, P the prefill and c = 1;
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
@@ -197,11 +201,37 @@ def round_cost(costs: dict, num_steps: int, topk: int, num_draft_tokens: int, ta
     return parts
 
 
+def server_costs(costs: dict) -> tuple[float, float, float]:
+    """(baseline step, per-request fixed cost, scale of an in-process round to a served one), in the
+    unit of `costs`.
+
+    The step costs are timed here, in-process, each with its cache rollback (`measure_costs`); the
+    servers run the same steps inside their own loop. With the served baseline fitted
+    (server_step_s, server_request_s: `fit_requests`), the ratio of its step to the decode step
+    timed here converts a round timed here into a served one: s = server_step_s / baseline_step_s
+    (whatever the server does per step besides, or faster, it does per round too). Without them:
+    the in-process step, the prefill, and s = 1."""
+    if costs.get("server_step_s") is None:
+        return costs["baseline_step_s"], costs.get("prefill_s", 0.0), 1.0
+    step = costs["server_step_s"]
+    return step, costs.get("server_request_s", costs.get("prefill_s", 0.0)), step / costs["baseline_step_s"]
+
+
+def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
+    """Per-request seconds = fixed + tokens * step, fitted over a server's measured requests (both
+    >= 0): its decode step (s/token) and what a request costs besides (prefill, HTTP). None when the
+    requests are too few or too alike in length to separate the two."""
+    if len(tokens) < 3 or max(tokens) - min(tokens) < 8:
+        return None
+    fixed, step = _nonnegative_lstsq([[1.0] * len(tokens), [float(t) for t in tokens]], list(seconds))
+    return {"server_request_s": fixed, "server_step_s": step}
+
+
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
     """Predicted speedup of one configuration whose rounds yield `tau` tokens (module docstring)."""
-    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"]
+    base, prefill, scale = server_costs(costs)
+    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"] * scale
     T = costs.get("tokens_per_request") or math.inf
-    base, prefill = costs["baseline_step_s"], costs.get("prefill_s", 0.0)
     if math.isinf(T):
         return tau * base / r
     return (prefill + T * base) / (prefill + costs.get("draft_prefill_s", 0.0) + (T / tau) * r)
@@ -344,21 +374,15 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
     Each timing is the median of `repeats`, the terms interleaved (`_interleaved_medians`); a term is
     timed from the state the engine would be in (the prompt prefilled in the target's and the
     draft's caches), and every cache is rolled back after it, so that the next timing starts from
-    the same state. The baseline step is timed before and after the rest (3 runs each), its median
-    taken over both.
+    the same state. The baseline step is one decode step of the target (baseline_generate's body),
+    timed among the rest.
     """
     configs = configs or CHAINS + TREES
     device = target.device
     ids = torch.tensor([prompt], device=device)
     n = len(prompt)
     spec_engine.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
-    steps = 16
 
-    def baseline_steps():
-        return [(b.total_s - b.prefill_s) / steps
-                for b in (spec_engine.baseline_generate(target, prompt, steps + 1, ignore_eos=True) for _ in range(3))]
-
-    base_before = baseline_steps()
     with AuxCapture(target, physical) as aux, spec_engine.attention_kernels(device):
         cache = spec_engine.new_cache(target)
         t0 = time.perf_counter()
@@ -371,7 +395,12 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
         draft_prefill = time.perf_counter() - t0
         d0 = len(dcache)
 
-        timers, trees = {}, {}
+        def decode_step():  # the baseline's step (baseline_generate's body), timed among the rest
+            logits = spec_engine.target_forward(target, torch.tensor([[x]], device=device), cache, logits_to_keep=1)
+            spec_engine.pick(logits[0, -1], True, 0.0, -1, 1.0, None)
+            _rollback(cache, n)
+
+        timers, trees = {("decode", 1): _timed(decode_step, device)}, {}
         for s, k, ndt in configs:
             if k == 1:
                 fn = lambda s=s: spec_engine.draft_chain(draft, dcache, root, x, n, s)  # noqa: E731
@@ -409,7 +438,7 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
         for r in range(1, max(chain_widths) + 1):
             timers[("extend", r)] = extend(r)
         med = _interleaved_medians(timers, repeats)
-    baseline_step = statistics.median(base_before + baseline_steps())
+    baseline_step = med.pop(("decode", 1))
 
     def by(term):
         return {key: t for (name, key), t in med.items() if name == term}

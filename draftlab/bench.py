@@ -122,7 +122,8 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
             info = client.server_info()
             out[mode] = {"speed": speed(records[mode], wall[mode]), "spec": spec_figures(metas), "sweep": sweep,
                          "server_accept_length": server_accept_length(info),
-                         "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas]}
+                         "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas],
+                         "request_seconds": [r["seconds"] for r in records[mode]]}
         return out
     finally:
         for client in clients.values():

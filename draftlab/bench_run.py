@@ -105,6 +105,10 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     baseline, spec, log = measure_served(plan, out)
     server_log = read_log(log) if log.exists() else None
     offline, costs, physical, ranks = measure_offline(plan)
+    if baseline:  # the served baseline's own step and per-request cost (advice.server_costs)
+        done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
+        done = [(t, sec) for t, sec in done if t]
+        costs.update(advice.fit_requests([t for t, _ in done], [sec for _, sec in done]) or {})
 
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
