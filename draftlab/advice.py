@@ -17,13 +17,14 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
                         + L                        the rest of the round loop (emitting, counting, cache
                                                    bookkeeping): what the offline run's rounds took beyond
                                                    the fitted parts above, at the configuration that ran
-    speedup = (P + T * b) / (P + P_d + (T / tau) * round * c)
+    speedup = (P + T * b) / (P + P_d + (T / tau) * (round + o))
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
-c: in-process to served: with the served baseline's requests fitted as P + T * b_server
-(`fit_requests`), b = b_server, P = its fixed part (prefill, HTTP) and c = b_server / the decode
-step timed here, with its rollback like every term above (`server_costs`); without a served
-baseline, b is that step, P the prefill and c = 1;
+o: the server's own work per engine step: with the served baseline's requests fitted as
+P + T * b_server (`fit_requests`), b = b_server, P = its fixed part (prefill, HTTP) and
+o = b_server - the in-process decode step over the same prompts, paid once per round by a
+speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
+prefill and o = 0;
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
@@ -202,19 +203,18 @@ def round_cost(costs: dict, num_steps: int, topk: int, num_draft_tokens: int, ta
 
 
 def server_costs(costs: dict) -> tuple[float, float, float]:
-    """(baseline step, per-request fixed cost, scale of an in-process round to a served one), in the
-    unit of `costs`.
+    """(baseline step, per-request fixed cost, the server's own work per engine step), in the unit
+    of `costs`.
 
-    The step costs are timed here, in-process, each with its cache rollback (`measure_costs`); the
-    servers run the same steps inside their own loop. With the served baseline fitted
-    (server_step_s, server_request_s: `fit_requests`), the ratio of its step to the decode step
-    timed here converts a round timed here into a served one: s = server_step_s / baseline_step_s
-    (whatever the server does per step besides, or faster, it does per round too). Without them:
-    the in-process step, the prefill, and s = 1."""
+    With the served baseline fitted (server_step_s, server_request_s: `fit_requests`), a server's
+    step is the engine's decode step plus its own work per step (scheduling, output, stop checks):
+    o = server_step_s - the in-process decode step over the same prompts (baseline_run_step_s, from
+    the offline run; else the timed step). A speculative server pays o once per round, not once per
+    token. Without a served baseline: the in-process step, the prefill, and o = 0."""
     if costs.get("server_step_s") is None:
-        return costs["baseline_step_s"], costs.get("prefill_s", 0.0), 1.0
-    step = costs["server_step_s"]
-    return step, costs.get("server_request_s", costs.get("prefill_s", 0.0)), step / costs["baseline_step_s"]
+        return costs["baseline_step_s"], costs.get("prefill_s", 0.0), 0.0
+    step, here = costs["server_step_s"], costs.get("baseline_run_step_s") or costs["baseline_step_s"]
+    return step, costs.get("server_request_s", costs.get("prefill_s", 0.0)), max(0.0, step - here)
 
 
 def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
@@ -229,8 +229,8 @@ def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
 
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
     """Predicted speedup of one configuration whose rounds yield `tau` tokens (module docstring)."""
-    base, prefill, scale = server_costs(costs)
-    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"] * scale
+    base, prefill, overhead = server_costs(costs)
+    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"] + overhead
     T = costs.get("tokens_per_request") or math.inf
     if math.isinf(T):
         return tau * base / r
@@ -311,11 +311,13 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
                 eos: set[int], ignore_eos: bool) -> dict:
     """Every prompt decoded in-process by spec_engine with the served flags: pooled tau, a_i, speed,
     seconds per round (prefills excluded) and the outputs (for the rank shares)."""
-    results = [
-        spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk, num_draft_tokens=flags.num_draft_tokens,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical)
-        for p in prompts
-    ]
+    results, baselines = [], []
+    for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
+        results.append(spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
+                                            num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
+                                            eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
+        baselines.append(spec_engine.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
+    base_steps = sum(len(b.output_ids) - 1 for b in baselines)
     proposed = [sum(x) for x in zip(*(r.proposed for r in results))]
     accepted = [sum(x) for x in zip(*(r.accepted for r in results))]
     tokens = sum(len(r.output_ids) for r in results)
@@ -325,6 +327,8 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
         "acceptance": conditional_acceptance(accepted, proposed),
         "tokens_per_s": tokens / sum(r.total_s for r in results),
         "tokens_per_request": tokens / len(results),
+        # the in-process decode step over the same prompts (prefill excluded), s/token
+        "baseline_step_s": sum(b.total_s - b.prefill_s for b in baselines) / base_steps if base_steps else None,
         "draft_s": sum(r.draft_s for r in results),
         "verify_s": sum(r.verify_s for r in results),
         "verify_ct": verify_ct,

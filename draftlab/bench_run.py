@@ -217,6 +217,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     costs["offline_round_s"] = round_s
     costs["loop_s"] = max(0.0, round_s - parts["round"])
     costs["tokens_per_request"] = offline["tokens_per_request"]
+    costs["baseline_run_step_s"] = offline.pop("baseline_step_s")
     ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
     return offline, costs, physical, ranks
 
