@@ -17,6 +17,7 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
                         + L                        the rest of the round loop (emitting, counting, cache
                                                    bookkeeping): what the offline run's rounds took beyond
                                                    the fitted parts above, at the configuration that ran
+                                                   (negative where the fitted lines overshoot that round)
     speedup = (P + T * b) / (P + P_d + (T / tau) * (round + o))
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);

@@ -211,11 +211,12 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
                                  advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else []))
     costs["fit_s"] = advice.fit_costs(costs)  # the model's terms, fitted over every configuration timed
     # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
-    # configuration that ran; never negative (a fit above the measured round predicts low, not less).
+    # configuration that ran. It may be negative: where the lines through every configuration's
+    # timings overshoot this configuration's measured round, the measured round is the better figure.
     round_s = (offline["decode_s"] - offline["requests"] * costs["draft_prefill_s"]) / max(1, offline["verify_ct"])
     parts = advice.round_cost(costs, *ran, offline["tau"])
     costs["offline_round_s"] = round_s
-    costs["loop_s"] = max(0.0, round_s - parts["round"])
+    costs["loop_s"] = round_s - parts["round"]
     costs["tokens_per_request"] = offline["tokens_per_request"]
     costs["baseline_run_step_s"] = offline.pop("baseline_step_s")
     ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)

@@ -255,3 +255,27 @@ def test_the_bench_summary_says_dont_speculate_and_the_prediction_for_the_config
     line = summary(report)
     assert "advice: don't speculate" in line and f"predicted {ran['predicted_speedup']:.2f}x" in line
     assert f"{100 * ran['speedup_error']:+.0f}% against measured" in line
+
+
+def test_the_served_baselines_requests_give_its_step_and_fixed_cost():
+    rng = random.Random(0)
+    tokens = [rng.randrange(20, 129) for _ in range(32)]
+    seconds = [0.040 + n * 0.012 * rng.uniform(0.98, 1.02) for n in tokens]  # 40 ms per request, 12 ms per token
+    fit = advice.fit_requests(tokens, seconds)
+    assert fit["server_step_s"] == pytest.approx(0.012, rel=0.03)
+    assert fit["server_request_s"] == pytest.approx(0.040, abs=0.02)
+    assert advice.fit_requests([64] * 10, [0.8] * 10) is None  # one length: step and fixed cost are not separable
+
+
+def test_a_servers_own_work_per_step_is_paid_once_per_round():
+    base = {**HAND, "tokens_per_request": math.inf}
+    plain = advice.predict(base, 3.0, 2, 1, 3)
+    # The served baseline needs 4 ms per step more than the engine's decode step measured here:
+    served = {**base, "server_step_s": base["baseline_step_s"] + 4.0, "baseline_run_step_s": base["baseline_step_s"]}
+    r = advice.round_cost(base, 2, 1, 3, 3.0)["round"]
+    assert advice.server_costs(served) == (14.0, HAND.get("prefill_s", 0.0), 4.0)
+    assert advice.predict(served, 3.0, 2, 1, 3) == pytest.approx(3.0 * 14.0 / (r + 4.0))
+    assert advice.predict(served, 3.0, 2, 1, 3) > plain  # the baseline pays it per token, speculation per round
+    # A server no slower than the engine adds nothing
+    same = {**base, "server_step_s": base["baseline_step_s"], "baseline_run_step_s": base["baseline_step_s"] + 1.0}
+    assert advice.predict(same, 3.0, 2, 1, 3) == pytest.approx(plain)
