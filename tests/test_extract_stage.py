@@ -141,7 +141,7 @@ def test_row_longer_than_max_length_is_named(project, monkeypatch):
 
 
 @pytest.mark.parametrize("layers,says", [([0, 2, 9], "layer 9 is out of range"), ([1, 5], "layer 5 is out of range"),
-                                         ("middle", "must be a list of layer numbers or 'default'")])
+                                         ("middle", "must be a list of decoder layer numbers")])
 def test_layers_sglang_cannot_capture_are_refused(project, monkeypatch, layers, says):
     set_params(project, "capture", layers=layers)
     r = extract_here(project, monkeypatch)
