@@ -230,7 +230,24 @@ def collate(items: list[dict], device) -> dict[str, torch.Tensor]:
     }
 
 
-class FeatureDataset(torch.utils.data.Dataset):
+class Sequences:
+    """What both training datasets share: sequences as (start, end) spans over token arrays, cut
+    to `max_length`, and the metadata that names their physical layers. A subclass sets
+    `self.metadata`, `self.max_length` and `self.index`, and defines span(i)."""
+
+    @property
+    def physical_layers(self) -> list[int]:
+        return list(self.metadata["physical_layers"])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def length(self, i: int) -> int:
+        a, b = self.span(i)
+        return min(b - a, self.max_length) if self.max_length else b - a
+
+
+class FeatureDataset(Sequences, torch.utils.data.Dataset):
     """Sequences of one split (`data/features/train`), read lazily from the shards.
 
     Item i is a dict: input_ids int64 [n], loss_mask bool [n], aux_hidden [n, k*H],
@@ -259,17 +276,8 @@ class FeatureDataset(torch.utils.data.Dataset):
         self._open: dict[int, object] = {}
         self.tokens_served = 0  # real tokens of the batches made so far (the stage's training rate)
 
-    @property
-    def physical_layers(self) -> list[int]:
-        return list(self.metadata["physical_layers"])
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def length(self, i: int) -> int:
-        _, a, b = self.index[i]
-        n = b - a
-        return min(n, self.max_length) if self.max_length else n
+    def span(self, i: int) -> tuple[int, int]:
+        return self.index[i][1:]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s, a, b = self.index[i]

@@ -18,7 +18,7 @@ import torch
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.extract import TOKENS_FILE, capture, read_tokens_record
-from draftlab.features import REQUIRED_METADATA, read_metadata
+from draftlab.features import REQUIRED_METADATA, Sequences, read_metadata
 from draftlab.target import load_target
 
 
@@ -40,7 +40,7 @@ class OnlineTarget:
         return self._model
 
 
-class OnlineFeatures:
+class OnlineFeatures(Sequences):
     """FeatureDataset's interface (len, length(i), physical_layers, items, batch) over one
     split's tokens record; the states of a batch come from `target` at batch time.
 
@@ -62,16 +62,8 @@ class OnlineFeatures:
         self.index = [(a, b) for a, b in zip(off[:-1], off[1:]) if b > a]  # the order FeatureDataset would see
         self.tokens_served, self.seconds = 0, 0.0
 
-    @property
-    def physical_layers(self) -> list[int]:
-        return list(self.metadata["physical_layers"])
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def length(self, i: int) -> int:
-        a, b = self.index[i]
-        return min(b - a, self.max_length) if self.max_length else b - a
+    def span(self, i: int) -> tuple[int, int]:
+        return self.index[i]
 
     def _tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, _ = self.index[i]

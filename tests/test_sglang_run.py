@@ -1,6 +1,6 @@
 """tools/sglang_run.py, the driver that serves the pipeline's draft with SGLang, end to end on a CPU.
 
-The same code launched SGLang on an H200 (reports/sglang-h200/); here every server is the
+The same code launches SGLang on a GPU machine (reports/sglang-h200/); here every server is the
 project's reference server, which applies SGLang's flag rules and prints SGLang's log lines, or
 (the bench phase) a stand-in for `python -m sglang.launch_server` that starts it.
 """

@@ -26,6 +26,15 @@ from draftlab.sglang.checkpoint import read_exported
 from draftlab.sglang.layers import VERIFIED_VERSIONS
 
 
+def add_parity_options(parser, json_help: str) -> None:
+    """The live-parity options both commands take."""
+    parser.add_argument("--samples", type=int, default=4, help="sequences sent for live parity")
+    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a live slot may show")
+    parser.add_argument("--norm-tolerance", type=float, default=0.15)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
+    parser.add_argument("--json", type=Path, default=None, help=json_help)
+
+
 def parity_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftlab.check parity",
                                      description="compare a server's (or the in-process) captured hidden states with the training features")
@@ -34,11 +43,7 @@ def parity_main(argv=None) -> int:
     parser.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
     parser.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
     parser.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
-    parser.add_argument("--samples", type=int, default=4, help="training sequences to send")
-    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a slot may show")
-    parser.add_argument("--norm-tolerance", type=float, default=0.15)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
-    parser.add_argument("--json", type=Path, default=None, help="write the full parity result here")
+    add_parity_options(parser, "write the full parity result here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     features_manifest = read_verified(args.features)  # the shards standardize recorded, complete
@@ -85,11 +90,7 @@ def draft_main(argv=None) -> int:
                         help=f"the SGLang release that serves it (default: the one the draft records, else {VERIFIED_VERSIONS[-1]})")
     parser.add_argument("--server", default="", help="a running SGLang EAGLE3 server with --enable-return-hidden-states: live parity")
     parser.add_argument("--features", type=Path, default=None, help="this project's training features: the trained layers, d2t, norms")
-    parser.add_argument("--samples", type=int, default=4, help="sequences for live parity")
-    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a live slot may show")
-    parser.add_argument("--norm-tolerance", type=float, default=0.15)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
-    parser.add_argument("--json", type=Path, default=None, help="write the findings (and the parity result) here")
+    add_parity_options(parser, "write the findings (and the parity result) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     verdict = check_external(args.path, args.target, args.sglang_version, args.server, args.features, args.samples, args.rtol,

@@ -10,7 +10,6 @@ against any server: python -m draftlab.check parity --url http://127.0.0.1:30000
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
-from draftlab.check.findings import Finding, by_severity, error, errors, info, warning
+from draftlab.check.findings import Finding, by_severity, error, errors, finite, info, warning
 from draftlab.check.hardware import check_hardware, stage_manifests
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.check.serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
@@ -269,15 +268,6 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
 
 def report_dict(d: Diagnosis) -> dict:
     """reports/check.json content (before lineage): strict JSON (an infinite error becomes null)."""
-    def finite(x):
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [finite(v) for v in x]
-        return x
-
     counts = {s: sum(f.severity == s for f in d.findings) for s in ("error", "warning", "ok-info")}
     return finite({"ok": not d.errors, "errors": [f.name for f in d.errors], "counts": counts,
                    "findings": [f.as_dict() for f in d.findings], "parity": d.parity})

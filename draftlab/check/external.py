@@ -21,7 +21,6 @@ itself implies (a finding says which), so only --features or --server proves it.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
-from draftlab.check.findings import ERROR, INFO, WARNING, Finding, by_severity, error, errors, info, warning
+from draftlab.check.findings import ERROR, INFO, WARNING, Finding, by_severity, error, errors, finite, info, warning
 from draftlab.dtypes import TORCH_DTYPES
 from draftlab.errors import UserError
 from draftlab.features import draft_to_target
@@ -357,17 +356,6 @@ def settings_of(d: ForeignDraft, target: dict, served: ServedLayers, intended: I
             "num_layers": target.get("num_layers"), "sglang_version": served.sglang_version,
             "eagle_aux_hidden_state_layer_ids": d.draft.layer_ids, "sglang_captures": served.physical,
             "trained_physical": intended.physical, "trained_basis": intended.basis}
-
-
-def finite(x):
-    """Strict JSON: an infinite or NaN float becomes null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite(v) for v in x]
-    return x
 
 
 def verdict_dict(v: Verdict) -> dict:

@@ -6,6 +6,7 @@ functions of draftlab/check/*.py return lists of these; they never raise for a f
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 ERROR, WARNING, INFO = "error", "warning", "ok-info"
@@ -51,3 +52,14 @@ def by_severity(findings: list[Finding]) -> list[Finding]:
 
 def names(findings: list[Finding]) -> list[str]:
     return [f.name for f in findings]
+
+
+def finite(x):
+    """Strict JSON for the reports: an infinite or NaN float becomes null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
