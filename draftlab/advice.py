@@ -265,6 +265,11 @@ def advise(acceptance: list[float], costs: dict, configs=None, depth1_ranks: lis
         rows.append({"num_steps": steps, "topk": topk, "num_draft_tokens": ndt, "predicted_tau": tau,
                      "predicted_speedup": predict(costs, tau, steps, topk, ndt), "round_ms": 1e3 * parts["round"],
                      "extrapolated": steps > len(acceptance)})
+    return recommend(rows)
+
+
+def recommend(rows: list[dict]) -> dict:
+    """The best of `rows` (each with a predicted_speedup), or "don't speculate" when none is above 1.0x."""
     best = max(rows, key=lambda r: r["predicted_speedup"]) if rows else None
     speculate = best is not None and best["predicted_speedup"] > 1.0
     return {"candidates": rows, "recommended": best if speculate else None, "speculate": speculate,
@@ -303,6 +308,101 @@ def predicted_vs_measured(candidates: list[dict], measured: list[dict]) -> list[
                     "speedup_error": err})
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------
+# A serving engine's own rounds (SGLang): the model fitted on what the server measured
+#
+# An in-process round is not a served one: SGLang replays CUDA graphs of the draft and the verify
+# and overlaps its scheduling with them, where the engine above launches eager kernels from Python.
+# A served round is measured without any server instrumentation: the speculative server's requests
+# over the same prompts as the baseline's take P + rounds * R seconds (rounds = spec_verify_ct), with
+# P the per-request cost fitted on the baseline's requests (prefill, HTTP; `fit_requests`). Over the
+# configurations served, R is fitted as
+#
+#     round(s, k, w) = R0 + d * s + v * w      (seconds; non-negative least squares)
+#
+# R0: what every round pays (the target's weights read once by the verify, the draft's extend, the
+# server's own work), d: one draft step (a graph replay of the draft layer and its head), v: one more
+# token in the verify forward. Memory-bound at bs=1, so topk enters only through w.
+
+
+def served_round(base: list[tuple[int, float]], spec: list[tuple[int, int, float]]) -> dict | None:
+    """One configuration's measured round from paired requests over the same prompts.
+
+    base: (completion tokens, seconds) per baseline request; spec: (completion tokens, verify
+    rounds, seconds) per speculative request. Returns step_s (the baseline's decode step), request_s
+    (its fixed cost per request), round_s (R), served_tau and tokens_per_request, or None when the
+    baseline's requests cannot separate the step from the fixed cost (`fit_requests`)."""
+    fit = fit_requests([t for t, _ in base], [s for _, s in base])
+    rounds = sum(r for _, r, _ in spec)
+    if fit is None or not rounds:
+        return None
+    request_s = fit["server_request_s"]
+    return {"step_s": fit["server_step_s"], "request_s": request_s,
+            "round_s": (sum(s for *_, s in spec) - len(spec) * request_s) / rounds,
+            "served_tau": sum(t for t, _, _ in spec) / rounds,
+            "tokens_per_request": statistics.fmean(t for t, _ in base)}
+
+
+def fit_served_rounds(rounds: dict) -> dict:
+    """{(num_steps, topk, num_draft_tokens): round seconds} -> the round model's terms in fit_costs'
+    form (round_cost, predict and advise take it): R0 + d * s + v * w (see above)."""
+    cfgs = list(rounds)
+    r0, d, v = _nonnegative_lstsq([[1.0] * len(cfgs), [float(c[0]) for c in cfgs], [float(c[2]) for c in cfgs]],
+                                  [float(rounds[c]) for c in cfgs])
+    return {"draft_fixed": r0 + d, "draft_per_step": {1: d}, "verify_fixed": 0.0, "verify_per_token": v,
+            "tree_verify_fixed": 0.0, "tree_verify_per_token": v, "extend_fixed": 0.0, "extend_per_row": 0.0}
+
+
+def served_costs(rounds: dict, step_s: float, request_s: float, tokens_per_request: float) -> dict:
+    """A costs dict for predict/advise from served rounds and the served baseline (no in-process terms)."""
+    return {"fit_s": fit_served_rounds(rounds), "baseline_step_s": step_s, "prefill_s": request_s,
+            "tokens_per_request": tokens_per_request}
+
+
+def advise_served(candidates: list[dict], measured: dict) -> dict:
+    """The advice from a server's own rounds.
+
+    candidates: rows with num_steps, topk, num_draft_tokens and predicted_tau (the bench stage's
+    advice: tau from the measured acceptance); measured: {(s, k, w): served_round(...)} for the
+    configurations served. Returns `recommend` over the candidates with the speedups predicted by
+    the round model fitted on every measured configuration, the fitted terms (ms), and per measured
+    configuration the prediction made without it (leave one out: the model's error on a
+    configuration it has not seen)."""
+    measured = {tuple(k): v for k, v in measured.items() if v}
+    if not measured:
+        return {**recommend([]), "fit_ms": None, "held_out": []}
+    step_s = statistics.median(m["step_s"] for m in measured.values())
+    request_s = statistics.median(m["request_s"] for m in measured.values())
+    tokens = statistics.fmean(m["tokens_per_request"] for m in measured.values())
+
+    def predicted(rounds, row):
+        costs = served_costs(rounds, step_s, request_s, tokens)
+        key = (row["num_steps"], row["topk"], row["num_draft_tokens"])
+        return predict(costs, row["predicted_tau"], *key), round_cost(costs, *key, row["predicted_tau"])["round"]
+
+    rounds = {k: m["round_s"] for k, m in measured.items()}
+    rows = []
+    for c in candidates:
+        speedup, round_s = predicted(rounds, c)
+        rows.append({**{k: c[k] for k in ("num_steps", "topk", "num_draft_tokens", "predicted_tau")},
+                     "predicted_speedup": speedup, "round_ms": 1e3 * round_s, "extrapolated": c.get("extrapolated", False)})
+    held_out = []
+    for key in measured:
+        row = next((c for c in candidates if (c["num_steps"], c["topk"], c["num_draft_tokens"]) == key), None)
+        rest = {k: r for k, r in rounds.items() if k != key}
+        if row is None or len(rest) < 3:
+            continue
+        speedup, round_s = predicted(rest, row)
+        held_out.append({"num_steps": key[0], "topk": key[1], "num_draft_tokens": key[2], "predicted_speedup": speedup,
+                         "predicted_round_ms": 1e3 * round_s, "measured_round_ms": 1e3 * rounds[key]})
+    fit = fit_served_rounds(rounds)
+    d = fit["draft_per_step"][1]
+    return {**recommend(rows), "held_out": held_out,
+            "fit_ms": {"round_fixed": 1e3 * (fit["draft_fixed"] - d), "per_draft_step": 1e3 * d,
+                       "per_verify_token": 1e3 * fit["verify_per_token"], "baseline_step": 1e3 * step_s,
+                       "request_fixed": 1e3 * request_s, "tokens_per_request": tokens}}
 
 # ---------------------------------------------------------------------------------------------
 # Measuring: the offline run and the costs, with the engine's own functions

@@ -279,3 +279,53 @@ def test_a_servers_own_work_per_step_is_paid_once_per_round():
     # A server no slower than the engine adds nothing
     same = {**base, "server_step_s": base["baseline_step_s"], "baseline_run_step_s": base["baseline_step_s"] + 1.0}
     assert advice.predict(same, 3.0, 2, 1, 3) == pytest.approx(plain)
+
+
+# --- a server's own rounds -------------------------------------------------------------------
+
+
+def served_requests(round_s, tau, step_s=0.0044, request_s=0.03, lengths=(40, 64, 90, 128, 17, 75)):
+    """Paired requests a server whose costs are exactly these would give (rounds yield tau tokens)."""
+    base = [(n, request_s + n * step_s) for n in lengths]
+    spec = [(n, round(n / tau), request_s + round(n / tau) * round_s) for n in lengths]
+    return base, spec
+
+
+def test_a_served_round_is_recovered_from_paired_requests():
+    base, spec = served_requests(round_s=0.007, tau=4.0)
+    got = advice.served_round(base, spec)
+    assert got["step_s"] == pytest.approx(0.0044) and got["request_s"] == pytest.approx(0.03)
+    assert got["round_s"] == pytest.approx(0.007)
+    assert got["served_tau"] == pytest.approx(sum(n for n, _, _ in spec) / sum(r for _, r, _ in spec))
+    assert advice.served_round([(50, 0.3)] * 4, spec) is None  # equal lengths: step and fixed cost inseparable
+
+
+def test_served_advice_fits_the_rounds_predicts_held_out_configs_and_picks_the_best():
+    r0, d, v = 0.005, 0.0004, 0.00005  # seconds: per round, per draft step, per verified token
+    taus = {(3, 1, 4): 3.2, (5, 1, 6): 4.1, (7, 1, 8): 4.6, (5, 4, 8): 4.5, (6, 8, 32): 5.6, (8, 1, 9): 4.8}
+    measured = {}
+    for (s, k, w), tau in taus.items():
+        if (s, k, w) != (8, 1, 9):
+            measured[(s, k, w)] = advice.served_round(*served_requests(r0 + d * s + v * w, tau))
+    candidates = [{"num_steps": s, "topk": k, "num_draft_tokens": w, "predicted_tau": tau} for (s, k, w), tau in taus.items()]
+    out = advice.advise_served(candidates, measured)
+    assert out["fit_ms"]["round_fixed"] == pytest.approx(5.0, rel=1e-6)
+    assert out["fit_ms"]["per_draft_step"] == pytest.approx(0.4, rel=1e-6)
+    assert out["fit_ms"]["per_verify_token"] == pytest.approx(0.05, rel=1e-6)
+    rows = {(c["num_steps"], c["topk"], c["num_draft_tokens"]): c for c in out["candidates"]}
+    T = sum((40, 64, 90, 128, 17, 75)) / 6
+    for key, tau in taus.items():  # a config never served (8-1-9) is predicted from the fitted line
+        s, _, w = key
+        expect = (0.03 + T * 0.0044) / (0.03 + (T / tau) * (r0 + d * s + v * w))
+        assert rows[key]["predicted_speedup"] == pytest.approx(expect, rel=1e-6)
+    best = max(rows.values(), key=lambda r: r["predicted_speedup"])
+    assert out["recommended"] == best and out["speculate"]
+    assert len(out["held_out"]) == len(measured)  # each measured config predicted by a fit without it
+    for h in out["held_out"]:
+        assert h["predicted_round_ms"] == pytest.approx(h["measured_round_ms"], rel=1e-6)
+
+
+def test_served_advice_says_dont_speculate_when_rounds_cost_more_than_they_yield():
+    measured = {cfg: advice.served_round(*served_requests(0.02 + 0.001 * cfg[0], 1.5)) for cfg in ((3, 1, 4), (5, 1, 6), (7, 1, 8))}
+    out = advice.advise_served([{"num_steps": 3, "topk": 1, "num_draft_tokens": 4, "predicted_tau": 1.5}], measured)
+    assert not out["speculate"] and out["recommendation"] == advice.DONT_SPECULATE

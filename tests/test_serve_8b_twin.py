@@ -90,3 +90,27 @@ def test_an_existing_baseline_server_is_used_not_started():
     args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--baseline-url", "http://127.0.0.1:9/"])
     with tool.baseline_server(args, ["python", "-m", "sglang.launch_server"], Path("unused.log")) as url:
         assert url == "http://127.0.0.1:9"
+
+
+def test_the_served_advice_reads_the_kept_requests_and_compares_every_measured_config():
+    def entry(cfg, round_s, tau):
+        rows, records = [], []
+        for i, n in enumerate((30, 60, 90, 120)):
+            rounds = round(n / tau)
+            for mode, sec, ver in (("baseline", 0.02 + n * 0.005, 0), ("spec", 0.02 + rounds * round_s, rounds)):
+                records.append({"index": i, "mode": mode, "seconds": sec, "text": "x",
+                                "meta": GenerateMeta(completion_tokens=n, spec_verify_ct=ver or None)})
+        return {"num_steps": cfg[0], "topk": cfg[1], "num_draft_tokens": cfg[2], **tool.aggregate(records)}
+
+    cfgs = {(3, 1, 4): (0.0070, 3.0), (7, 1, 8): (0.0090, 4.0), (5, 4, 8): (0.0082, 4.2), (6, 8, 32): (0.0098, 5.0)}
+    results = {"configs": {tool.config_name(c): entry(c, r, tau) for c, (r, tau) in cfgs.items()}}
+    assert set(tool.measured_rounds(results["configs"])) == set(cfgs)
+    bench = {"advice": {"candidates": [{"num_steps": s, "topk": k, "num_draft_tokens": w, "predicted_tau": tau}
+                                       for (s, k, w), (_, tau) in {**cfgs, (5, 1, 6): (0, 3.6)}.items()]}}
+    out = tool.served_advice(results, bench)
+    compared = {row["config"]: row for row in out["predicted_vs_measured"]}
+    assert set(compared) == {tool.config_name(c) for c in cfgs}  # 5-1-6 was not served: advised, not compared
+    for name, row in compared.items():
+        assert row["speedup_error"] == pytest.approx(row["predicted_speedup"] / results["configs"][name]["speedup"] - 1)
+        assert row["held_out_speedup"] is not None
+    assert out["recommended"]["num_steps"] in (3, 5, 6, 7)

@@ -15,7 +15,8 @@ root. In order, each step skipped when its output exists (re-run the same comman
               (synth.backend openai), extraction and training on the GPU at the target's width,
               export, and the bench stage (SGLang, side by side, concurrency 1/4/8/16)
  4. sweep     tools/serve_8b_twin.py with the trained draft: bs=1 paired speedup per
-              configuration, paired concurrency for the trees named in --concurrency-configs
+              configuration, paired concurrency for those named in --concurrency-configs; then the
+              advice fitted on the measured rounds (draftlab.advice.advise_served) and its pick
  5. parity    the check stage with live parity against an EAGLE3 server with
               --enable-return-hidden-states (tools/sglang_run.py --phases parity)
 
@@ -47,9 +48,12 @@ CONFIG = ROOT / "configs" / "gpu-8b.yaml"
 SERVER_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none", "--disable-piecewise-cuda-graph"]
 MEM_FRACTION = "0.28"  # three servers of a 14 GB target fit on one 141 GB GPU (baseline + bench's two)
 MAX_RUNNING = 16
+# The persistent baseline also answers the synthesize stage (synth.concurrency 48 in configs/gpu-8b.yaml):
+# 48 requests in flight; its CUDA graphs then cover batches up to 48, the sweep uses those up to 16.
+BASELINE_MAX_RUNNING = 48
 # Expected seconds per step on one H200 (the deadline logic skips a step that would not fit).
 # Measured (reports/gpu-8b/pipeline.json): synthesize 146 s, extract 177 s, standardize 52 s for 3,600
-# prompts; the train stage ran 0.8 s per step of 16 sequences (unexplained, see the report).
+# prompts with stored states (train.features offline); the sweep's configurations 90-130 s each.
 EXPECT_S = {"pipeline": 900, "sweep_config": 110, "sweep_concurrency": 45, "parity": 150}
 
 
@@ -60,8 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--target", default="", help="a local model directory instead of building the twin")
     ap.add_argument("--small", default=str(ROOT / "models" / "tiny-target"), help="the model the twin inflates")
     ap.add_argument("--configs", default="6-8-32,3-1-4,7-1-8,5-4-8",
-                    help="sweep configurations STEPS-TOPK-DRAFT_TOKENS (the bench stage measures spec.* = 5-1-6)")
-    ap.add_argument("--concurrency-configs", default="6-8-32", help="sweep configurations that also get concurrency 4/8/16")
+                    help="sweep configurations STEPS-TOPK-DRAFT_TOKENS, in the order they run (the bench stage measures "
+                         "spec.* = 5-1-6); then the one the served-round advice picks, if it is not among them")
+    ap.add_argument("--concurrency-configs", default="6-8-32,advised",
+                    help="sweep configurations that also get concurrency 4/8/16 ('advised': the advice's pick)")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
     ap.add_argument("--summary", default="", help="only write this JSON: what RESULTS and WORK hold so far (no GPU needed)")
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
     twin = build_twin(run)
     sglang_run = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--results", str(run.results / "pipeline"),
                   "--work", str(run.work / "pipeline"), "--target", str(twin)]
-    flags = SpecFlags(algorithm=None, max_running_requests=MAX_RUNNING, attention_backend="triton")
+    flags = SpecFlags(algorithm=None, max_running_requests=BASELINE_MAX_RUNNING, attention_backend="triton")
     port = free_port()
     argv_base = launch_argv(str(twin), port, baseline=True, flags=flags, dtype="bfloat16",
                             extra_args=SERVER_ARGS + ["--mem-fraction-static", MEM_FRACTION])
@@ -218,20 +224,23 @@ def main(argv=None) -> int:
         if "pipeline" not in run.skip and run.fits("pipeline", 300):
             rc = run.call("pipeline", sglang_run + ["--params", str(params), "--phases", "pipeline,bench",
                                                     "--time-limit-s", str(max(60, run.left() - 60))])
-            if rc:
-                return rc
+            if rc and not (run.work / "pipeline" / "models" / "draft" / "config.json").exists():
+                return rc  # no exported draft: nothing below can run (a failed bench stage leaves one)
         draft = run.work / "pipeline" / "models" / "draft"
         configs = args.configs.split(",")
-        conc = set(args.concurrency_configs.split(","))
+        conc = set(args.concurrency_configs.split(",")) - {"advised"}
         need = len(configs) * EXPECT_S["sweep_config"] + len(conc) * EXPECT_S["sweep_concurrency"]
         if "sweep" not in run.skip and (draft / "config.json").exists() and run.fits("sweep", EXPECT_S["sweep_config"] + 30):
             run.call("sweep", [sys.executable, str(ROOT / "tools" / "serve_8b_twin.py"), "--work-dir", str(run.work / "sweep"),
                                "--twin", str(twin), "--draft", str(draft), "--baseline-url", srv.url, "--baseline-log", str(base_log),
                                "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
                                "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
+                               "--advise-from", str(run.work / "pipeline" / "reports" / "bench.json"),
                                "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),
                                "--port", str(free_port()), "--out", str(run.results / "sweep.json"),
-                               "--mirror", str(run.work / "sweep.json"), "--deadline-s", str(max(0, run.left() - 30))])
+                               "--mirror", str(run.work / "sweep.json"),
+                               # what is left once parity has had its time
+                               "--deadline-s", str(max(0, run.left() - EXPECT_S["parity"] - 30))])
             run.note("sweep", planned_s=need)
     if "parity" not in run.skip and (run.work / "pipeline" / "models" / "draft").exists() and run.fits("parity", EXPECT_S["parity"]):
         run.call("parity", sglang_run + ["--params", str(params), "--phases", "parity"])

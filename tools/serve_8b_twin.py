@@ -85,6 +85,9 @@ def parse_args(argv=None):
                     "server flags, no speculation): measure against it instead of starting one")
     ap.add_argument("--baseline-log", default=None, help="that server's log (its decode-rate lines go in the results)")
     ap.add_argument("--startup-timeout-s", type=float, default=600)
+    ap.add_argument("--advise-from", default=None,
+                    help="the bench stage's bench.json: after --configs, the advice is fitted on the rounds measured "
+                         "(draftlab.advice.advise_served) and the configuration it picks is measured too")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting configurations that would not finish within this many seconds of the start")
     ap.add_argument("--out", default=None, help="results JSON (required unless --build-only), rewritten after every configuration")
@@ -135,6 +138,9 @@ def aggregate(records: list[dict]) -> dict:
     proposed = sum(r["meta"].spec_num_proposed_drafts or 0 for r in spec)
     out["accepted_drafts_per_proposed"] = correct / proposed if proposed else None
     out["speedup"] = out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
+    # per request: prompt, mode, seconds, completion tokens, verify rounds (the served-round fit reads them)
+    out["requests"] = [[r["index"], r["mode"], round(r["seconds"], 5), r["meta"].completion_tokens, r["meta"].spec_verify_ct or 0]
+                       for r in records]
     texts = {m: {r["index"]: r["text"] for r in rs} for m, rs in by.items()}
     both = sorted(set(texts["baseline"]) & set(texts["spec"]))
     same = [i for i in both if texts["baseline"][i] == texts["spec"][i]]
@@ -146,6 +152,48 @@ def aggregate(records: list[dict]) -> dict:
     ratios = sorted((toks["spec"][i] / secs["spec"][i]) / (toks["baseline"][i] / secs["baseline"][i]) for i in both)
     if ratios:
         out["per_prompt_speedup"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+    return out
+
+
+def measured_rounds(configs: dict) -> dict:
+    """{(steps, topk, tokens): advice.served_round} of every configuration whose paired requests were kept."""
+    from draftlab.advice import served_round
+
+    out = {}
+    for entry in configs.values():
+        rows = entry.get("requests")
+        if not rows:
+            continue
+        base = [(tok, sec) for _, mode, sec, tok, _ in rows if mode == "baseline"]
+        spec = [(tok, ver, sec) for _, mode, sec, tok, ver in rows if mode == "spec"]
+        got = served_round(base, spec)
+        if got:
+            out[(entry["num_steps"], entry["topk"], entry["num_draft_tokens"])] = got
+    return out
+
+
+def served_advice(results: dict, bench: dict) -> dict:
+    """advice.advise_served over the bench stage's candidates (their tau from the measured
+    acceptance), with every served configuration's predicted and measured speedup side by side."""
+    from draftlab.advice import advise_served
+
+    rounds = measured_rounds(results["configs"])
+    out = advise_served(bench["advice"]["candidates"], rounds)
+    rows = {(c["num_steps"], c["topk"], c["num_draft_tokens"]): c for c in out["candidates"]}
+    loo = {(h["num_steps"], h["topk"], h["num_draft_tokens"]): h for h in out["held_out"]}
+    out["predicted_vs_measured"] = []
+    for key, m in rounds.items():
+        entry = results["configs"][config_name(key)]
+        row, held = rows.get(key), loo.get(key)
+        if row is None:
+            continue
+        out["predicted_vs_measured"].append({
+            "config": config_name(key), "predicted_tau": row["predicted_tau"], "served_tau": m["served_tau"],
+            "predicted_speedup": row["predicted_speedup"], "measured_speedup": entry["speedup"],
+            "speedup_error": row["predicted_speedup"] / entry["speedup"] - 1.0,
+            "held_out_speedup": held["predicted_speedup"] if held else None,
+            "held_out_error": held["predicted_speedup"] / entry["speedup"] - 1.0 if held else None,
+            "round_ms": 1e3 * m["round_s"]})
     return out
 
 
@@ -351,7 +399,10 @@ def main(argv=None) -> dict:
 
     todo = [c for c in args.configs if config_name(c) not in results["configs"]
             or "speedup" not in results["configs"][config_name(c)]]
-    if not todo:
+    bench = json.loads(Path(args.advise_from).read_text()) if args.advise_from and Path(args.advise_from).exists() else None
+    if args.advise_from and bench is None:
+        results["served_advice"] = {"skipped": f"{Path(args.advise_from).name} not found (the bench stage did not finish)"}
+    if not todo and (bench is None or "predicted_vs_measured" in results.get("served_advice", {})):
         print("every configuration is done already", flush=True)
         return results
     base_argv = launch_argv(str(twin), args.port, baseline=True, flags=server_flags, extra_args=extra)
@@ -363,23 +414,26 @@ def main(argv=None) -> dict:
         print(f"[{elapsed():.0f}s] baseline up in {results['baseline_startup_s']:.0f}s", flush=True)
         warm_up(base, prompts, sampling, max_c)
         startup_estimate = results.get("max_spec_startup_s", 150.0)
-        for cfg in todo:
+
+        def measure(cfg, role: str = "") -> None:
+            """Serve one configuration beside the baseline and measure it paired (and its concurrency)."""
+            nonlocal startup_estimate
             name = config_name(cfg)
             sweep = args.concurrency if (sweep_on == "all" or (sweep_on == "chains" and cfg[1] == 1)
-                                         or name in sweep_on.split(",")) else []
+                                         or name in sweep_on.split(",") or (role and role in sweep_on.split(","))) else []
             need = startup_estimate + 40 + 15 * len(sweep)
             if args.deadline_s is not None and elapsed() + need > args.deadline_s:
                 results["configs"][name] = {"skipped": f"not started: {need:.0f}s needed, "
                                                       f"{args.deadline_s - elapsed():.0f}s left before the deadline"}
                 print(f"[{elapsed():.0f}s] {name}: skipped (time)", flush=True)
                 save()
-                continue
+                return
             steps, topk, tokens = cfg
             flags = SpecFlags(algorithm="EAGLE3", num_steps=steps, topk=topk, num_draft_tokens=tokens,
                               max_running_requests=args.max_running_requests, attention_backend=ATTENTION_BACKEND)
             argv = launch_argv(str(twin), args.port + 1, draft_model=str(draft), flags=flags, extra_args=extra)
             log = logs / f"spec-{name}.log"
-            entry = {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}
+            entry = {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens, **({"role": role} if role else {})}
             t0 = elapsed()
             try:
                 with serve(argv, log, args.startup_timeout_s) as srv, Client(srv.url) as spec:
@@ -412,6 +466,23 @@ def main(argv=None) -> dict:
             results["configs"][name] = entry
             results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
             save()
+
+        for cfg in todo:
+            measure(cfg)
+        if bench is not None:  # the advice from the rounds measured so far; its pick is measured too
+            advice = served_advice(results, bench)
+            results["served_advice"] = advice
+            save()
+            pick = advice.get("recommended")
+            if pick:
+                key = (pick["num_steps"], pick["topk"], pick["num_draft_tokens"])
+                print(f"[{elapsed():.0f}s] served-round advice: {advice['advice']}", flush=True)
+                if "speedup" not in results["configs"].get(config_name(key), {}):
+                    measure(key, role="advised")
+                else:
+                    results["configs"][config_name(key)]["role"] = "advised"
+                results["served_advice"] = served_advice(results, bench)  # every measured point, the pick's included
+                save()
     results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
     results["baseline_log_tail"] = log_tail(base_log)
     results["wall_s"] = elapsed()
