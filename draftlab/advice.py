@@ -26,6 +26,9 @@ P + T * b_server (`fit_requests`), b = b_server, P = its fixed part (prefill, HT
 o = b_server - the in-process decode step over the same prompts, paid once per round by a
 speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
 prefill and o = 0;
+With a server that runs another engine (SGLang), o is replaced by a scale: every round costs
+kappa * round, kappa = the served round of the configuration that ran (measured from its paired
+requests, `served_round`) / the offline run's round of it (`round_scale`).
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
@@ -231,11 +234,28 @@ def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
     """Predicted speedup of one configuration whose rounds yield `tau` tokens (module docstring)."""
     base, prefill, overhead = server_costs(costs)
-    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"] + overhead
+    r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"]
+    draft_prefill = costs.get("draft_prefill_s", 0.0)
+    if costs.get("round_scale"):  # another engine serves: the in-process round's shape at its scale
+        r, draft_prefill = r * costs["round_scale"], 0.0  # (its served rounds hold the draft's prefill)
+    else:
+        r += overhead
     T = costs.get("tokens_per_request") or math.inf
     if math.isinf(T):
         return tau * base / r
-    return (prefill + T * base) / (prefill + costs.get("draft_prefill_s", 0.0) + (T / tau) * r)
+    return (prefill + T * base) / (prefill + draft_prefill + (T / tau) * r)
+
+
+def round_scale(costs: dict, served_round_s: float) -> float:
+    """kappa = a served round of the configuration that ran / the offline run's round of it
+    (costs["offline_round_s"], which the fitted model plus loop_s reproduces at that configuration).
+
+    For a server that is not the in-process engine (SGLang: CUDA graphs, its own kernels and
+    scheduler), o = server step - in-process step says nothing: on an H200 an 8B target's eager
+    in-process step took 25 ms where SGLang's took 4.5 ms. There the model keeps the shape of the
+    in-process round (how drafting, verify and extend grow with steps, topk and width) and takes
+    its scale from the one served round measured: round_served(cfg) = kappa * round(cfg)."""
+    return served_round_s / costs["offline_round_s"]
 
 
 DONT_SPECULATE = "don't speculate"
@@ -291,6 +311,26 @@ def advise_by_concurrency(acceptance: list[float], costs_by_batch: dict, configs
             break
         crossover = b
     return {"by_concurrency": per, "crossover_concurrency": crossover}
+
+
+def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: list[dict], tau: float) -> dict:
+    """{concurrency: costs dict} for advise_by_concurrency, from the configuration that ran served
+    with n requests in flight (the bench stage's paired batches: tokens/s of whole batches).
+
+    At n in flight a baseline step serves n sequences: b_n = n / baseline tokens/s; a round of the
+    configuration that ran takes R_n = n * tau / speculative tokens/s (prefill amortized into both).
+    Every configuration's round is scaled as at bs=1 (`round_scale`), kappa_n = R_n / the offline
+    round of the configuration that ran: the in-process round's shape, the served batch's scale.
+    Concurrency 1 is `costs` itself."""
+    out = {1: costs}
+    spec = {r["concurrency"]: r for r in spec_sweep}
+    for base in baseline_sweep:
+        n, s = base["concurrency"], spec.get(base["concurrency"])
+        if n <= 1 or not s or not base.get("throughput") or not s.get("throughput") or not costs.get("offline_round_s"):
+            continue
+        out[n] = {**costs, "server_step_s": n / base["throughput"], "server_request_s": 0.0, "tokens_per_request": None,
+                  "round_scale": n * tau / s["throughput"] / costs["offline_round_s"]}
+    return out
 
 
 def predicted_vs_measured(candidates: list[dict], measured: list[dict]) -> list[dict]:

@@ -109,6 +109,12 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
         done = [(t, sec) for t, sec in done if t]
         costs.update(advice.fit_requests([t for t, _ in done], [sec for _, sec in done]) or {})
+        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (advice.round_scale)
+            ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
+            served = advice.served_round(done, [r for r in ran if r[0] and r[1]])
+            if served:
+                costs["served_round_s"] = served["round_s"]
+                costs["round_scale"] = advice.round_scale(costs, served["round_s"])
 
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
@@ -119,6 +125,14 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
                  "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
     compared = advice.predicted_vs_measured(advised["candidates"], measured)
+    by_concurrency = None
+    if baseline and spec["sweep"]:  # the advice at each concurrency measured, and where speculation stops paying
+        per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"]),
+                                           configs, depth1_ranks=ranks)
+        by_concurrency = {"crossover_concurrency": per["crossover_concurrency"],
+                          "recommendation": {str(n): a["recommendation"] for n, a in per["by_concurrency"].items()},
+                          "predicted_speedup": {str(n): {advice.config_name(r): r["predicted_speedup"] for r in a["candidates"]}
+                                                for n, a in per["by_concurrency"].items()}}
     res = plan.resolution
     report = {
         "backend": bench_params.backend,
@@ -137,10 +151,12 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "log_adjustments": [dataclasses.asdict(a) for a in server_log.adjustments] if server_log else [],
         "sweep": {"baseline": baseline["sweep"] if baseline else [], "speculative": spec["sweep"]},
         "costs": {**{k: _ms(v) for k, v in costs.items() if k.endswith("_s")}, "tokens_per_request": costs["tokens_per_request"],
+                  "round_scale": costs.get("round_scale"),
                   "depth1_rank_shares": ranks, "unit": "ms (keys ending _s hold milliseconds here)"},
         # "ran": the served configuration's row as a dict, so that `dvc exp show` (which leaves lists
         # out) tabulates predicted against measured per experiment
-        "advice": {**advised, "predicted_vs_measured": compared, "ran": compared[0] if compared else None},
+        "advice": {**advised, "predicted_vs_measured": compared, "ran": compared[0] if compared else None,
+                   "by_concurrency": by_concurrency},
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
@@ -234,6 +250,11 @@ def summary(report: dict) -> str:
         err = ran.get("speedup_error")
         ran_text = (f"; this configuration predicted {ran['predicted_speedup']:.2f}x"
                     + (f" ({100 * err:+.0f}% against measured)" if err is not None else ""))
+    per = advised.get("by_concurrency")
+    if per:
+        cross = per["crossover_concurrency"]
+        ran_text += (f"; speculation pays at every concurrency measured (up to {max(int(n) for n in per['recommendation'])})"
+                     if cross is None else f"; from concurrency {cross} on: {advice.DONT_SPECULATE}")
     return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
             f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
             f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "

@@ -329,3 +329,37 @@ def test_served_advice_says_dont_speculate_when_rounds_cost_more_than_they_yield
     measured = {cfg: advice.served_round(*served_requests(0.02 + 0.001 * cfg[0], 1.5)) for cfg in ((3, 1, 4), (5, 1, 6), (7, 1, 8))}
     out = advice.advise_served([{"num_steps": 3, "topk": 1, "num_draft_tokens": 4, "predicted_tau": 1.5}], measured)
     assert not out["speculate"] and out["recommendation"] == advice.DONT_SPECULATE
+
+
+def test_a_server_of_another_engine_scales_the_in_process_round_to_its_own():
+    """SGLang's round is not the in-process one plus an overhead: the model keeps the in-process
+    shape and takes its scale from the served round of the configuration that ran."""
+    costs = {**HAND, "baseline_step_s": 25.0, "server_step_s": 4.5, "server_request_s": 20.0, "tokens_per_request": 68.0,
+             "draft_prefill_s": 2.0}
+    ran = advice.round_cost(costs, 5, 1, 6, 4.0)["round"]
+    costs["offline_round_s"] = ran
+    without = advice.predict(costs, 4.0, 5, 1, 6)
+    assert without < 1.0  # the slow in-process round against the fast served step: "don't speculate"
+    costs["round_scale"] = advice.round_scale(costs, 7.0)
+    assert costs["round_scale"] == pytest.approx(7.0 / ran)
+    assert advice.predict(costs, 4.0, 5, 1, 6) == pytest.approx((20 + 68 * 4.5) / (20 + 68 / 4.0 * 7.0))
+    other = advice.round_cost(costs, 7, 1, 8, 4.5)["round"]  # another configuration: its in-process shape, scaled
+    assert advice.predict(costs, 4.5, 7, 1, 8) == pytest.approx((20 + 68 * 4.5) / (20 + 68 / 4.5 * 7.0 * other / ran))
+
+
+def test_the_advice_per_concurrency_scales_each_batch_and_names_the_crossover():
+    costs = {**HAND, "baseline_step_s": 10.0, "server_step_s": 10.0, "server_request_s": 0.0}
+    costs["offline_round_s"] = advice.round_cost(costs, 2, 1, 3, 2.5)["round"]
+    costs["round_scale"] = 1.0
+    base = [{"concurrency": 4, "throughput": 4 / 12.0}, {"concurrency": 16, "throughput": 16 / 20.0}]
+    spec = [{"concurrency": 4, "throughput": 4 * 2.5 / 20.0}, {"concurrency": 16, "throughput": 16 * 2.5 / 80.0}]
+    per = advice.costs_by_concurrency(costs, base, spec, tau=2.5)
+    assert set(per) == {1, 4, 16} and per[1] is costs
+    assert per[4]["server_step_s"] == pytest.approx(12.0)
+    assert per[16]["round_scale"] == pytest.approx(80.0 / costs["offline_round_s"])
+    # the configuration that ran, predicted at its own tau, gets back each batch's measured ratio
+    assert advice.predict(per[4], 2.5, 2, 1, 3) == pytest.approx(12.0 * 2.5 / 20.0)
+    assert advice.predict(per[16], 2.5, 2, 1, 3) == pytest.approx(20.0 * 2.5 / 80.0)
+    out = advice.advise_by_concurrency([0.6, 0.5], per, [(2, 1, 3)])
+    assert out["by_concurrency"][4]["speculate"] and not out["by_concurrency"][16]["speculate"]
+    assert out["crossover_concurrency"] == 16

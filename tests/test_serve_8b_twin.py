@@ -114,3 +114,12 @@ def test_the_served_advice_reads_the_kept_requests_and_compares_every_measured_c
         assert row["speedup_error"] == pytest.approx(row["predicted_speedup"] / results["configs"][name]["speedup"] - 1)
         assert row["held_out_speedup"] is not None
     assert out["recommended"]["num_steps"] in (3, 5, 6, 7)
+
+
+def test_the_advice_pick_is_measured_after_the_first_configurations_not_after_all():
+    configs = [(6, 8, 32), (3, 1, 4), (7, 1, 8), (5, 4, 8)]
+    assert tool.split_for_advice(configs, configs, 3) == (configs[:3], configs[3:])
+    assert tool.split_for_advice(configs, configs[1:], 3) == (configs[1:3], configs[3:])  # resumed: done ones stay done
+    assert tool.split_for_advice(configs, configs, None) == (configs, [])  # no bench.json: the plain sweep
+    args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--advise-from", "b.json", "--advise-after", "2"])
+    assert args.advise_from == "b.json" and args.advise_after == 2

@@ -1,7 +1,7 @@
 """Plot tools/serve_8b_twin.py results: paired speedup by configuration (served tau on each bar),
 and, where measured, throughput speedup against concurrency.
 
-    python tools/plot_gpu_8b.py reports/gpu-8b/results.json reports/gpu-8b/speedup.png
+    python tools/plot_gpu_8b.py reports/gpu-8b/earlier/inflated-draft.json reports/gpu-8b/earlier/inflated-draft.png
 """
 from __future__ import annotations
 

@@ -88,6 +88,8 @@ def parse_args(argv=None):
     ap.add_argument("--advise-from", default=None,
                     help="the bench stage's bench.json: after --configs, the advice is fitted on the rounds measured "
                          "(draftlab.advice.advise_served) and the configuration it picks is measured too")
+    ap.add_argument("--advise-after", type=int, default=3,
+                    help="with --advise-from: how many of --configs are measured before the advice picks (the rest after its pick)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting configurations that would not finish within this many seconds of the start")
     ap.add_argument("--out", default=None, help="results JSON (required unless --build-only), rewritten after every configuration")
@@ -153,6 +155,17 @@ def aggregate(records: list[dict]) -> dict:
     if ratios:
         out["per_prompt_speedup"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
     return out
+
+
+def split_for_advice(configs: list, todo: list, advise_after: int | None) -> tuple[list, list]:
+    """(configurations to measure before the advice is fitted, those after its pick): the first
+    `advise_after` of --configs come first (the fit needs a few, a tree among them, to tell a draft
+    step from a verified token), so that the pick is measured before the time runs out. Without
+    advice, everything is measured in order."""
+    if advise_after is None:
+        return list(todo), []
+    head = set(configs[:advise_after])
+    return [c for c in todo if c in head], [c for c in todo if c not in head]
 
 
 def measured_rounds(configs: dict) -> dict:
@@ -467,9 +480,10 @@ def main(argv=None) -> dict:
             results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
             save()
 
-        for cfg in todo:
+        first, rest = split_for_advice(args.configs, todo, args.advise_after if bench is not None else None)
+        for cfg in first:
             measure(cfg)
-        if bench is not None:  # the advice from the rounds measured so far; its pick is measured too
+        if bench is not None:  # the advice from the rounds measured so far; its pick is measured next
             advice = served_advice(results, bench)
             results["served_advice"] = advice
             save()
@@ -478,11 +492,15 @@ def main(argv=None) -> dict:
                 key = (pick["num_steps"], pick["topk"], pick["num_draft_tokens"])
                 print(f"[{elapsed():.0f}s] served-round advice: {advice['advice']}", flush=True)
                 if "speedup" not in results["configs"].get(config_name(key), {}):
+                    rest = [c for c in rest if c != key]
                     measure(key, role="advised")
                 else:
                     results["configs"][config_name(key)]["role"] = "advised"
-                results["served_advice"] = served_advice(results, bench)  # every measured point, the pick's included
-                save()
+        for cfg in rest:
+            measure(cfg)
+        if bench is not None:
+            results["served_advice"] = served_advice(results, bench)  # every measured point, the pick's included
+            save()
     results["baseline_decode_log"] = decode_rate_from_log(base_log) if base_log.exists() else None
     results["baseline_log_tail"] = log_tail(base_log)
     results["wall_s"] = elapsed()

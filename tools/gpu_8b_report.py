@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""The report of one tools/gpu_8b.py run: results.json, three plots and the README's tables.
+
+    python tools/gpu_8b_report.py reports/gpu-8b/run reports/gpu-8b
+
+RUN holds what the run wrote (from its RESULTS and WORK folders): sweep.json (tools/serve_8b_twin.py),
+bench.json and check.json (the bench and check stages), train-metrics.json, pipeline.json
+(gpu_8b.py --summary) and versions.json. Writes OUT/results.json and three plots:
+  speedup.png      bs=1 speedup by configuration, measured, with what each advice predicted
+  concurrency.png  speedup and throughput with 1, 4, 8 and 16 requests in flight
+  tau.png          train-predicted, offline-predicted and served tau per configuration
+and prints the Markdown tables of OUT/README.md. Needs no GPU.
+
+Every speedup here is pooled: total completion tokens / total request seconds of one server over
+total / total of the other, the same prompts, paired (the bench stage's own `speedup` is the ratio
+of per-request medians; both are in results.json). Advice, three ways, each against every point:
+  as run      the bench stage's in-process round model with a server overhead o (what the bench
+              stage of this run printed)
+  scaled      the same in-process model scaled to the served round of the configuration the bench
+              stage ran (advice.round_scale; what the bench stage computes now)
+  served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (advice.advise_served),
+              in sample and with the configuration left out
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftlab import advice  # noqa: E402
+
+
+def name(k) -> str:
+    return "-".join(str(x) for x in k)
+
+
+def key(row) -> tuple[int, int, int]:
+    return (row["num_steps"], row["topk"], row["num_draft_tokens"])
+
+
+def costs_in_seconds(costs_ms: dict) -> dict:
+    """bench.json's costs (keys ending _s hold milliseconds there) back in seconds."""
+    def s(v):
+        return {k: s(x) for k, x in v.items()} if isinstance(v, dict) else v / 1e3
+    out = {k: (s(v) if k.endswith("_s") else v) for k, v in costs_ms.items()}
+    out["fit_s"] = s(costs_ms["fit_s"])
+    return out
+
+
+def bench_point(bench: dict) -> dict:
+    """The bench stage's configuration as a pooled, paired bs=1 point with its served round."""
+    base, spec = bench["baseline"]["tokens_per_s"], bench["spec"]
+    n, tokens = base["requests"], spec["tokens_per_s"]["completion_tokens"]
+    spec_s = tokens / spec["tokens_per_s"]["throughput"]
+    request_s = bench["costs"]["server_request_s"] / 1e3
+    flags = bench["flags"]["effective"]
+    return {"config": name((flags["num_steps"], flags["topk"], flags["num_draft_tokens"])), "source": "bench stage",
+            "served_tau": spec["tau"], "speedup": spec["tokens_per_s"]["throughput"] / base["throughput"],
+            "speedup_median_of_requests": bench["speedup"], "baseline_tokens_per_s": base["throughput"],
+            "spec_tokens_per_s": spec["tokens_per_s"]["throughput"], "offline_tau": bench["offline_tau"],
+            "round_ms": 1e3 * (spec_s - n * request_s) / spec["verify_ct"], "greedy_identical": None}
+
+
+def sweep_point(entry: dict) -> dict:
+    rounds = advice.served_round([(t, s) for _, m, s, t, _ in entry["requests"] if m == "baseline"],
+                                 [(t, v, s) for _, m, s, t, v in entry["requests"] if m == "spec"])
+    return {"config": name(key(entry)), "source": "sweep", "served_tau": entry["served_tau"], "speedup": entry["speedup"],
+            "baseline_tokens_per_s": entry["baseline"]["tokens_per_s"], "spec_tokens_per_s": entry["spec"]["tokens_per_s"],
+            "per_prompt_speedup": entry.get("per_prompt_speedup"), "greedy_identical": entry["greedy_identical"],
+            "round_ms": 1e3 * rounds["round_s"] if rounds else None}
+
+
+def build(run: Path) -> dict:
+    sweep = json.loads((run / "sweep.json").read_text())
+    bench = json.loads((run / "bench.json").read_text())
+    train = json.loads((run / "train-metrics.json").read_text())
+    check = json.loads((run / "check.json").read_text())
+    pipeline = json.loads((run / "pipeline.json").read_text())
+    versions = json.loads((run / "versions.json").read_text())
+
+    points = [sweep_point(e) for e in sweep["configs"].values() if "speedup" in e] + [bench_point(bench)]
+    points.sort(key=lambda p: (int(p["config"].split("-")[1]) > 1, [int(x) for x in p["config"].split("-")]))
+    cands = {name(key(c)): c for c in bench["advice"]["candidates"]}
+    train_tau = {f"{n}-1-{n + 1}": v for n, v in ((int(k.split("_")[1]), v) for k, v in train["tau_by_steps"].items())}
+
+    # the bench stage's model, as run and scaled to the served round of its configuration
+    costs = costs_in_seconds(bench["costs"])
+    ran = bench_point(bench)
+    scaled = {**costs, "round_scale": (ran["round_ms"] / 1e3) / costs["offline_round_s"]}
+    scaled_rows = {name(key(c)): advice.predict(scaled, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"]}
+    best_scaled = max(scaled_rows, key=scaled_rows.get)
+    served = sweep.get("served_advice") or {}
+    fit_rows = {name(key(c)): c["predicted_speedup"] for c in served.get("candidates", [])}
+    held = {name(key(h)): h["predicted_speedup"] for h in served.get("held_out", [])}
+    for p in points:
+        c = p["config"]
+        p["predicted_tau"] = cands[c]["predicted_tau"] if c in cands else None
+        p["train_predicted_tau"] = train_tau.get(c)
+        p["advice"] = {
+            "as_run": cands[c]["predicted_speedup"] if c in cands else None,
+            "scaled": scaled_rows.get(c),
+            "served_fit": fit_rows.get(c),
+            "served_fit_held_out": held.get(c) if p["source"] == "sweep" else fit_rows.get(c),  # bench point: never in the fit
+        }
+        p["advice_error"] = {k: (v / p["speedup"] - 1.0 if v else None) for k, v in p["advice"].items()}
+
+    # concurrency: measured (bench stage's configuration and the sweep's) and the scaled model's prediction
+    by_c_costs = advice.costs_by_concurrency(scaled, bench["sweep"]["baseline"], bench["sweep"]["speculative"], bench["spec"]["tau"])
+    concurrency = {}
+    b = {r["concurrency"]: r for r in bench["sweep"]["baseline"]}
+    s = {r["concurrency"]: r for r in bench["sweep"]["speculative"]}
+    concurrency[ran["config"]] = [{"concurrency": 1, "speedup": ran["speedup"], "baseline_tokens_per_s": ran["baseline_tokens_per_s"],
+                                   "spec_tokens_per_s": ran["spec_tokens_per_s"]}] + [
+        {"concurrency": n, "speedup": s[n]["throughput"] / b[n]["throughput"], "per_request_speedup": s[n]["median"] / b[n]["median"],
+         "baseline_tokens_per_s": b[n]["throughput"], "spec_tokens_per_s": s[n]["throughput"]} for n in sorted(b) if n in s]
+    for e in sweep["configs"].values():
+        if e.get("concurrency"):
+            concurrency[name(key(e))] = [{"concurrency": 1, "speedup": e["speedup"], "baseline_tokens_per_s": e["baseline"]["tokens_per_s"],
+                                          "spec_tokens_per_s": e["spec"]["tokens_per_s"]}] + [
+                {"concurrency": r["concurrency"], "speedup": r["speedup"], "per_request_speedup": r["per_request_speedup"],
+                 "baseline_tokens_per_s": r["baseline"]["tokens_per_s"], "spec_tokens_per_s": r["spec"]["tokens_per_s"]}
+                for r in e["concurrency"]]
+    for cfg, rows in concurrency.items():
+        c = cands.get(cfg)
+        for r in rows:
+            costs_n = by_c_costs.get(r["concurrency"])
+            if c and costs_n and r["concurrency"] > 1:
+                r["predicted_speedup"] = advice.predict(costs_n, c["predicted_tau"], *key(c))
+                r["error"] = r["predicted_speedup"] / r["speedup"] - 1.0
+    crossover = {n: max(advice.predict(cn, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"])
+                 for n, cn in by_c_costs.items()}
+
+    floor = sweep["bandwidth_floor"]
+    return {
+        "versions": versions, "gpu": sweep.get("gpu"), "target": sweep["target"], "draft": sweep["draft"],
+        "method": sweep["method"], "pipeline": {"stage_seconds": pipeline["stage_seconds"], "train_epochs": pipeline["train_epochs"],
+                                               "train_rate": pipeline.get("train_rate"), "run": pipeline["run"]},
+        "train": {k: train[k] for k in ("tau_pred", "tau_by_steps", "accept", "tokens_per_s", "seconds", "optimizer_steps", "settings")},
+        "bs1": points,
+        "best": max(points, key=lambda p: p["speedup"])["config"],
+        "advice": {"as_run": bench["advice"]["advice"], "scaled_recommendation": best_scaled,
+                   "scaled_predicted_speedup": scaled_rows[best_scaled], "round_scale": scaled["round_scale"],
+                   "served_fit": {k: served.get(k) for k in ("advice", "fit_ms")},
+                   "best_predicted_at_concurrency": crossover},
+        "concurrency": concurrency,
+        "tau": {"train_predicted": train["tau_pred"], "offline": bench["offline_tau"], "served": bench["spec"]["tau"],
+                "server_log_accept_len": bench["server_accept_length"]},
+        "check": {"errors": sum(f["severity"] == "error" for f in check.get("findings", [])),
+                  "findings": [f"{f['severity']}: {f['name']}" for f in check.get("findings", [])]},
+        "baseline_vs_floor": {"floor_tokens_per_s_at_nominal": floor["tokens_per_s_at_nominal"],
+                              "floor_tokens_per_s_at_measured_copy": floor["tokens_per_s_at_measured_copy"],
+                              "measured_copy_bandwidth": sweep.get("measured_copy_bandwidth"),
+                              "sglang_log_decode_bs1": sweep.get("baseline_decode_log"),
+                              "client_pooled_bs1": [p["baseline_tokens_per_s"] for p in points]},
+    }
+
+
+def plots(r: dict, out: Path) -> None:
+    pts = r["bs1"]
+    x = range(len(pts))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(x, [p["speedup"] for p in pts], color=["C0" if p["config"].split("-")[1] == "1" else "C1" for p in pts], label="measured")
+    for k, marker, label in (("scaled", "^", "advice: in-process shape, served scale"), ("served_fit", "x", "advice: served-round fit"),
+                             ("served_fit_held_out", "o", "served-round fit, this point left out")):
+        ax.scatter(x, [p["advice"][k] or float("nan") for p in pts], marker=marker, color="k", zorder=3, label=label,
+                   facecolors="none" if marker == "o" else None)
+    for i, p in enumerate(pts):
+        ax.annotate(f"tau {p['served_tau']:.2f}", (i, p["speedup"] / 2), ha="center", color="white", fontsize=8)
+    ax.set_xticks(list(x), [p["config"] for p in pts])
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("steps-topk-draft tokens (blue: chain, orange: tree)")
+    ax.set_ylabel("paired speedup at bs=1")
+    ax.set_title(f"own EAGLE-3 draft on an 8B-cost target, {r['gpu']}, SGLang {r['versions']['sglang']}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (cfg, rows) in enumerate(r["concurrency"].items()):
+        cs = [row["concurrency"] for row in rows]
+        a1.plot(cs, [row["speedup"] for row in rows], marker="o", color=f"C{i}", label=f"{cfg} measured")
+        pred = [(row["concurrency"], row["predicted_speedup"]) for row in rows if "predicted_speedup" in row]
+        if pred:
+            a1.plot(*zip(*pred), ls="--", marker="^", color=f"C{i}", label=f"{cfg} advice")
+        a2.plot(cs, [row["spec_tokens_per_s"] for row in rows], marker="o", color=f"C{i}", label=f"{cfg} EAGLE3")
+        a2.plot(cs, [row["baseline_tokens_per_s"] for row in rows], marker="s", ls=":", color=f"C{i}", label=f"baseline ({cfg} run)")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("requests in flight")
+        a.legend(fontsize=7)
+    a1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    a1.set_ylabel("throughput speedup (paired batches)")
+    a2.set_ylabel("total tokens/s")
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.27
+    for j, (k, label) in enumerate((("train_predicted_tau", "train-predicted (eval TTT)"), ("predicted_tau", "offline-predicted (advice)"),
+                                     ("served_tau", "served (SGLang meta_info)"))):
+        ax.bar([i + (j - 1) * w for i in x], [p.get(k) or 0.0 for p in pts], w, label=label)
+    ax.set_xticks(list(x), [p["config"] for p in pts])
+    ax.set_ylabel("tau (tokens per verify round)")
+    ax.set_title("tau: training, offline and served agree", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "tau.png", dpi=120)
+    plt.close(fig)
+
+
+def tables(r: dict) -> str:
+    def pct(v):
+        return "-" if v is None else f"{100 * v:+.1f}%"
+    lines = ["| config | source | served tau | predicted tau (offline / train) | baseline tok/s | EAGLE3 tok/s | speedup | "
+             "advice: scaled | advice: served fit (held out) | served round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in r["bs1"]:
+        a, e = p["advice"], p["advice_error"]
+        train = f" / {p['train_predicted_tau']:.2f}" if p.get("train_predicted_tau") else ""
+        lines.append(f"| {p['config']} | {p['source']} | {p['served_tau']:.2f} | {p['predicted_tau']:.2f}{train} | "
+                     f"{p['baseline_tokens_per_s']:.1f} | {p['spec_tokens_per_s']:.1f} | **{p['speedup']:.2f}x** | "
+                     f"{a['scaled']:.2f}x ({pct(e['scaled'])}) | {a['served_fit']:.2f}x ({pct(e['served_fit'])}; "
+                     f"{pct(e['served_fit_held_out'])}) | {p['round_ms']:.2f} ms |")
+    lines += ["", "| config | requests in flight | baseline tok/s | EAGLE3 tok/s | speedup | per-request speedup | advice (scaled) |",
+              "|---|---|---|---|---|---|---|"]
+    for cfg, rows in r["concurrency"].items():
+        for row in rows:
+            pred = f"{row['predicted_speedup']:.2f}x ({pct(row['error'])})" if "predicted_speedup" in row else "-"
+            per = f"{row['per_request_speedup']:.2f}x" if "per_request_speedup" in row else "-"
+            lines.append(f"| {cfg} | {row['concurrency']} | {row['baseline_tokens_per_s']:.0f} | {row['spec_tokens_per_s']:.0f} | "
+                         f"{row['speedup']:.2f}x | {per} | {pred} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    run, out = (Path(a) for a in (argv or sys.argv[1:])[:2])
+    r = build(run)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(r, indent=1) + "\n")
+    plots(r, out)
+    print(tables(r))
+
+
+if __name__ == "__main__":
+    main()
