@@ -349,7 +349,6 @@ def predicted_vs_measured(candidates: list[dict], measured: list[dict]) -> list[
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # A serving engine's own rounds (SGLang): the model fitted on what the server measured
 #
@@ -443,6 +442,7 @@ def advise_served(candidates: list[dict], measured: dict) -> dict:
             "fit_ms": {"round_fixed": 1e3 * (fit["draft_fixed"] - d), "per_draft_step": 1e3 * d,
                        "per_verify_token": 1e3 * fit["verify_per_token"], "baseline_step": 1e3 * step_s,
                        "request_fixed": 1e3 * request_s, "tokens_per_request": tokens}}
+
 
 # ---------------------------------------------------------------------------------------------
 # Measuring: the offline run and the costs, with the engine's own functions

@@ -64,6 +64,15 @@ def test_first_run_runs_every_stage(project):
     assert ran(out) == stages_in_dag(root)
 
 
+def test_the_advice_says_what_pays_at_each_concurrency_measured(project):
+    root, out = project
+    per = json.loads((root / "reports/bench.json").read_text())["advice"]["by_concurrency"]
+    assert set(per["recommendation"]) == {"1", "2"} and set(per["predicted_speedup"]) == {"1", "2"}
+    assert per["crossover_concurrency"] in (None, 1, 2)
+    line = next(x for x in out.splitlines() if x.startswith("bench: tau"))
+    assert "concurrency" in line  # the stage's one-line summary names the crossover, or that there is none
+
+
 def test_second_repro_runs_nothing_and_hashes_are_stable(project):
     root, _ = project
     before = config_hashes(root)

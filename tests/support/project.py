@@ -16,7 +16,7 @@ REDUCED = {"target": {"model": "models/micro"}, "prompts": {"num_prompts": 24, "
            "synth": {"max_new_tokens": 12, "batch_size": 12}, "capture": {"layers": [0, 2, 4]},
            "extract": {"shard_tokens": 400}, "standardize": {"draft_vocab_size": 64},
            "train": {"epochs": 1, "batch_size": 4, "checkpoint_every": 0},
-           "bench": {"num_prompts": 2, "warmup": 1, "max_new_tokens": 8},
+           "bench": {"num_prompts": 3, "warmup": 1, "max_new_tokens": 8, "concurrency": [1, 2]},
            "check": {"live_parity_samples": 1,
                      "fail_on_error": False}}  # a random micro target and a 1-epoch draft: tau checks may warn
 
