@@ -416,15 +416,15 @@ def advise_served(candidates: list[dict], measured: dict) -> dict:
     request_s = statistics.median(m["request_s"] for m in measured.values())
     tokens = statistics.fmean(m["tokens_per_request"] for m in measured.values())
 
-    def predicted(rounds, row):
-        costs = served_costs(rounds, step_s, request_s, tokens)
+    def predicted(costs, row):
         key = (row["num_steps"], row["topk"], row["num_draft_tokens"])
         return predict(costs, row["predicted_tau"], *key), round_cost(costs, *key, row["predicted_tau"])["round"]
 
     rounds = {k: m["round_s"] for k, m in measured.items()}
+    costs = served_costs(rounds, step_s, request_s, tokens)  # fitted once for every candidate
     rows = []
     for c in candidates:
-        speedup, round_s = predicted(rounds, c)
+        speedup, round_s = predicted(costs, c)
         rows.append({**{k: c[k] for k in ("num_steps", "topk", "num_draft_tokens", "predicted_tau")},
                      "predicted_speedup": speedup, "round_ms": 1e3 * round_s, "extrapolated": c.get("extrapolated", False)})
     held_out = []
@@ -433,10 +433,10 @@ def advise_served(candidates: list[dict], measured: dict) -> dict:
         rest = {k: r for k, r in rounds.items() if k != key}
         if row is None or len(rest) < 3:
             continue
-        speedup, round_s = predicted(rest, row)
+        speedup, round_s = predicted(served_costs(rest, step_s, request_s, tokens), row)
         held_out.append({"num_steps": key[0], "topk": key[1], "num_draft_tokens": key[2], "predicted_speedup": speedup,
                          "predicted_round_ms": 1e3 * round_s, "measured_round_ms": 1e3 * rounds[key]})
-    fit = fit_served_rounds(rounds)
+    fit = costs["fit_s"]
     d = fit["draft_per_step"][1]
     return {**recommend(rows), "held_out": held_out,
             "fit_ms": {"round_fixed": 1e3 * (fit["draft_fixed"] - d), "per_draft_step": 1e3 * d,

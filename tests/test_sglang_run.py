@@ -1,6 +1,6 @@
 """tools/sglang_run.py, the driver that serves the pipeline's draft with SGLang, end to end on a CPU.
 
-The same code launches SGLang on a GPU machine (reports/sglang-h200/); here every server is the
+The same code launches SGLang on a GPU box (reports/sglang-h200/); here every server is the
 project's reference server, which applies SGLang's flag rules and prints SGLang's log lines, or
 (the bench phase) a stand-in for `python -m sglang.launch_server` that starts it.
 """
@@ -28,7 +28,7 @@ def drive(results: Path, *extra: str, env: dict | None = None) -> subprocess.Com
     params = results.parent / "smaller.yaml"
     params.write_text(SMALLER)
     argv = [sys.executable, str(ROOT / "tools" / "sglang_run.py"), "--backend", "reference", "--quick", "--params", str(params),
-            "--results", str(results), "--pack", str(results.parent / "out" / "pack.tar.gz"), *extra]
+            "--results", str(results), "--pack", str(results.parent / "packed" / "pack.tar.gz"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
 
 
@@ -49,7 +49,7 @@ def test_a_forced_flag_fault_is_served_recorded_and_named(rehearsal):
     bench = json.loads((results / "faults/chain_draft_tokens_forced/work/reports/bench.json").read_text())
     assert bench["backend"] == "url" and bench["flags"]["served"]["num_draft_tokens"] == 2
     assert bench["server_log"].endswith("server.log") and bench["spec"]["tau"] >= 1.0
-    assert not os.path.isabs(bench["server_log"])  # results name no absolute path of the machine
+    assert not os.path.isabs(bench["server_log"])  # a results folder that moves elsewhere still reads
 
 
 def test_stage_logs_show_the_command_as_typed(rehearsal):
@@ -72,10 +72,10 @@ def tool():
 def test_a_target_that_is_not_a_model_directory_is_refused(tool, tmp_path, monkeypatch, capsys):
     """The driver's own main() with drive()'s argv: it refuses before it starts anything."""
     argv = ["sglang_run.py", "--backend", "reference", "--quick", "--results", str(tmp_path / "results"),
-            "--pack", str(tmp_path / "out" / "pack.tar.gz"), "--target", str(tmp_path)]
+            "--pack", str(tmp_path / "packed" / "pack.tar.gz"), "--target", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     assert tool.main() == 2 and "no config.json" in capsys.readouterr().err
-    assert not (tmp_path / "results").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "results").exists() and not (tmp_path / "packed").exists()
 
 
 def test_work_dir_target_and_params_come_from_the_arguments(tool, tmp_path, monkeypatch):
@@ -106,7 +106,7 @@ def test_live_parity_ran_against_a_server_and_passed(rehearsal):
 
 def test_results_pack_without_data_or_weights_and_a_rerun_resumes(rehearsal):
     results, _ = rehearsal
-    with tarfile.open(results.parent / "out" / "pack.tar.gz") as tar:
+    with tarfile.open(results.parent / "packed" / "pack.tar.gz") as tar:
         names = tar.getnames()
     assert any(n.endswith("faults/chain_draft_tokens_forced/summary.json") for n in names)
     assert not any(n.endswith(".safetensors") or "/data/" in n for n in names)

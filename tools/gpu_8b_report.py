@@ -35,6 +35,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "tools"))
+
+import serve_8b_twin  # noqa: E402  (the sweep's own reading of its kept requests)
 from draftlab import advice  # noqa: E402
 
 
@@ -69,13 +72,21 @@ def bench_point(bench: dict) -> dict:
             "round_ms": 1e3 * (spec_s - n * request_s) / spec["verify_ct"], "greedy_identical": None}
 
 
-def sweep_point(entry: dict) -> dict:
-    rounds = advice.served_round([(t, s) for _, m, s, t, _ in entry["requests"] if m == "baseline"],
-                                 [(t, v, s) for _, m, s, t, v in entry["requests"] if m == "spec"])
+def sweep_point(entry: dict, rounds: dict | None) -> dict:
+    """A sweep configuration's bs=1 point; rounds: its advice.served_round (serve_8b_twin.measured_rounds)."""
     return {"config": name(key(entry)), "source": "sweep", "served_tau": entry["served_tau"], "speedup": entry["speedup"],
             "baseline_tokens_per_s": entry["baseline"]["tokens_per_s"], "spec_tokens_per_s": entry["spec"]["tokens_per_s"],
             "per_prompt_speedup": entry.get("per_prompt_speedup"), "greedy_identical": entry["greedy_identical"],
             "round_ms": 1e3 * rounds["round_s"] if rounds else None}
+
+
+def level(n: int, base_tokens_per_s: float, spec_tokens_per_s: float, per_request_speedup: float | None = None) -> dict:
+    """One concurrency point: throughput of both servers and their ratio."""
+    row = {"concurrency": n, "speedup": spec_tokens_per_s / base_tokens_per_s,
+           "baseline_tokens_per_s": base_tokens_per_s, "spec_tokens_per_s": spec_tokens_per_s}
+    if per_request_speedup is not None:
+        row["per_request_speedup"] = per_request_speedup
+    return row
 
 
 def build(run: Path) -> dict:
@@ -86,7 +97,8 @@ def build(run: Path) -> dict:
     pipeline = json.loads((run / "pipeline.json").read_text())
     versions = json.loads((run / "versions.json").read_text())
 
-    points = [sweep_point(e) for e in sweep["configs"].values() if "speedup" in e] + [bench_point(bench)]
+    rounds = serve_8b_twin.measured_rounds(sweep["configs"])
+    points = [sweep_point(e, rounds.get(key(e))) for e in sweep["configs"].values() if "speedup" in e] + [bench_point(bench)]
     points.sort(key=lambda p: (int(p["config"].split("-")[1]) > 1, [int(x) for x in p["config"].split("-")]))
     cands = {name(key(c)): c for c in bench["advice"]["candidates"]}
     train_tau = {f"{n}-1-{n + 1}": v for n, v in ((int(k.split("_")[1]), v) for k, v in train["tau_by_steps"].items())}
@@ -117,16 +129,12 @@ def build(run: Path) -> dict:
     concurrency = {}
     b = {r["concurrency"]: r for r in bench["sweep"]["baseline"]}
     s = {r["concurrency"]: r for r in bench["sweep"]["speculative"]}
-    concurrency[ran["config"]] = [{"concurrency": 1, "speedup": ran["speedup"], "baseline_tokens_per_s": ran["baseline_tokens_per_s"],
-                                   "spec_tokens_per_s": ran["spec_tokens_per_s"]}] + [
-        {"concurrency": n, "speedup": s[n]["throughput"] / b[n]["throughput"], "per_request_speedup": s[n]["median"] / b[n]["median"],
-         "baseline_tokens_per_s": b[n]["throughput"], "spec_tokens_per_s": s[n]["throughput"]} for n in sorted(b) if n in s]
+    concurrency[ran["config"]] = [level(1, ran["baseline_tokens_per_s"], ran["spec_tokens_per_s"])] + [
+        level(n, b[n]["throughput"], s[n]["throughput"], s[n]["median"] / b[n]["median"]) for n in sorted(b) if n in s]
     for e in sweep["configs"].values():
         if e.get("concurrency"):
-            concurrency[name(key(e))] = [{"concurrency": 1, "speedup": e["speedup"], "baseline_tokens_per_s": e["baseline"]["tokens_per_s"],
-                                          "spec_tokens_per_s": e["spec"]["tokens_per_s"]}] + [
-                {"concurrency": r["concurrency"], "speedup": r["speedup"], "per_request_speedup": r["per_request_speedup"],
-                 "baseline_tokens_per_s": r["baseline"]["tokens_per_s"], "spec_tokens_per_s": r["spec"]["tokens_per_s"]}
+            concurrency[name(key(e))] = [level(1, e["baseline"]["tokens_per_s"], e["spec"]["tokens_per_s"])] + [
+                level(r["concurrency"], r["baseline"]["tokens_per_s"], r["spec"]["tokens_per_s"], r["per_request_speedup"])
                 for r in e["concurrency"]]
     for cfg, rows in concurrency.items():
         c = cands.get(cfg)
