@@ -44,6 +44,14 @@ term calibrated on a whole run. A costs dict holds these terms measured at one b
 number where a term is one constant; {size: seconds} where it was timed per size);
 `advise_by_concurrency` takes one such dict per concurrency (e.g. an SGLang server's decode step and
 verify times per batch size) and names the concurrency from which no candidate is predicted to pay.
+
+With n requests in flight a verify runs the target over n * w tokens. Where that is compute-bound
+(an 8B target at 16 x 32 = 512 tokens), a wide tree's round grows faster with n than a chain's, and a
+round scaled from bs=1 does not know it. The batch growth (`batch_growth`) adds, to a round scaled
+from the configuration that ran (width w0), what the target's dense matmuls cost over n * w tokens
+beyond n * w0, less the same difference at bs=1 (which the scale already holds): G(n) * [T] timed on
+this device by `measure_gemm_s`, unscaled, because a matmul of that size costs the same under a
+server's CUDA graphs as in-process.
 """
 from __future__ import annotations
 
@@ -238,6 +246,7 @@ def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens
     draft_prefill = costs.get("draft_prefill_s", 0.0)
     if costs.get("round_scale"):  # another engine serves: the in-process round's shape at its scale
         r, draft_prefill = r * costs["round_scale"], 0.0  # (its served rounds hold the draft's prefill)
+        r += batch_growth(costs, num_draft_tokens)
     else:
         r += overhead
     T = costs.get("tokens_per_request") or math.inf
@@ -256,6 +265,29 @@ def round_scale(costs: dict, served_round_s: float) -> float:
     in-process round (how drafting, verify and extend grow with steps, topk and width) and takes
     its scale from the one served round measured: round_served(cfg) = kappa * round(cfg)."""
     return served_round_s / costs["offline_round_s"]
+
+
+def _interpolate(table: dict, x: float) -> float:
+    """table {x: y} (keys may be strings, as read back from JSON) at x, piecewise linear; past the ends,
+    the end segment's line (a single point: that value)."""
+    pts = sorted((float(k), float(v)) for k, v in table.items())
+    if len(pts) == 1:
+        return pts[0][1]
+    i = max(1, min(len(pts) - 1, int(np.searchsorted([p for p, _ in pts], x))))
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def batch_growth(costs: dict, num_draft_tokens: int) -> float:
+    """What a round of width w costs with costs["batch"] = n requests in flight beyond the round scaled
+    from the configuration that ran (width costs["ref_width"] = w0), by the target's dense matmuls
+    (costs["gemm_s"], {tokens: s}): F(n w) - F(n w0) - (F(w) - F(w0)). Zero at n = 1, at w = w0, and
+    without a matmul table (module docstring)."""
+    n, w0, table = costs.get("batch") or 1, costs.get("ref_width"), costs.get("gemm_s")
+    if n <= 1 or not w0 or not table:
+        return 0.0
+    f = lambda t: _interpolate(table, t)  # noqa: E731
+    return f(n * num_draft_tokens) - f(n * w0) - (f(num_draft_tokens) - f(w0))
 
 
 DONT_SPECULATE = "don't speculate"
@@ -313,7 +345,8 @@ def advise_by_concurrency(acceptance: list[float], costs_by_batch: dict, configs
     return {"by_concurrency": per, "crossover_concurrency": crossover}
 
 
-def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: list[dict], tau: float) -> dict:
+def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: list[dict], tau: float,
+                         ran_width: int | None = None) -> dict:
     """{concurrency: costs dict} for advise_by_concurrency, from the configuration that ran served
     with n requests in flight (the bench stage's paired batches: tokens/s of whole batches).
 
@@ -321,7 +354,8 @@ def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: li
     configuration that ran takes R_n = n * tau / speculative tokens/s (prefill amortized into both).
     Every configuration's round is scaled as at bs=1 (`round_scale`), kappa_n = R_n / the offline
     round of the configuration that ran: the in-process round's shape, the served batch's scale.
-    Concurrency 1 is `costs` itself."""
+    With costs["gemm_s"] and ran_width (the num_draft_tokens that ran), each other width's round also
+    gets the batch growth of its verify (`batch_growth`). Concurrency 1 is `costs` itself."""
     out = {1: costs}
     spec = {r["concurrency"]: r for r in spec_sweep}
     for base in baseline_sweep:
@@ -329,7 +363,7 @@ def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: li
         if n <= 1 or not s or not base.get("throughput") or not s.get("throughput") or not costs.get("offline_round_s"):
             continue
         out[n] = {**costs, "server_step_s": n / base["throughput"], "server_request_s": 0.0, "tokens_per_request": None,
-                  "round_scale": n * tau / s["throughput"] / costs["offline_round_s"]}
+                  "round_scale": n * tau / s["throughput"] / costs["offline_round_s"], "batch": n, "ref_width": ran_width}
     return out
 
 
@@ -449,15 +483,19 @@ def advise_served(candidates: list[dict], measured: dict) -> dict:
 
 
 def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
-                eos: set[int], ignore_eos: bool) -> dict:
+                eos: set[int], ignore_eos: bool, with_baseline: bool = True) -> dict:
     """Every prompt decoded in-process by spec_engine with the served flags: pooled tau, a_i, speed,
-    seconds per round (prefills excluded) and the outputs (for the rank shares)."""
+    seconds per round (prefills excluded) and the outputs (for the rank shares). with_baseline: also
+    decode each prompt without speculation, for the in-process decode step (baseline_step_s, None
+    without); a server of another engine is scaled on its own rounds instead (`round_scale`), and an
+    eager 8B baseline costs a minute."""
     results, baselines = [], []
     for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
         results.append(spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
                                             num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
                                             eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
-        baselines.append(spec_engine.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
+        if with_baseline:
+            baselines.append(spec_engine.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
     base_steps = sum(len(b.output_ids) - 1 for b in baselines)
     proposed = [sum(x) for x in zip(*(r.proposed for r in results))]
     accepted = [sum(x) for x in zip(*(r.accepted for r in results))]
@@ -590,6 +628,28 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
 
     return {"baseline_step_s": baseline_step, "prefill_s": prefill, "draft_prefill_s": draft_prefill,
             "draft_s": by("draft"), "verify_s": by("verify"), "tree_verify_s": by("tree_verify"), "extend_s": by("extend")}
+
+
+@torch.inference_mode()
+def measure_gemm_s(target, token_counts, repeats: int = 5) -> dict[int, float]:
+    """{T: seconds} of every dense matmul of the target (each nn.Linear, lm_head included) over T token
+    rows, timed as plain matmuls on the target's device and dtype, the counts interleaved, the median
+    of `repeats`: what the target's forward costs in its linear layers at T tokens, memory-bound for a
+    small T (the weights are read once) and compute-bound for a large one (`batch_growth`). A
+    mixture-of-experts layer is counted as if every expert ran: an upper bound."""
+    weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    device, dtype = weights[0].device, weights[0].dtype
+    rows = {int(t): {w.shape[1]: torch.randn(int(t), w.shape[1], device=device, dtype=dtype) for w in weights}
+            for t in token_counts}
+
+    def timer(t):
+        def run():
+            xs = rows[t]
+            for w in weights:
+                torch.matmul(xs[w.shape[1]], w.t())
+        return _timed(run, device)
+
+    return _interleaved_medians({t: timer(t) for t in rows}, repeats)
 
 
 @torch.inference_mode()

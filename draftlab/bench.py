@@ -134,9 +134,15 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
                       repeats: int = 2) -> dict[str, list[dict]]:
     """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
     several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
-    the machine's load hits every mode alike; each mode's figures pool its batches."""
+    the machine's load hits every mode alike; each mode's figures pool its batches.
+
+    Each mode first gets one whole batch at n that is not counted: on an H200, SGLang's first
+    speculative batch at a new concurrency took up to twice as long as the next (kernels compiled
+    for the new shapes), enough to move a speedup by 30%."""
     out = {mode: [] for mode in clients}
     for n in (n for n in levels if n > 1):
+        for client in clients.values():
+            run_requests(client, prompts, sampling, n)  # warm-up at this concurrency: not counted
         got = {mode: ([], 0.0) for mode in clients}
         for rep in range(repeats if len(clients) > 1 else 1):
             for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):

@@ -127,7 +127,8 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     compared = advice.predicted_vs_measured(advised["candidates"], measured)
     by_concurrency = None
     if baseline and spec["sweep"]:  # the advice at each concurrency measured, and where speculation stops paying
-        per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"]),
+        per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"],
+                                                                             flags.num_draft_tokens),
                                            configs, depth1_ranks=ranks)
         by_concurrency = {"crossover_concurrency": per["crossover_concurrency"],
                           "recommendation": {str(n): a["recommendation"] for n, a in per["by_concurrency"].items()},
@@ -219,12 +220,17 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
+    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (advice.round_scale)
     offline = advice.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
-                                 eos, plan.bench_params.ignore_eos)
+                                 eos, plan.bench_params.ignore_eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
-    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical,
-                                 advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else []))
+    configs = advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else [])
+    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical, configs)
+    batches = [n for n in plan.bench_params.concurrency if n > 1]
+    if batches:  # the target's matmuls over n * w tokens: how a verify grows with requests in flight (advice.batch_growth)
+        widths = {w for *_, w in configs}
+        costs["gemm_s"] = advice.measure_gemm_s(target, sorted(widths | {n * w for n in batches for w in widths}))
     costs["fit_s"] = advice.fit_costs(costs)  # the model's terms, fitted over every configuration timed
     # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
     # configuration that ran. It may be negative: where the lines through every configuration's
@@ -234,7 +240,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     costs["offline_round_s"] = round_s
     costs["loop_s"] = round_s - parts["round"]
     costs["tokens_per_request"] = offline["tokens_per_request"]
-    costs["baseline_run_step_s"] = offline.pop("baseline_step_s")
+    costs["baseline_run_step_s"] = offline.pop("baseline_step_s") or costs["baseline_step_s"]
     ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
     return offline, costs, physical, ranks
 

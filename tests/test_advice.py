@@ -363,3 +363,48 @@ def test_the_advice_per_concurrency_scales_each_batch_and_names_the_crossover():
     out = advice.advise_by_concurrency([0.6, 0.5], per, [(2, 1, 3)])
     assert out["by_concurrency"][4]["speculate"] and not out["by_concurrency"][16]["speculate"]
     assert out["crossover_concurrency"] == 16
+
+
+def test_a_wide_verify_grows_with_requests_in_flight_where_the_matmuls_turn_compute_bound():
+    """An 8B-like matmul curve: flat (weights read once) up to 128 tokens, then linear. At 16 in
+    flight a 32-wide tree verifies 512 tokens where the 6-wide chain that ran verifies 96."""
+    gemm = {1: 3.3, 32: 3.3, 128: 3.3, 512: 11.0}  # ms
+
+    def f(t):
+        return 3.3 if t <= 128 else 3.3 + (t - 128) * (11.0 - 3.3) / 384
+
+    costs = {**HAND, "baseline_step_s": 10.0, "server_step_s": 10.0, "server_request_s": 0.0, "gemm_s": gemm}
+    costs["offline_round_s"] = advice.round_cost(costs, 2, 1, 6, 2.5)["round"]
+    costs["round_scale"] = 1.0
+    base = [{"concurrency": n, "throughput": n / 12.0} for n in (4, 16)]
+    spec = [{"concurrency": n, "throughput": n * 2.5 / 20.0} for n in (4, 16)]
+    per = advice.costs_by_concurrency(costs, base, spec, tau=2.5, ran_width=6)
+    assert advice.batch_growth(per[1], 32) == 0.0  # bs=1: the scale already holds it
+    assert advice.batch_growth(per[16], 6) == 0.0  # the width that ran: measured as it is
+    assert advice.batch_growth(per[4], 32) == pytest.approx(0.0)  # 128 tokens: still memory-bound
+    grown = f(16 * 32) - f(16 * 6) - (f(32) - f(6))
+    assert advice.batch_growth(per[16], 32) == pytest.approx(grown) and grown > 7.0
+    # the tree's round at 16 in flight is the scaled one plus that growth
+    scaled = advice.round_cost(per[16], 6, 8, 32, 3.0)["round"] * per[16]["round_scale"]
+    assert advice.predict(per[16], 3.0, 6, 8, 32) == pytest.approx(3.0 * 12.0 / (scaled + grown))  # b_16 = 12
+    # without a matmul table (or the width that ran), the advice is the scaled one, as before
+    plain = advice.costs_by_concurrency({k: v for k, v in costs.items() if k != "gemm_s"}, base, spec, tau=2.5, ran_width=6)
+    assert advice.predict(plain[16], 3.0, 6, 8, 32) > advice.predict(per[16], 3.0, 6, 8, 32)
+    assert advice.batch_growth(advice.costs_by_concurrency(costs, base, spec, tau=2.5)[16], 32) == 0.0
+
+
+def test_a_json_matmul_table_interpolates_between_and_past_its_points():
+    table = {"2": 1.0, "10": 2.0, "100": 20.0}  # as bench.json holds it: string keys
+    assert advice._interpolate(table, 6) == pytest.approx(1.5)
+    assert advice._interpolate(table, 55) == pytest.approx(11.0)
+    assert advice._interpolate(table, 190) == pytest.approx(38.0)  # past the end: the last segment's line
+    assert advice._interpolate({"8": 4.0}, 100) == 4.0
+
+
+def test_the_targets_matmuls_are_timed_per_token_count():
+    import torch
+
+    target = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64), torch.nn.Linear(64, 512, bias=False))
+    out = advice.measure_gemm_s(target, [1, 64, 2048], repeats=3)
+    assert set(out) == {1, 64, 2048} and all(t > 0 for t in out.values())
+    assert out[2048] > out[1]  # 2048 rows of three matmuls cost more than one row on any device

@@ -15,17 +15,20 @@ class Recorder:
         return "", GenerateMeta(completion_tokens=self.tokens)
 
 
-def test_batches_alternate_abba_and_each_mode_pools_its_batches():
+def test_batches_alternate_abba_after_an_uncounted_warm_up_and_each_mode_pools_its_batches():
     log = []
     clients = {"baseline": Recorder("b", 10, log), "speculative": Recorder("s", 30, log)}
     out = bench.concurrency_sweep(clients, [[1]] * 4, {}, [1, 4, 8])
-    # Level 1 is the paired single-stream figure measured elsewhere; 4 and 8 each: B S S B.
-    assert log == ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4 + ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4
+    # Level 1 is the paired single-stream figure measured elsewhere; 4 and 8 each: a warm-up batch
+    # per server (not counted), then B S S B.
+    level = ["b"] * 4 + ["s"] * 4 + ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4
+    assert log == level + level
     assert [p["concurrency"] for p in out["baseline"]] == [4, 8]
+    # two counted batches of 4 requests each: the warm-up's 4 are not in the figures
     assert out["speculative"][0]["completion_tokens"] == 240 and out["speculative"][0]["requests"] == 8
 
 
-def test_one_server_runs_each_level_once():
+def test_one_server_runs_each_level_once_after_its_warm_up():
     log = []
     out = bench.concurrency_sweep({"speculative": Recorder("s", 5, log)}, [[1]] * 3, {}, [2])
-    assert log == ["s"] * 3 and out["speculative"][0]["completion_tokens"] == 15
+    assert log == ["s"] * 6 and out["speculative"][0]["completion_tokens"] == 15

@@ -66,8 +66,11 @@ def test_first_run_runs_every_stage(project):
 
 def test_the_advice_says_what_pays_at_each_concurrency_measured(project):
     root, out = project
-    per = json.loads((root / "reports/bench.json").read_text())["advice"]["by_concurrency"]
+    bench = json.loads((root / "reports/bench.json").read_text())
+    per = bench["advice"]["by_concurrency"]
     assert set(per["recommendation"]) == {"1", "2"} and set(per["predicted_speedup"]) == {"1", "2"}
+    # how a verify grows with 2 requests in flight: the target's matmuls timed at w and 2 * w tokens
+    assert {"2", "4", "64"} <= set(bench["costs"]["gemm_s"])
     assert per["crossover_concurrency"] in (None, 1, 2)
     line = next(x for x in out.splitlines() if x.startswith("bench: tau"))
     assert "concurrency" in line  # the stage's one-line summary names the crossover, or that there is none

@@ -79,7 +79,8 @@ def test_concurrency_is_paired_batch_by_batch_in_abba_order(monkeypatch):
     clock = iter(range(1000))  # each perf_counter call advances one second
     monkeypatch.setattr(tool.time, "perf_counter", lambda: next(clock))
     out = tool.run_batches_paired(base, spec, [[1], [2], [3], [4]], {}, concurrency=1, repeats=2)
-    assert log == ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4  # ABBA: a load drift hits both alike
+    # one uncounted warm-up batch each, then ABBA: a load drift hits both alike
+    assert log == ["b"] * 4 + ["s"] * 4 + ["b"] * 4 + ["s"] * 4 + ["s"] * 4 + ["b"] * 4
     assert out["baseline"]["completion_tokens"] == out["spec"]["completion_tokens"] == 80
     assert out["spec"]["served_tau"] == pytest.approx(2.5)
     assert out["speedup"] == pytest.approx(out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"])

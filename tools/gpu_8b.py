@@ -70,6 +70,9 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency-configs", default="6-8-32,advised",
                     help="sweep configurations that also get concurrency 4/8/16 ('advised': the advice's pick)")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
+    ap.add_argument("--concurrency-prompts", type=int, default=64, help="prompts per batch with requests in flight")
+    ap.add_argument("--parity-reserve-s", type=float, default=EXPECT_S["parity"] + 30,
+                    help="seconds the sweep leaves for parity after it (0: parity runs only if time is left)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
     ap.add_argument("--summary", default="", help="only write this JSON: what RESULTS and WORK hold so far (no GPU needed)")
     return ap.parse_args(argv)
@@ -236,12 +239,13 @@ def main(argv=None) -> int:
                                "--twin", str(twin), "--draft", str(draft), "--baseline-url", srv.url, "--baseline-log", str(base_log),
                                "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
                                "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
+                               "--concurrency-prompts", str(args.concurrency_prompts),
                                "--advise-from", str(run.work / "pipeline" / "reports" / "bench.json"),
                                "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),
                                "--port", str(free_port()), "--out", str(run.results / "sweep.json"),
                                "--mirror", str(run.work / "sweep.json"),
                                # what is left once parity has had its time
-                               "--deadline-s", str(max(0, run.left() - EXPECT_S["parity"] - 30))])
+                               "--deadline-s", str(max(0, run.left() - args.parity_reserve_s))])
             run.note("sweep", planned_s=need)
     if "parity" not in run.skip and (run.work / "pipeline" / "models" / "draft").exists() and run.fits("parity", EXPECT_S["parity"]):
         run.call("parity", sglang_run + ["--params", str(params), "--phases", "parity"])

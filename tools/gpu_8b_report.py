@@ -93,7 +93,7 @@ def build(run: Path) -> dict:
     sweep = json.loads((run / "sweep.json").read_text())
     bench = json.loads((run / "bench.json").read_text())
     train = json.loads((run / "train-metrics.json").read_text())
-    check = json.loads((run / "check.json").read_text())
+    check = json.loads((run / "check.json").read_text()) if (run / "check.json").exists() else None  # parity may be skipped for time
     pipeline = json.loads((run / "pipeline.json").read_text())
     versions = json.loads((run / "versions.json").read_text())
 
@@ -125,7 +125,8 @@ def build(run: Path) -> dict:
         p["advice_error"] = {k: (v / p["speedup"] - 1.0 if v else None) for k, v in p["advice"].items()}
 
     # concurrency: measured (bench stage's configuration and the sweep's) and the scaled model's prediction
-    by_c_costs = advice.costs_by_concurrency(scaled, bench["sweep"]["baseline"], bench["sweep"]["speculative"], bench["spec"]["tau"])
+    by_c_costs = advice.costs_by_concurrency(scaled, bench["sweep"]["baseline"], bench["sweep"]["speculative"], bench["spec"]["tau"],
+                                             int(ran["config"].split("-")[2]))  # + the verify's batch growth where timed
     concurrency = {}
     b = {r["concurrency"]: r for r in bench["sweep"]["baseline"]}
     s = {r["concurrency"]: r for r in bench["sweep"]["speculative"]}
@@ -162,7 +163,7 @@ def build(run: Path) -> dict:
         "tau": {"train_predicted": train["tau_pred"], "offline": bench["offline_tau"], "served": bench["spec"]["tau"],
                 "server_log_accept_len": bench["server_accept_length"]},
         "check": {"errors": sum(f["severity"] == "error" for f in check.get("findings", [])),
-                  "findings": [f"{f['severity']}: {f['name']}" for f in check.get("findings", [])]},
+                  "findings": [f"{f['severity']}: {f['name']}" for f in check.get("findings", [])]} if check else None,
         "baseline_vs_floor": {"floor_tokens_per_s_at_nominal": floor["tokens_per_s_at_nominal"],
                               "floor_tokens_per_s_at_measured_copy": floor["tokens_per_s_at_measured_copy"],
                               "measured_copy_bandwidth": sweep.get("measured_copy_bandwidth"),

@@ -72,6 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default=None, help="an existing inflated draft (default WORK_DIR/draft, built if missing)")
     ap.add_argument("--prompts", default=None, help="a .jsonl of {'messages': [...]} rows (rendered with the chat template)")
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--concurrency-prompts", type=int, default=None,
+                    help="prompts per batch with requests in flight (default --num-prompts); more waves of the batch "
+                         "are in steady state, fewer are its first prefills and its last stragglers")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--configs", type=lambda s: [parse_config(c) for c in s.split(",")],
                     default=[(3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8)], help="STEPS-TOPK-DRAFT_TOKENS,...")
@@ -316,7 +319,11 @@ def run_batch(client, prompts, sampling, concurrency: int) -> dict:
 
 def run_batches_paired(base, spec, prompts, sampling, concurrency: int, repeats: int = 2) -> dict:
     """Throughput with `concurrency` requests in flight, paired: whole batches alternate between the
-    two servers in ABBA order (`repeats` batches each), so a drift in the machine's load hits both."""
+    two servers in ABBA order (`repeats` batches each), so a drift in the machine's load hits both.
+    Each server first runs one whole batch at this concurrency that is not counted: the first
+    speculative batch at a new concurrency took up to twice as long as the next."""
+    for client in (base, spec):
+        run_batch(client, prompts, sampling, concurrency)
     got = {"baseline": [], "spec": []}
     for rep in range(repeats):
         order = (("baseline", base), ("spec", spec)) if rep % 2 == 0 else (("spec", spec), ("baseline", base))
@@ -391,7 +398,7 @@ def main(argv=None) -> dict:
         "bandwidth_floor": {"nominal_bandwidth": NOMINAL_BANDWIDTH,
                             "tokens_per_s_at_nominal": bandwidth_floor(model_bytes, NOMINAL_BANDWIDTH),
                             "tokens_per_s_at_measured_copy": bandwidth_floor(model_bytes, bw) if bw else None},
-        "method": {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
+        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                    "ignore_eos": False, "pairing": "one request at a time, baseline and speculative alternating (ABBA)",
                    "server_args": ["--attention-backend", ATTENTION_BACKEND] + SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static),
                                                  "--max-running-requests", str(args.max_running_requests)],
@@ -401,8 +408,10 @@ def main(argv=None) -> dict:
     save()
 
     tok = AutoTokenizer.from_pretrained(str(twin), local_files_only=True)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][:args.num_prompts]
-    prompts = render(tok, rows)
+    n_conc = args.concurrency_prompts or args.num_prompts
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][:max(args.num_prompts, n_conc)]
+    all_prompts = render(tok, rows)
+    prompts, conc_prompts = all_prompts[:args.num_prompts], all_prompts[:n_conc]
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": False}
     extra = SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static)]
     server_flags = SpecFlags(algorithm=None, max_running_requests=args.max_running_requests, attention_backend=ATTENTION_BACKEND)
@@ -434,7 +443,7 @@ def main(argv=None) -> dict:
             name = config_name(cfg)
             sweep = args.concurrency if (sweep_on == "all" or (sweep_on == "chains" and cfg[1] == 1)
                                          or name in sweep_on.split(",") or (role and role in sweep_on.split(","))) else []
-            need = startup_estimate + 40 + 15 * len(sweep)
+            need = startup_estimate + 40 + 15 * len(sweep) * max(1.0, n_conc / 32)
             if args.deadline_s is not None and elapsed() + need > args.deadline_s:
                 results["configs"][name] = {"skipped": f"not started: {need:.0f}s needed, "
                                                       f"{args.deadline_s - elapsed():.0f}s left before the deadline"}
@@ -465,7 +474,7 @@ def main(argv=None) -> dict:
                     if sweep:
                         entry["concurrency"] = []
                         for c in sweep:
-                            point = run_batches_paired(base, spec, prompts, sampling, c)
+                            point = run_batches_paired(base, spec, conc_prompts, sampling, c)
                             entry["concurrency"].append(point)
                             print(f"[{elapsed():.0f}s] {name} c={c}: baseline {point['baseline']['tokens_per_s']:.0f} tok/s, spec "
                                   f"{point['spec']['tokens_per_s']:.0f} tok/s, speedup {point['speedup']:.2f} "
