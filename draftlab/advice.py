@@ -321,14 +321,28 @@ def advise(acceptance: list[float], costs: dict, configs=None, depth1_ranks: lis
 
 
 def recommend(rows: list[dict]) -> dict:
-    """The best of `rows` (each with a predicted_speedup), or "don't speculate" when none is above 1.0x."""
-    best = max(rows, key=lambda r: r["predicted_speedup"]) if rows else None
+    """The best of `rows` (each with a predicted_speedup) whose tau comes from measured acceptance, or
+    "don't speculate" when none is above 1.0x.
+
+    A row marked extrapolated (deeper than the acceptance measured: its a_i reuse the deepest one) is
+    never recommended. A draft accepts less past the depth it was trained to: on an H200 a draft
+    trained 5 steps deep was predicted tau 7.07 at 8 steps from its 5-step acceptance and served
+    6.39, and the 8-step chain the model recommended ran at 2.89x against 3.19x for 7 steps. Where
+    such a row is predicted above the recommendation it is named (worth_measuring): serve it once
+    to measure its acceptance."""
+    measured = [r for r in rows if not r.get("extrapolated")]
+    best = max(measured, key=lambda r: r["predicted_speedup"]) if measured else None
     speculate = best is not None and best["predicted_speedup"] > 1.0
+    deeper = max((r for r in rows if r.get("extrapolated")), key=lambda r: r["predicted_speedup"], default=None)
+    worth = deeper if deeper is not None and deeper["predicted_speedup"] > max(1.0, best["predicted_speedup"] if best else 0.0) else None
+    text = (f"{config_name(best)} (predicted {best['predicted_speedup']:.2f}x)" if speculate else
+            f"{DONT_SPECULATE}: no candidate is predicted above 1.0x"
+            + (f" (best {best['predicted_speedup']:.2f}x, {config_name(best)})" if best else ""))
+    if worth is not None:
+        text += (f"; {config_name(worth)} is predicted {worth['predicted_speedup']:.2f}x from acceptance extrapolated "
+                 "past the depth measured: serve it once to measure")
     return {"candidates": rows, "recommended": best if speculate else None, "speculate": speculate,
-            "recommendation": config_name(best) if speculate else DONT_SPECULATE,
-            "advice": f"{config_name(best)} (predicted {best['predicted_speedup']:.2f}x)" if speculate else
-                      f"{DONT_SPECULATE}: no candidate is predicted above 1.0x"
-                      + (f" (best {best['predicted_speedup']:.2f}x, {config_name(best)})" if best else "")}
+            "recommendation": config_name(best) if speculate else DONT_SPECULATE, "worth_measuring": worth, "advice": text}
 
 
 def advise_by_concurrency(acceptance: list[float], costs_by_batch: dict, configs=None, depth1_ranks=None) -> dict:
@@ -434,16 +448,36 @@ def served_costs(rounds: dict, step_s: float, request_s: float, tokens_per_reque
             "tokens_per_request": tokens_per_request}
 
 
+def known_taus(candidates: list[dict], served: dict) -> list[dict]:
+    """candidates with the tau the served configurations show: a served configuration's own served
+    tau; an unserved chain no deeper than the deepest chain measured (by acceptance or served), the
+    chain taus measured interpolated by depth; both no longer extrapolated. Every other row as it is.
+    served: {(s, k, w): served tau}."""
+    chains = {c["num_steps"]: c["predicted_tau"] for c in candidates if c["topk"] == 1 and not c.get("extrapolated")}
+    chains.update({k[0]: t for k, t in served.items() if k[1] == 1})
+    out = []
+    for c in candidates:
+        key = (c["num_steps"], c["topk"], c["num_draft_tokens"])
+        if key in served:
+            c = {**c, "predicted_tau": served[key], "extrapolated": False, "tau_from": "served"}
+        elif c["topk"] == 1 and chains and c["num_steps"] <= max(chains):
+            c = {**c, "predicted_tau": chains.get(c["num_steps"]) or _interpolate(chains, c["num_steps"]), "extrapolated": False}
+        out.append(c)
+    return out
+
+
 def advise_served(candidates: list[dict], measured: dict) -> dict:
     """The advice from a server's own rounds.
 
     candidates: rows with num_steps, topk, num_draft_tokens and predicted_tau (the bench stage's
     advice: tau from the measured acceptance); measured: {(s, k, w): served_round(...)} for the
     configurations served. Returns `recommend` over the candidates with the speedups predicted by
-    the round model fitted on every measured configuration, the fitted terms (ms), and per measured
-    configuration the prediction made without it (leave one out: the model's error on a
-    configuration it has not seen)."""
+    the round model fitted on every measured configuration and the taus served (`known_taus`), the
+    fitted terms (ms), and per measured configuration the prediction made without it (leave one
+    out, its round and its served tau both unseen: the model's error on a configuration it has not
+    seen)."""
     measured = {tuple(k): v for k, v in measured.items() if v}
+    served = {k: m["served_tau"] for k, m in measured.items() if m.get("served_tau")}
     if not measured:
         return {**recommend([]), "fit_ms": None, "held_out": []}
     step_s = statistics.median(m["step_s"] for m in measured.values())
@@ -457,18 +491,20 @@ def advise_served(candidates: list[dict], measured: dict) -> dict:
     rounds = {k: m["round_s"] for k, m in measured.items()}
     costs = served_costs(rounds, step_s, request_s, tokens)  # fitted once for every candidate
     rows = []
-    for c in candidates:
+    for c in known_taus(candidates, served):
         speedup, round_s = predicted(costs, c)
         rows.append({**{k: c[k] for k in ("num_steps", "topk", "num_draft_tokens", "predicted_tau")},
                      "predicted_speedup": speedup, "round_ms": 1e3 * round_s, "extrapolated": c.get("extrapolated", False)})
     held_out = []
     for key in measured:
-        row = next((c for c in candidates if (c["num_steps"], c["topk"], c["num_draft_tokens"]) == key), None)
+        unseen = known_taus(candidates, {k: t for k, t in served.items() if k != key})
+        row = next((c for c in unseen if (c["num_steps"], c["topk"], c["num_draft_tokens"]) == key), None)
         rest = {k: r for k, r in rounds.items() if k != key}
         if row is None or len(rest) < 3:
             continue
         speedup, round_s = predicted(served_costs(rest, step_s, request_s, tokens), row)
         held_out.append({"num_steps": key[0], "topk": key[1], "num_draft_tokens": key[2], "predicted_speedup": speedup,
+                         "predicted_tau": row["predicted_tau"], "extrapolated": row.get("extrapolated", False),
                          "predicted_round_ms": 1e3 * round_s, "measured_round_ms": 1e3 * rounds[key]})
     fit = costs["fit_s"]
     d = fit["draft_per_step"][1]

@@ -46,10 +46,35 @@ def test_advice_recommends_the_best_chain_and_extrapolates_past_measured_depths(
     out = advice.advise([0.8, 0.7, 0.6], cpu_costs())
     rows = {r["num_steps"]: r for r in out["candidates"]}
     assert set(rows) == set(range(1, 9)) and out["speculate"]
-    assert out["recommended"] == max(out["candidates"], key=lambda r: r["predicted_speedup"])
+    assert out["recommended"] == max((r for r in out["candidates"] if r["num_steps"] <= 3), key=lambda r: r["predicted_speedup"])
     assert rows[5]["extrapolated"] and not rows[3]["extrapolated"]
     assert rows[5]["predicted_tau"] == pytest.approx(chain_tau([0.8, 0.7, 0.6, 0.6, 0.6]))
     assert out["advice"].startswith(f"num_steps={out['recommended']['num_steps']} topk=1")
+
+
+def test_a_depth_past_the_acceptance_measured_is_named_worth_measuring_never_recommended():
+    """The H200 case: the 8-step chain, predicted from a 5-step acceptance, was the model's best and
+    served less than the 7-step one. Only measured depths are recommended; a deeper one predicted
+    higher is named, to be served once and measured."""
+    costs = cpu_costs(verify_s={w: 3.0 * MS for w in range(2, 10)}, baseline_step_s=4.0 * MS)  # a free verify width
+    out = advice.advise([0.95] * 5, costs, [(s, 1, s + 1) for s in range(1, 9)])
+    assert out["recommended"]["num_steps"] == 5 and not out["recommended"]["extrapolated"]
+    assert out["worth_measuring"]["num_steps"] == 8 and out["worth_measuring"]["extrapolated"]
+    assert "num_steps=8" in out["advice"] and "serve it once to measure" in out["advice"]
+    # where the measured depths already give the best, nothing is named
+    flat = advice.advise([0.95] * 8, costs, [(s, 1, s + 1) for s in range(1, 9)])
+    assert flat["recommended"]["num_steps"] == 8 and flat["worth_measuring"] is None
+
+
+def test_served_chains_make_their_depths_measured_and_interpolate_the_ones_between():
+    cands = [{"num_steps": s, "topk": 1, "num_draft_tokens": s + 1, "predicted_tau": 1.0 + 0.9 * s, "extrapolated": s > 5}
+             for s in range(1, 9)] + [{"num_steps": 6, "topk": 8, "num_draft_tokens": 32, "predicted_tau": 6.0}]
+    got = {(c["num_steps"], c["topk"]): c for c in advice.known_taus(cands, {(7, 1, 8): 6.2, (3, 1, 4): 3.6})}
+    assert got[(7, 1)]["predicted_tau"] == 6.2 and not got[(7, 1)]["extrapolated"]  # served: its own tau
+    assert got[(3, 1)]["predicted_tau"] == 3.6
+    assert got[(6, 1)]["predicted_tau"] == pytest.approx((5.5 + 6.2) / 2) and not got[(6, 1)]["extrapolated"]
+    assert got[(8, 1)]["extrapolated"] and got[(8, 1)]["predicted_tau"] == pytest.approx(8.2)  # past the deepest served
+    assert got[(6, 8)]["predicted_tau"] == 6.0  # a tree not served: as the acceptance predicts it
 
 
 def test_dont_speculate_when_no_candidate_is_predicted_above_one():
@@ -316,6 +341,7 @@ def test_served_advice_fits_the_rounds_predicts_held_out_configs_and_picks_the_b
     T = sum((40, 64, 90, 128, 17, 75)) / 6
     for key, tau in taus.items():  # a config never served (8-1-9) is predicted from the fitted line
         s, _, w = key
+        tau = measured[key]["served_tau"] if key in measured else tau  # a served config: the tau it served
         expect = (0.03 + T * 0.0044) / (0.03 + (T / tau) * (r0 + d * s + v * w))
         assert rows[key]["predicted_speedup"] == pytest.approx(expect, rel=1e-6)
     best = max(rows.values(), key=lambda r: r["predicted_speedup"])
