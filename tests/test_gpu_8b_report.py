@@ -36,3 +36,17 @@ def test_every_point_is_paired_pooled_and_compared_with_each_advice():
     # the scaled model is calibrated on the bench stage's served round: at its tau it gives back the measurement
     assert bench["advice"]["scaled"] == pytest.approx(bench["speedup"], rel=0.01)
     assert r["tau"]["served"] == pytest.approx(r["tau"]["offline"], rel=0.02)
+
+
+def test_each_configuration_in_flight_is_predicted_from_the_others_batches_with_and_without_batch_growth():
+    r = tool.build(RUN)
+    in_flight = [cfg for cfg, rows in r["concurrency"].items() if any("calibrated_on" in row for row in rows)]
+    assert len(in_flight) >= 2  # the sweep's tree and chain, each calibrated on the other
+    for cfg in in_flight:
+        for row in r["concurrency"][cfg]:
+            if row["concurrency"] > 1:
+                assert row["calibrated_on"] != cfg and row["calibrated_on"] in in_flight
+                assert row["error_same_batches"] == pytest.approx(row["predicted_same_batches"] / row["speedup"] - 1.0)
+    # a 32-wide tree at 16 in flight verifies 512 tokens: its round grows more than a chain's
+    growth = {cfg: rows[-1]["batch_growth_ms"] for cfg, rows in r["concurrency"].items() if "batch_growth_ms" in rows[-1]}
+    assert growth["6-8-32"] > 4 * max(v for k, v in growth.items() if k.split("-")[1] == "1")

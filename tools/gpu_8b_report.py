@@ -13,13 +13,16 @@ and prints the Markdown tables of OUT/README.md. Needs no GPU.
 
 Every speedup here is pooled: total completion tokens / total request seconds of one server over
 total / total of the other, the same prompts, paired (the bench stage's own `speedup` is the ratio
-of per-request medians; both are in results.json). Advice, three ways, each against every point:
-  as run      the bench stage's in-process round model with a server overhead o (what the bench
-              stage of this run printed)
-  scaled      the same in-process model scaled to the served round of the configuration the bench
-              stage ran (advice.round_scale; what the bench stage computes now)
+of per-request medians; both are in results.json). Advice, each against every point:
+  as run      what the bench stage of the run printed
+  scaled      the in-process round model scaled to the served round of the configuration the bench
+              stage ran (advice.round_scale), at the tau predicted from its acceptance, and at the
+              tau each configuration served (the cost model alone)
   served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (advice.advise_served),
               in sample and with the configuration left out
+and the recommendations: the bench stage's and the sweep's as run, and by the advice as it is now
+(advice.recommend: no depth past the acceptance measured), the sweep's after its first three
+configurations (the point where it picks what to measure next).
 """
 from __future__ import annotations
 
@@ -108,23 +111,32 @@ def build(run: Path) -> dict:
     ran = bench_point(bench)
     scaled = {**costs, "round_scale": (ran["round_ms"] / 1e3) / costs["offline_round_s"]}
     scaled_rows = {name(key(c)): advice.predict(scaled, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"]}
-    best_scaled = max(scaled_rows, key=scaled_rows.get)
-    served = sweep.get("served_advice") or {}
+    bench_now = advice.recommend([{**c, "predicted_speedup": scaled_rows[name(key(c))]} for c in bench["advice"]["candidates"]])
+    # the served-round fit: as the sweep ran it (its pick), and by the advice as it is now, after the
+    # first three configurations (what the sweep measures next) and over every one measured
+    served_as_run = sweep.get("served_advice") or {}
+    order = list(sweep["configs"])
+    first3 = serve_8b_twin.served_advice({"configs": {k: sweep["configs"][k] for k in order[:3]}}, bench)
+    served = serve_8b_twin.served_advice(sweep, bench)
     fit_rows = {name(key(c)): c["predicted_speedup"] for c in served.get("candidates", [])}
     held = {name(key(h)): h["predicted_speedup"] for h in served.get("held_out", [])}
     for p in points:
         c = p["config"]
         p["predicted_tau"] = cands[c]["predicted_tau"] if c in cands else None
+        p["tau_extrapolated"] = cands[c]["extrapolated"] if c in cands else None
         p["train_predicted_tau"] = train_tau.get(c)
         p["advice"] = {
             "as_run": cands[c]["predicted_speedup"] if c in cands else None,
             "scaled": scaled_rows.get(c),
+            # the cost model alone: the same scaled rounds at the tau this configuration served
+            "scaled_at_served_tau": advice.predict(scaled, p["served_tau"], *key(cands[c])) if c in cands else None,
             "served_fit": fit_rows.get(c),
             "served_fit_held_out": held.get(c) if p["source"] == "sweep" else fit_rows.get(c),  # bench point: never in the fit
         }
         p["advice_error"] = {k: (v / p["speedup"] - 1.0 if v else None) for k, v in p["advice"].items()}
 
-    # concurrency: measured (bench stage's configuration and the sweep's) and the scaled model's prediction
+    # concurrency: measured (bench stage's configuration and the sweep's) and the bench stage's model
+    # per concurrency (scaled on its batches, plus the verify's batch growth), at each config's served tau
     by_c_costs = advice.costs_by_concurrency(scaled, bench["sweep"]["baseline"], bench["sweep"]["speculative"], bench["spec"]["tau"],
                                              int(ran["config"].split("-")[2]))  # + the verify's batch growth where timed
     concurrency = {}
@@ -137,13 +149,34 @@ def build(run: Path) -> dict:
             concurrency[name(key(e))] = [level(1, e["baseline"]["tokens_per_s"], e["spec"]["tokens_per_s"])] + [
                 level(r["concurrency"], r["baseline"]["tokens_per_s"], r["spec"]["tokens_per_s"], r["per_request_speedup"])
                 for r in e["concurrency"]]
+    served_tau = {p["config"]: p["served_tau"] for p in points}
     for cfg, rows in concurrency.items():
         c = cands.get(cfg)
         for r in rows:
             costs_n = by_c_costs.get(r["concurrency"])
             if c and costs_n and r["concurrency"] > 1:
-                r["predicted_speedup"] = advice.predict(costs_n, c["predicted_tau"], *key(c))
+                r["predicted_speedup"] = advice.predict(costs_n, served_tau[cfg], *key(c))
+                r["batch_growth_ms"] = 1e3 * advice.batch_growth(costs_n, c["num_draft_tokens"])
                 r["error"] = r["predicted_speedup"] / r["speedup"] - 1.0
+    # the same model calibrated on the other configuration the sweep measured in flight, with the
+    # same batches (64 prompts, the same baseline server): the shape across configurations alone,
+    # with and without the verify's batch growth
+    in_flight = {name(key(e)): e for e in sweep["configs"].values() if e.get("concurrency")}
+    for x, ex in in_flight.items():
+        kx, tau_x = key(ex), served_tau[x]
+        cx = {**scaled, "offline_round_s": advice.round_cost(scaled, *kx, tau_x)["round"]}
+        base_x = [{"concurrency": r["concurrency"], "throughput": r["baseline"]["tokens_per_s"]} for r in ex["concurrency"]]
+        spec_x = [{"concurrency": r["concurrency"], "throughput": r["spec"]["tokens_per_s"]} for r in ex["concurrency"]]
+        per = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2])
+        flat = advice.costs_by_concurrency({k: v for k, v in cx.items() if k != "gemm_s"}, base_x, spec_x, tau_x, kx[2])
+        for y in (y for y in in_flight if y != x):
+            for r in concurrency[y]:
+                if r["concurrency"] in per and r["concurrency"] > 1:
+                    ky = key(in_flight[y])
+                    r["calibrated_on"] = x
+                    r["predicted_same_batches"] = advice.predict(per[r["concurrency"]], served_tau[y], *ky)
+                    r["error_same_batches"] = r["predicted_same_batches"] / r["speedup"] - 1.0
+                    r["error_same_batches_no_growth"] = advice.predict(flat[r["concurrency"]], served_tau[y], *ky) / r["speedup"] - 1.0
     crossover = {n: max(advice.predict(cn, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"])
                  for n, cn in by_c_costs.items()}
 
@@ -155,8 +188,9 @@ def build(run: Path) -> dict:
         "train": {k: train[k] for k in ("tau_pred", "tau_by_steps", "accept", "tokens_per_s", "seconds", "optimizer_steps", "settings")},
         "bs1": points,
         "best": max(points, key=lambda p: p["speedup"])["config"],
-        "advice": {"as_run": bench["advice"]["advice"], "scaled_recommendation": best_scaled,
-                   "scaled_predicted_speedup": scaled_rows[best_scaled], "round_scale": scaled["round_scale"],
+        "advice": {"bench_as_run": bench["advice"]["advice"], "bench_now": bench_now["advice"],
+                   "round_scale": scaled["round_scale"],
+                   "sweep_as_run": served_as_run.get("advice"), "sweep_now_after_first_3": first3.get("advice"),
                    "served_fit": {k: served.get(k) for k in ("advice", "fit_ms")},
                    "best_predicted_at_concurrency": crossover},
         "concurrency": concurrency,
@@ -231,23 +265,29 @@ def tables(r: dict) -> str:
     def pct(v):
         return "-" if v is None else f"{100 * v:+.1f}%"
     lines = ["| config | source | served tau | predicted tau (offline / train) | baseline tok/s | EAGLE3 tok/s | speedup | "
-             "advice: scaled | advice: served fit (held out) | served round |",
+             "advice: scaled (at served tau) | advice: served fit (held out) | served round |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["bs1"]:
         a, e = p["advice"], p["advice_error"]
         train = f" / {p['train_predicted_tau']:.2f}" if p.get("train_predicted_tau") else ""
-        lines.append(f"| {p['config']} | {p['source']} | {p['served_tau']:.2f} | {p['predicted_tau']:.2f}{train} | "
+        mark = "*" if p.get("tau_extrapolated") else ""
+        lines.append(f"| {p['config']} | {p['source']} | {p['served_tau']:.2f} | {p['predicted_tau']:.2f}{mark}{train} | "
                      f"{p['baseline_tokens_per_s']:.1f} | {p['spec_tokens_per_s']:.1f} | **{p['speedup']:.2f}x** | "
-                     f"{a['scaled']:.2f}x ({pct(e['scaled'])}) | {a['served_fit']:.2f}x ({pct(e['served_fit'])}; "
-                     f"{pct(e['served_fit_held_out'])}) | {p['round_ms']:.2f} ms |")
-    lines += ["", "| config | requests in flight | baseline tok/s | EAGLE3 tok/s | speedup | per-request speedup | advice (scaled) |",
-              "|---|---|---|---|---|---|---|"]
+                     f"{a['scaled']:.2f}x ({pct(e['scaled'])}; {pct(e['scaled_at_served_tau'])}) | "
+                     f"{a['served_fit']:.2f}x ({pct(e['served_fit'])}; {pct(e['served_fit_held_out'])}) | {p['round_ms']:.2f} ms |")
+    lines.append("\n\\* deeper than the acceptance the bench stage measured (5 steps): tau extrapolated")
+    lines += ["", "| config | requests in flight | baseline tok/s | EAGLE3 tok/s | speedup | per-request speedup | "
+              "advice: bench stage's batches | batch growth | advice: the sweep's batches (no growth) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for cfg, rows in r["concurrency"].items():
         for row in rows:
             pred = f"{row['predicted_speedup']:.2f}x ({pct(row['error'])})" if "predicted_speedup" in row else "-"
             per = f"{row['per_request_speedup']:.2f}x" if "per_request_speedup" in row else "-"
+            grow = f"{row['batch_growth_ms']:+.2f} ms" if "batch_growth_ms" in row else "-"
+            same = (f"{row['predicted_same_batches']:.2f}x ({pct(row['error_same_batches'])}; "
+                    f"{pct(row['error_same_batches_no_growth'])}) from {row['calibrated_on']}" if "calibrated_on" in row else "-")
             lines.append(f"| {cfg} | {row['concurrency']} | {row['baseline_tokens_per_s']:.0f} | {row['spec_tokens_per_s']:.0f} | "
-                         f"{row['speedup']:.2f}x | {per} | {pred} |")
+                         f"{row['speedup']:.2f}x | {per} | {pred} | {grow} | {same} |")
     return "\n".join(lines)
 
 
