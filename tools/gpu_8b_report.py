@@ -233,7 +233,10 @@ def plots(r: dict, out: Path) -> None:
         a1.plot(cs, [row["speedup"] for row in rows], marker="o", color=f"C{i}", label=f"{cfg} measured")
         pred = [(row["concurrency"], row["predicted_speedup"]) for row in rows if "predicted_speedup" in row]
         if pred:
-            a1.plot(*zip(*pred), ls="--", marker="^", color=f"C{i}", label=f"{cfg} advice")
+            a1.plot(*zip(*pred), ls="--", marker="^", color=f"C{i}", label=f"{cfg} advice (bench stage's batches)")
+        same = [(row["concurrency"], row["predicted_same_batches"]) for row in rows if "predicted_same_batches" in row]
+        if same:
+            a1.plot(*zip(*same), ls=":", marker="x", color=f"C{i}", label=f"{cfg} advice (from {rows[-1]['calibrated_on']}'s batches)")
         a2.plot(cs, [row["spec_tokens_per_s"] for row in rows], marker="o", color=f"C{i}", label=f"{cfg} EAGLE3")
         a2.plot(cs, [row["baseline_tokens_per_s"] for row in rows], marker="s", ls=":", color=f"C{i}", label=f"baseline ({cfg} run)")
     for a in (a1, a2):
