@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab import advice, bench
+from draftlab import advice, bench, spec_engine
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 from draftlab.params import BenchParams, SpecParams, TargetParams
@@ -120,7 +120,8 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
     speedup = spec["speed"]["median"] / baseline["speed"]["median"] if baseline else None
     ran_config = (flags.num_steps, flags.topk, flags.num_draft_tokens)
-    configs = advice.CHAINS + advice.TREES + ([ran_config] if ran_config not in advice.CHAINS + advice.TREES else [])
+    trees = advice.TREES if costs.get("trees", True) else []  # none timed on a sliding-window target
+    configs = advice.CHAINS + trees + ([ran_config] if ran_config not in advice.CHAINS + trees else [])
     advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
     measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
                  "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
@@ -225,8 +226,11 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
                                  eos, plan.bench_params.ignore_eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
-    configs = advice.CHAINS + advice.TREES + ([ran] if ran not in advice.CHAINS + advice.TREES else [])
+    # A sliding-window target (gpt-oss) verifies chains only in-process (spec_engine.verify_tree)
+    trees = [] if spec_engine._sliding(target) else advice.TREES
+    configs = advice.CHAINS + trees + ([ran] if ran not in advice.CHAINS + trees else [])
     costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical, configs)
+    costs["trees"] = bool(trees)
     batches = [n for n in plan.bench_params.concurrency if n > 1]
     if batches:  # the target's matmuls over n * w tokens: how a verify grows with requests in flight (advice.batch_growth)
         widths = {w for *_, w in configs}

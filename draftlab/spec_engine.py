@@ -55,6 +55,7 @@ import torch
 from transformers import DynamicCache
 
 from draftlab.draft import KVCache
+from draftlab.errors import UserError
 from draftlab.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.flags import tree_candidates
@@ -359,9 +360,15 @@ def verify_tree(target, cache, tree: Tree, n: int) -> torch.Tensor:
     Each node attends to the n cached positions, its ancestors and itself, at position n + depth.
     """
     device, N = target.device, len(tree.tokens)
-    if tree.chain and torch.device(device).type == "cuda":
+    if tree.chain and (torch.device(device).type == "cuda" or _sliding(target)):
         # A chain on a GPU: the target's own causal attention path (flash kernels, no 4D mask).
+        # A target with sliding-window layers (gpt-oss): those layers keep only the window in their
+        # cache, so a mask over every cached position does not fit them; the target builds its own.
         return target_forward(target, _tensor([tree.tokens], device), cache)[0].float()
+    if not tree.chain and _sliding(target):
+        raise UserError(f"a tree (topk > 1) on {type(target).__name__}, whose sliding-window layers keep only "
+                        f"the last {target.config.sliding_window} positions: the reference engine verifies chains "
+                        "only on such targets; set spec.topk: 1, or bench.backend: sglang")
     if tree.chain:
         # On a CPU the 4D mask made here costs a fraction of transformers' own mask building
         # for a block of new tokens over a cache (the same mask, the same logits).
@@ -432,7 +439,16 @@ def keep_kv(cache, n: int, path: list[int]) -> None:
 
 
 def new_cache(target) -> DynamicCache:
-    return DynamicCache(config=target.config)
+    cache = DynamicCache(config=target.config)
+    if _sliding(target):
+        # A sliding-window layer keeps only the window; a rejected draft must be cropped off without
+        # losing the positions it pushed out. Past recording keeps them until the crop.
+        if not hasattr(cache, "activate_past_recording"):
+            raise UserError(f"{type(target).__name__} has sliding-window layers, and this transformers release cannot "
+                            "roll their cache back after a rejected draft; speculative decoding in-process needs a "
+                            "transformers release with Cache.activate_past_recording")
+        cache.activate_past_recording()
+    return cache
 
 
 def target_forward(target, input_ids, cache, **kw) -> torch.Tensor:
@@ -497,6 +513,11 @@ def timed(seconds: dict, phase: str, device):
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _sliding(target) -> bool:
+    """Whether some layer of the target attends over a sliding window (gpt-oss: every other layer)."""
+    return "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
 
 
 def _tensor(rows, device) -> torch.Tensor:

@@ -207,3 +207,29 @@ def test_the_report_has_one_row_per_family_and_layout_and_says_where_each_comes_
     out = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["family"] for r in out["rows"]] == ["llama", "deepseek-v3"] and "server_log_tail" not in out["rows"][1]
     assert report.main([str(tmp_path / "missing.json"), str(tmp_path / "out")]) == 2
+
+
+def test_kimi_servers_start_from_the_served_checkpoint_with_the_params_namespace(tmp_path):
+    """The pipeline loads Kimi-K2.5's DeepSeek-V3 text model; its servers start from the KimiK25
+    checkpoint. The params the driver gets are load_params' namespace of dataclass sections."""
+    import types
+
+    from draftlab.params import TargetParams
+
+    class Base:
+        def __init__(self, args):
+            self.work = tmp_path / "work"
+            (self.work / "models").mkdir(parents=True)
+
+        def server(self, p, draft, flags, log, hidden=False):
+            return p.target.model, p.bench
+
+    serve = tmp_path / "kimi-serve"
+    serve.mkdir()
+    driver = fam._row_driver(Base)(None, serve)
+    target = TargetParams(model="models/deepseek", revision=None, dtype="bfloat16", device="cpu")
+    p = types.SimpleNamespace(target=target, bench="bench-section")
+    model, bench = driver.server(p, None, None, tmp_path / "log")
+    assert model == "models/serve-kimi-serve" and bench == "bench-section"
+    assert (driver.work / "models" / "serve-kimi-serve").resolve() == serve.resolve()
+    assert p.target.model == "models/deepseek"  # the pipeline's own params are left as they were

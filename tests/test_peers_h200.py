@@ -46,7 +46,105 @@ def specforge_parser():
 def setup(tmp_path, *extra):
     args = peers.parse_args(["--work", str(tmp_path / "w"), "--results", str(tmp_path / "r"), *extra])
     paths = peers.Paths(tmp_path / "w", tmp_path / "r")
-    return args, paths, peers.budget(paths)
+    return args, paths, peers.budget(paths, size=args.size)
+
+
+def test_small_mode_shrinks_only_the_data_and_drops_the_bench_stage_and_ours_train(tmp_path):
+    args, paths, b = setup(tmp_path, "--size", "small")
+    full, small = peers.peers_params("full"), peers.peers_params("small")
+    assert small["prompts"]["num_prompts"] == 1200 and full["prompts"]["num_prompts"] == 4800
+    assert small["bench"]["num_prompts"] == 34  # the offline run: 32 prompts + 2 warm-up
+    for key in ("train", "capture", "synth", "extract", "spec", "target"):  # the same rows' recipe and budget
+        assert small[key] == full[key], key
+    assert b == peers.budget(paths, size="full") and b["features"] == "offline"
+    ours = peers.step_argv("ours", paths, args, b)
+    assert ours[ours.index("--phases") + 1] == "pipeline"  # no bench stage in the pipeline
+    order = peers.SIZES["small"]["order"]
+    assert order[-1] == "ours_train" and order.index("serve") < order.index("offline")
+    training = ["ours", "convert", "sf_train", "sf_export", "check"]
+    assert order[:5] == training  # both trainings before any serving
+    assert peers.SIZES["small"]["configs"].split(",") == ["3-1-4", "5-1-6", "6-8-32"]
+    e = peers.EXPECT_S["small"]
+    core = sum(e[s] for s in training) + e["serve_start"] + 2 * 2 * e["serve_config"]
+    assert 1380 <= core <= 1560, core  # ~25 minutes: the docstring's estimate
+    assert f"{core}  = 25 minutes" in peers.__doc__
+    z = peers.sizes(paths, "small", args)
+    assert (z["mode"], z["num_prompts"], z["offline_prompts"], z["served_prompts"], z["bench_stage"]) == ("small", 1200, 32, 32, False)
+
+
+def test_the_gpu_8b_subcommand_runs_the_phases_asked(monkeypatch):
+    import gpu_8b
+
+    seen = []
+    monkeypatch.setattr(gpu_8b.Run, "call", lambda self, step, argv: seen.append(argv) or 0)
+    monkeypatch.setattr(gpu_8b, "main", lambda argv: gpu_8b.Run.call(None, "pipeline", ["x", "--phases", "pipeline,bench"]))
+    monkeypatch.setattr(gpu_8b, "CONFIG", gpu_8b.CONFIG)
+    assert peers.main(["gpu-8b", "p.yaml", "--phases", "pipeline", "--", "--work", "w"]) == 0
+    assert seen[-1] == ["x", "--phases", "pipeline"] and str(gpu_8b.CONFIG) == "p.yaml"
+    monkeypatch.setattr(gpu_8b.Run, "call", lambda self, step, argv: seen.append(argv) or 0)
+    peers.main(["gpu-8b", "p.yaml", "--", "--work", "w"])  # the full mode: unchanged
+    assert seen[-1] == ["x", "--phases", "pipeline,bench"]
+
+
+def simulate(tmp_path, monkeypatch, size, deadline):
+    """main() with every step replaced by one that takes its expected seconds (a fake clock):
+    which steps ran and which configurations were served."""
+    args, paths, _ = setup(tmp_path / f"{size}-{deadline}", "--size", size, "--deadline-s", str(deadline))
+    for d in ("ours", "specforge"):
+        paths.draft[d].mkdir(parents=True)
+        (paths.draft[d] / "config.json").write_text("{}")
+    ran, served = [], []
+    clock = [0.0]
+    monkeypatch.setattr(peers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(peers, "versions", lambda: {})
+
+    def fake(step):
+        def do(run, args, configs):
+            if run.todo(step):
+                ran.append(step)
+                if step == "serve":
+                    clock[0] += peers.EXPECT_S[size]["serve_start"]
+                    for config, d in peers.serve_todo(run, configs):
+                        if d:
+                            served.append((config, d))
+                            clock[0] += peers.EXPECT_S[size]["serve_config"]
+                else:
+                    clock[0] += peers.EXPECT_S[size][step]
+            return 0
+        return do
+
+    monkeypatch.setattr(peers, "STEP_RUNNERS", {s: fake(s) for s in peers.STEPS})
+    assert peers.main(["--work", str(paths.work), "--results", str(paths.results), "--size", size, "--deadline-s", str(deadline)]) == 0
+    return ran, served
+
+
+def test_the_deadline_cuts_serving_before_training(tmp_path, monkeypatch):
+    training = {"ours", "convert", "sf_train", "sf_export", "check"}
+    ran, served = simulate(tmp_path, monkeypatch, "small", 1500)
+    assert set(ran) == training | {"serve"}  # offline and ours_train: no time left
+    assert served == [("3-1-4", "ours"), ("3-1-4", "specforge"), ("5-1-6", "specforge"), ("5-1-6", "ours")]
+    ran, served = simulate(tmp_path, monkeypatch, "small", 1680)
+    assert {c for c, _ in served} == {"3-1-4", "5-1-6", "6-8-32"} and "offline" not in ran
+    ran, served = simulate(tmp_path, monkeypatch, "small", 1200)  # short: training whole, serving cut
+    assert set(ran) == training and not served
+    ran, _ = simulate(tmp_path, monkeypatch, "small", 10_000)
+    assert ran == peers.SIZES["small"]["order"]
+    for deadline in range(400, 2400, 40):  # never a configuration served while a training step was cut
+        ran, served = simulate(tmp_path, monkeypatch, "small", deadline)
+        assert not served or training <= set(ran), deadline
+        assert len([1 for c, _ in served]) % 2 == 0  # a configuration for both drafts or neither
+
+
+def test_our_figures_from_the_pipeline_train_stage(tmp_path):
+    args, paths, b = setup(tmp_path, "--size", "small")
+    logs = paths.pipeline_results / "logs"
+    logs.mkdir(parents=True)
+    (logs / "train.log").write_text("\r".join(line for _, line in OUR_LINES) + "\n")
+    (paths.pipeline_results / "timings.json").write_text(json.dumps({"stage-train": 300.0}))
+    fig = peers.pipeline_train_figures(paths, b)
+    assert [e["t_s"] for e in fig["evals"]] == [100.0, 200.0]  # 300 s x epoch / 3 epochs
+    assert fig["tokens_per_s"] == 8390.7 and fig["wall_s"] == 300.0 and fig["peak_memory_mib"] is None
+    assert fig["tokens_per_s_wall"] == round(1234092 // 3 * 3 / 300.0, 1) and "pipeline's train stage" in fig["source"]
 
 
 def test_budget_is_gpu_8b_with_stored_states_and_both_trainers_get_it(tmp_path):
@@ -58,7 +156,9 @@ def test_budget_is_gpu_8b_with_stored_states_and_both_trainers_get_it(tmp_path):
                     "--out": str(paths.sf), "--epochs": "3", "--batch-size": "16", "--lr": "0.0001",
                     "--max-length": "512", "--ttt-length": "5"}
     ours = peers.step_argv("ours", paths, args, b)
-    assert ours[2:5] == ["gpu-8b", str(paths.results / "params-peers.yaml"), "--"] and "sweep,parity" in ours
+    assert ours[2:7] == ["gpu-8b", str(paths.results / "params-peers.yaml"), "--phases", "pipeline,bench", "--"]
+    assert "sweep,parity" in ours and args.size == "full"
+    assert peers.peers_params()["prompts"]["num_prompts"] == 4800  # the full mode's data, unchanged
 
 
 def test_specforge_commands_parse_with_its_cli(tmp_path):
@@ -185,5 +285,23 @@ def test_report_on_synthetic_results(tmp_path):
     assert "| SpecForge draft | SpecForge | 5.00 | 5.50 | 2.00x | 2.30x | 6,000 | - | 30.0 GiB | 300 s | 4.90 |" in text
     assert got["threshold_acc_1"] == 0.95 and "to be explained" not in text
     assert json.loads((out / "results.json").read_text())["figures"]["specforge"]["time_to_acc_s"] == 300.0
+    assert "**Mode: full**" in text
     synthetic_peers(tmp_path / "res2", sf_tau=5.4)
     assert "ours is lower" in (report.report(tmp_path / "res2", tmp_path / "rep2", 0.9) and (tmp_path / "rep2" / "README.md").read_text())
+
+
+def test_report_states_the_small_mode_and_its_sizes(tmp_path):
+    synthetic_peers(tmp_path / "res")
+    p = tmp_path / "res" / "peers.json"
+    data = json.loads(p.read_text())
+    data["sizes"] = {"mode": "small", "num_prompts": 1200, "train_sequences": 1080, "train_tokens_per_epoch": 103000,
+                     "capture_layers": [7, 15, 23], "offline_prompts": 32, "served_prompts": 32, "bench_stage": False}
+    data["steps"] = {"offline": {"skipped": "120 s expected, 30 s left"}, "serve": {"skipped_configs": ["6-8-32"]}}
+    data["train"]["ours"]["source"] = "the pipeline's train stage (ours step)"
+    p.write_text(json.dumps(data))
+    report.report(tmp_path / "res", tmp_path / "rep")
+    text = (tmp_path / "rep" / "README.md").read_text()
+    assert "**Mode: small**" in text and "| prompts (train + eval) | 1,200 |" in text
+    assert "| train sequences, both trainers | 1,080 |" in text and "not run" in text
+    assert "offline (120 s expected, 30 s left)" in text and "served configuration 6-8-32" in text
+    assert "Our trainer's figures: the pipeline's train stage" in text

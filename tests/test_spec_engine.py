@@ -328,3 +328,31 @@ def test_sampling_keeps_the_targets_distribution(config, runs):
     for c, p in zip(counts, exact):
         stat, df = chi2(c, p)
         assert stat < chi2_critical(df), (stat, df)
+
+
+def test_a_sliding_window_target_past_its_window_decodes_its_own_greedy_output_and_refuses_trees():
+    """gpt-oss: every other layer attends over the last 128 positions only, and keeps only those in
+    its cache. A chain past the window must still give the target's own greedy tokens, with a draft
+    that is always right (every round crops nothing) and one that is never right (every round crops
+    the whole block); a tree, which needs a mask over every cached position, is refused by name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from draftlab.errors import UserError
+
+    spec_ = importlib.util.spec_from_file_location("micro_targets", Path(__file__).resolve().parents[1] / "tools" / "micro_targets.py")
+    micro_targets = importlib.util.module_from_spec(spec_)
+    sys.modules.setdefault("micro_targets", micro_targets)  # its dataclasses look their module up by name
+    spec_.loader.exec_module(micro_targets)
+    target = micro_targets.make_model("gpt-oss").eval()
+    assert target.config.sliding_window == 128
+    prompt = [(7 * i) % 200 + 20 for i in range(150)]  # longer than the window before the first round
+    ref = spec_engine.baseline_generate(target, prompt, 24, ignore_eos=True).output_ids
+    for never in (False, True):
+        draft = ScriptedDraft(prompt + ref, target.config.vocab_size, never=never)
+        r = spec(target, draft, prompt, (3, 1, 4), 24, ignore_eos=True, physical_layers=[1, 2, 3])
+        assert r.output_ids == ref
+    with pytest.raises(UserError, match="sliding-window.*spec.topk: 1"):
+        spec(target, ScriptedDraft(prompt + ref, target.config.vocab_size), prompt, (3, 4, 12), 24, ignore_eos=True,
+             physical_layers=[1, 2, 3])

@@ -40,6 +40,7 @@ import os
 import re
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -302,7 +303,8 @@ def _row_driver(base):
                 link = self.work / "models" / f"serve-{self.serve_target.name}"
                 if not link.exists():
                     link.symlink_to(self.serve_target)
-                p = dataclasses.replace(p, target=dataclasses.replace(p.target, model=f"models/{link.name}"))
+                # p is the loaded params namespace (draftlab.params.load_params); its sections are dataclasses
+                p = types.SimpleNamespace(**{**vars(p), "target": dataclasses.replace(p.target, model=f"models/{link.name}")})
             return super().server(p, draft, flags, log, hidden)
 
     return RowDriver

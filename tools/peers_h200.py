@@ -2,7 +2,8 @@
 """This project's EAGLE-3 trainer against SpecForge's, on one GPU box: the same 8B-cost target,
 data, capture layers and budget; both drafts served by the same SGLang, paired.
 
-    python tools/peers_h200.py --work WORK --results RESULTS [--deadline-s 6000]
+    python tools/peers_h200.py --work WORK --results RESULTS [--deadline-s 6000]              # full
+    python tools/peers_h200.py --work WORK --results RESULTS --size small --deadline-s 1620   # a 30-minute job
     python tools/peers_report.py RESULTS reports/peers            # the table and plots (no GPU)
 
 Needs one GPU box with SGLang 0.5.14 and SpecForge 0.2.0 installed (SpecForge pins torch 2.11,
@@ -27,10 +28,48 @@ starting a step that would not finish in time (expected seconds in EXPECT_S):
  serve       one baseline SGLang server; tools/serve_8b_twin.py per configuration for each draft
              against it, same server flags, same prompts: served tau and bs=1 speedup
 
-Everything lands in RESULTS/peers.json (rewritten atomically after every step): versions, every
-flag and config key each trainer ran with, per-step argv, exit code and seconds, and the figures.
-About 80 GPU minutes on one H200 from an empty disk (our offline training and SpecForge's ~12 min
-each, the pipeline ~25, serving 4 configurations x 2 drafts ~16); less with --work reused.
+Everything lands in RESULTS/peers.json (rewritten atomically after every step): versions, the
+mode and every size, every flag and config key each trainer ran with, per-step argv, exit code and
+seconds, and the figures.
+
+--size full (the default, for long allocations): 4,800 prompts, the steps above in that order,
+configurations 3-1-4, 5-1-6, 6-8-32, 5-4-8. About 80 GPU minutes on one H200 from an empty disk
+(the pipeline ~25 with its bench stage, our offline training and SpecForge's ~12 each, serving
+4 configurations x 2 drafts ~16; EXPECT_S["full"], the deadline's upper bounds, sums to 92); less
+with --work reused.
+
+--size small (a 30-minute job on a fresh machine, where nothing persists between jobs): the same
+comparison on less data. Both trainers still get exactly the same rows, draft size, epochs, batch,
+max length, TTT length and capture layers; only prompts.num_prompts shrinks (4,800 -> 1,200: ~1,080
+train rows, 3 x 68 = 204 optimizer steps at batch 16). Changed besides: the pipeline runs without
+its bench stage (the serve and offline steps below measure both drafts the same way), the offline
+run uses 32 prompts (+2 warm-up), ours_train runs last and only if time is left (until then our
+trainer's figures come from the pipeline's train stage: its log's rate line and epoch evals, its
+seconds from timings.json, eval times spread over the stage's seconds by epoch, peak memory not
+measured), and the order puts serving after both trainings, so a short deadline cuts serving
+configurations, never training. Estimated seconds on one H200, from reports/gpu-8b's timings
+(EXPECT_S["small"]):
+
+ ours         600  twin 16, baseline server 135 (cold kernel cache), prompts 2, synthesis of ~90k
+                   answer tokens at ~3,100 tok/s 40, extraction of ~115k tokens with the states
+                   stored at ~2,800 tok/s 65 (target load included), standardize 6, training 204
+                   steps at ~1.2 steps/s 210 (start-up and 3 evals included), export 9, stage
+                   start-ups ~60, margin ~55
+ convert       90  ~3.7 GB of states rewritten in SpecForge's format (not yet timed)
+ sf_train     240  its --plan ~30 + training budgeted equal to ours, 210 (SpecForge's rate not yet timed)
+ sf_export     60
+ check         60  both drafts
+ serve        450  baseline server 90 (kernel cache warm) + 3-1-4 and 5-1-6 x 2 drafts x 90 (server
+                   start 60-70 + 32 paired prompts ~15)
+              ----
+             1500  = 25 minutes: the whole comparison at 3-1-4 and 5-1-6
+ serve +180 6-8-32 for both drafts, if 180 s are left (a configuration is served for both or neither)
+ offline      120  both drafts' offline tau at 5-1-6, if time is left
+ ours_train   210  our trainer watched from outside (peak memory, eval times), if time is left
+
+With --deadline-s 1620 (27 minutes; leave the job's own start-up and copy-out the rest) a run
+from an empty disk is expected to reach 6-8-32; re-run the same command in a later job (with the
+same WORK, if the disk persists) to do what was skipped.
 """
 from __future__ import annotations
 
@@ -55,11 +94,29 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 STEPS = ["ours", "ours_train", "convert", "sf_train", "sf_export", "check", "offline", "serve"]
 DRAFTS = ["ours", "specforge"]
-# Expected seconds on one H200 (the deadline skips a step that would not fit). The pipeline with
-# stored states: extract at ~2,800 tok/s, training at ~1.2 steps/s over 807 steps (reports/gpu-8b);
-# SpecForge's offline trainer not yet timed here; a served configuration ~110 s per draft.
-EXPECT_S = {"ours": 1800, "ours_train": 800, "convert": 300, "sf_train": 1200, "sf_export": 120, "check": 60,
-            "offline": 150, "serve_start": 150, "serve_config": 120}
+# Expected seconds on one H200 per size (the deadline skips a step that would not fit). The pipeline
+# with stored states: extract at ~2,800 tok/s, training at ~1.2 steps/s (reports/gpu-8b: 807 steps
+# at 4,800 prompts, 204 at 1,200); SpecForge's offline trainer not yet timed here (budgeted equal to
+# ours); a served configuration ~60-70 s server start + ~15 s paired per draft. Step by step for
+# small: the module docstring.
+EXPECT_S = {
+    "full": {"ours": 1800, "ours_train": 800, "convert": 300, "sf_train": 1200, "sf_export": 120, "check": 60,
+             "offline": 150, "serve_start": 150, "serve_config": 120},
+    "small": {"ours": 600, "ours_train": 210, "convert": 90, "sf_train": 240, "sf_export": 60, "check": 60,
+              "offline": 120, "serve_start": 90, "serve_config": 90},
+}
+# What each size changes. order: the steps in the order they run (the deadline cuts from the end);
+# params: merged over configs/gpu-8b.yaml (with the states stored); phases: tools/sglang_run.py's
+# phases in the ours step (without "bench", the pipeline ends at export).
+SIZES = {
+    "full": {"order": ["ours", "ours_train", "convert", "sf_train", "sf_export", "check", "offline", "serve"],
+             "params": {}, "phases": "pipeline,bench", "configs": "3-1-4,5-1-6,6-8-32,5-4-8"},
+    "small": {"order": ["ours", "convert", "sf_train", "sf_export", "check", "serve", "offline", "ours_train"],
+              "params": {"prompts": {"num_prompts": 1200}, "bench": {"num_prompts": 34}},
+              "phases": "pipeline", "configs": "3-1-4,5-1-6,6-8-32"},
+}
+# The steps that make both drafts: the ours step's own deadline leaves them their time.
+TRAINING_AFTER_OURS = ["convert", "sf_train", "sf_export", "check"]
 SPECFORGE_LR = 1e-4  # SpecForge 0.2.0 config/schema.py TrainingConfig.learning_rate default
 SPECFORGE_OVERRIDES = ["training.log_interval=10"]  # a console line every 10 steps (default 50); logging only
 SGLANG_VERSION = "0.5.14"
@@ -73,7 +130,10 @@ def parse_args(argv=None):
     ap.add_argument("--results", required=True, help="peers.json, logs, per-draft serve JSON")
     ap.add_argument("--target", default="", help="a local model directory instead of building the twin")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
-    ap.add_argument("--configs", default="3-1-4,5-1-6,6-8-32,5-4-8", help="served STEPS-TOPK-DRAFT_TOKENS, in order")
+    ap.add_argument("--size", choices=sorted(SIZES), default="full",
+                    help="full: 4,800 prompts, 4 served configurations (~80 GPU min); small: 1,200 prompts, no bench "
+                         "stage, serving 3-1-4 and 5-1-6 then 6-8-32 if time (~25 GPU min)")
+    ap.add_argument("--configs", default=None, help="served STEPS-TOPK-DRAFT_TOKENS, in order (default: the size's)")
     ap.add_argument("--num-prompts", type=int, default=32, help="paired prompts per configuration (bs=1)")
     ap.add_argument("--specforge", default="specforge", help="SpecForge's console script")
     ap.add_argument("--specforge-lr", type=float, default=SPECFORGE_LR)
@@ -96,6 +156,7 @@ class Paths:
         self.draft = {"ours": self.pipeline / "models" / "draft", "specforge": self.work / "specforge" / "draft"}
         self.sf = self.work / "specforge"
         self.ours_train = self.work / "ours-train"
+        self.pipeline_results = self.results / "ours" / "pipeline"  # the ours step's tools/sglang_run.py --results
         self.peers = self.results / "peers.json"
 
 
@@ -106,27 +167,57 @@ def merge(a: dict, b: dict) -> dict:
     return out
 
 
-def peers_params() -> dict:
+def peers_params(size: str = "full") -> dict:
     """configs/gpu-8b.yaml with the states stored: SpecForge trains offline from them, and ours
-    trains from the same files (online training would compute them and store none)."""
+    trains from the same files (online training would compute them and store none); then the size's
+    changes (the amount of data only, never the training budget)."""
     gpu8b = yaml.safe_load((ROOT / "configs" / "gpu-8b.yaml").read_text())
-    return merge(gpu8b, {"train": {"features": "offline", "checkpoint_every": 0}})
+    return merge(merge(gpu8b, {"train": {"features": "offline", "checkpoint_every": 0}}), SIZES[size]["params"])
 
 
-def budget(paths: Paths, ttt_override: int | None = None) -> dict:
-    """The training budget both trainers get: from the pipeline's params.yaml once it exists."""
+def pipeline_params(paths: Paths, size: str = "full") -> dict:
+    """The pipeline's params.yaml once it exists (what ran), else what it will be."""
     p = paths.pipeline / "params.yaml"
-    params = yaml.safe_load(p.read_text()) if p.exists() else merge(yaml.safe_load((ROOT / "params.yaml").read_text()), peers_params())
-    t = params["train"]
+    return yaml.safe_load(p.read_text()) if p.exists() else merge(yaml.safe_load((ROOT / "params.yaml").read_text()), peers_params(size))
+
+
+def budget(paths: Paths, ttt_override: int | None = None, size: str = "full") -> dict:
+    """The training budget both trainers get: from the pipeline's params.yaml once it exists."""
+    t = pipeline_params(paths, size)["train"]
     return {"epochs": t["epochs"], "batch_size": t["batch_size"], "max_length": t["max_length"],
             "ttt_steps": ttt_override or t["ttt_steps"], "our_lr": t["lr"], "features": t["features"]}
+
+
+def sizes(paths: Paths, size: str, args) -> dict:
+    """The mode and every size of the run, for peers.json and the report."""
+    params = pipeline_params(paths, size)
+    tokens, seqs = token_counts(paths)
+    return {"mode": size, "num_prompts": params["prompts"]["num_prompts"], "eval_fraction": params["prompts"]["eval_fraction"],
+            "synth_max_new_tokens": params["synth"]["max_new_tokens"], "capture_layers": params["capture"]["layers"],
+            "train_sequences": seqs, "train_tokens_per_epoch": tokens, "bench_stage": "bench" in SIZES[size]["phases"],
+            "offline_prompts": params["bench"]["num_prompts"] - params["bench"]["warmup"],
+            "served_prompts": args.num_prompts, "served_max_new_tokens": 128,
+            "order": SIZES[size]["order"], "expected_s": EXPECT_S[size],
+            "size_asked": {"num_prompts": peers_params(size)["prompts"]["num_prompts"]}}
+
+
+def expected(step: str, size: str = "full") -> float:
+    """Seconds a step is expected to take (serve: the baseline server and one configuration, both drafts)."""
+    e = EXPECT_S[size]
+    return e["serve_start"] + len(DRAFTS) * e["serve_config"] if step == "serve" else e[step]
+
+
+def ours_reserve(size: str = "full") -> float:
+    """Seconds the ours step leaves after itself: the training steps that make SpecForge's draft."""
+    return sum(EXPECT_S[size][s] for s in TRAINING_AFTER_OURS)
 
 
 def step_argv(name: str, paths: Paths, args, b: dict, draft: str = "") -> list[str]:
     """The command of one step (or of one draft's part of it), as run."""
     py, sf = sys.executable, paths.sf
     if name == "ours":
-        return [py, str(ROOT / "tools" / "peers_h200.py"), "gpu-8b", str(paths.results / "params-peers.yaml"), "--",
+        return [py, str(ROOT / "tools" / "peers_h200.py"), "gpu-8b", str(paths.results / "params-peers.yaml"),
+                "--phases", SIZES[getattr(args, "size", "full")]["phases"], "--",
                 "--work", str(paths.work), "--results", str(paths.results / "ours"), "--skip", "sweep,parity"] + \
                (["--target", str(paths.twin)] if args.target else [])
     if name == "ours_train":
@@ -371,6 +462,7 @@ class Run:
         p = self.paths.peers
         self.record = json.loads(p.read_text()) if p.exists() else {"steps": {}}
         self.skip = set(filter(None, args.skip.split(",")))
+        self.size = getattr(args, "size", "full")
 
     def left(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.t0)
@@ -392,8 +484,9 @@ class Run:
         if is_done(step, self.paths, self.record):
             print(f"[peers] {step}: done already", flush=True)
             return False
-        if self.left() < EXPECT_S[step]:
-            self.note(step, skipped=f"{EXPECT_S[step]} s expected, {self.left():.0f} s left")
+        need = expected(step, self.size)
+        if self.left() < need:
+            self.note(step, skipped=f"{need:.0f} s expected, {self.left():.0f} s left")
             return False
         return True
 
@@ -438,6 +531,37 @@ def token_counts(paths: Paths) -> tuple[int | None, int | None]:
     return (int(m[1]) if m else None), (n or None)
 
 
+def pipeline_train_figures(paths: Paths, b: dict) -> dict | None:
+    """Our trainer's figures from the pipeline's own train stage (the ours step), where ours_train
+    has not run: the rate line and epoch evals of its log, its seconds from timings.json. The log
+    has no per-line times: an epoch's eval time is the stage's seconds x epoch / epochs (start-up
+    spread over the epochs). Peak memory is not measured (nobody watched the stage)."""
+    log, timings = paths.pipeline_results / "logs" / "train.log", paths.pipeline_results / "timings.json"
+    if not log.exists():
+        return None
+    seconds = json.loads(timings.read_text()).get("stage-train") if timings.exists() else None
+    lines = log.read_text(errors="replace").replace("\r", "\n").splitlines()
+    parsed = parse_ours([(0.0, line) for line in lines])
+    for e in parsed["evals"]:
+        e["t_s"] = round(seconds * e["epoch"] / b["epochs"], 1) if seconds else None
+    tokens = parsed["train_tokens"] // b["epochs"] if parsed.get("train_tokens") else None
+    fig = train_figures({"wall_s": seconds, "rc": 0, "peak_process_mib": None, "peak_gpu_delta_mib": None},
+                        parsed, "ours", tokens if seconds else None, None, b["epochs"])
+    fig["peak_memory_source"] = "not measured (the pipeline's train stage is not watched)"
+    fig["source"] = ("the pipeline's train stage (ours step), not the ours_train run: tokens/s from its rate line, "
+                     "eval times = the stage's seconds x epoch / epochs")
+    add_mfu(paths, fig, b)
+    return fig
+
+
+def add_mfu(paths: Paths, fig: dict, b: dict) -> None:
+    cfg = paths.draft["ours"] / "config.json"  # both drafts have this size (convert copies it)
+    if cfg.exists() and fig.get("tokens_per_s"):
+        flops = draft_flops_per_token(json.loads(cfg.read_text()), b["ttt_steps"])
+        fig["mfu"] = round(fig["tokens_per_s"] * flops / H200_BF16_FLOPS, 4)
+        fig["mfu_basis"] = f"draft FLOPs/token {flops:.3g} (draft_flops_per_token) over {H200_BF16_FLOPS:.3g} FLOP/s"
+
+
 def watched_step(run: Run, step: str, trainer: str, argv: list[str], cwd: Path) -> None:
     b = run.record["flags"]["budget"]
     r = run_watched(argv, cwd, run.paths.results / "logs" / f"{step}.log", env=env_with_root())
@@ -447,11 +571,8 @@ def watched_step(run: Run, step: str, trainer: str, argv: list[str], cwd: Path) 
     if trainer == "ours" and parsed.get("train_tokens"):
         tokens = parsed["train_tokens"] // b["epochs"]
     fig = train_figures(r, parsed, trainer, tokens, seqs, b["epochs"])
-    cfg = run.paths.draft["ours"] / "config.json"  # both drafts have this size (convert copies it)
-    if cfg.exists() and fig.get("tokens_per_s"):
-        flops = draft_flops_per_token(json.loads(cfg.read_text()), b["ttt_steps"])
-        fig["mfu"] = round(fig["tokens_per_s"] * flops / H200_BF16_FLOPS, 4)
-        fig["mfu_basis"] = f"draft FLOPs/token {flops:.3g} (draft_flops_per_token) over {H200_BF16_FLOPS:.3g} FLOP/s"
+    fig["source"] = f"the {step} run, watched from outside"
+    add_mfu(run.paths, fig, b)
     run.record.setdefault("train", {})[trainer] = fig
     run.note(step, argv=argv, rc=r["rc"], seconds=r["wall_s"])
 
@@ -488,64 +609,142 @@ def offline_main(argv=None) -> int:
     return 0
 
 
+def gpu_8b_main(argv: list[str]) -> int:
+    """`peers_h200.py gpu-8b PARAMS [--phases P] -- ARGS`: tools/gpu_8b.py with the peers' params
+    (its CONFIG) in place of configs/gpu-8b.yaml, and tools/sglang_run.py's phases P in place of
+    its pipeline,bench (the small size drops the bench stage)."""
+    import gpu_8b
+
+    sep = argv.index("--")
+    head, rest = argv[:sep], argv[sep + 1:]
+    gpu_8b.CONFIG = Path(head[0])
+    phases = head[head.index("--phases") + 1] if "--phases" in head else "pipeline,bench"
+    if phases != "pipeline,bench":
+        call = gpu_8b.Run.call
+        gpu_8b.Run.call = lambda self, step, a: call(self, step, [phases if x == "pipeline,bench" else x for x in a])
+    return gpu_8b.main(rest)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["offline-run"]:
         return offline_main(argv[1:])
-    if argv[:1] == ["gpu-8b"]:  # gpu_8b.py with the peers' params (its CONFIG) in place of configs/gpu-8b.yaml
-        import gpu_8b
-
-        gpu_8b.CONFIG = Path(argv[1])
-        return gpu_8b.main(argv[3:])
+    if argv[:1] == ["gpu-8b"]:
+        return gpu_8b_main(argv[1:])
     args = parse_args(argv)
     run = Run(args)
-    paths = run.paths
-    configs = [c for c in args.configs.split(",") if c]
-    b = budget(paths, args.specforge_ttt_length)
+    paths, size = run.paths, run.size
+    configs = [c for c in (args.configs or SIZES[size]["configs"]).split(",") if c]
+    b = budget(paths, args.specforge_ttt_length, size)
     run.record.update(versions=versions(), flags={
-        "budget": b, "configs": configs, "num_prompts": args.num_prompts, "max_new_tokens": 128,
+        "size": size, "budget": b, "configs": configs, "num_prompts": args.num_prompts, "max_new_tokens": 128,
         "specforge_learning_rate": args.specforge_lr,
         "specforge_learning_rate_source": "SpecForge 0.2.0 TrainingConfig.learning_rate default (config/schema.py)",
-        "specforge_overrides": SPECFORGE_OVERRIDES, "pipeline_params": peers_params()})
-    (paths.results / "params-peers.yaml").write_text(yaml.safe_dump(peers_params(), sort_keys=False))
+        "specforge_overrides": SPECFORGE_OVERRIDES, "pipeline_params": peers_params(size)},
+        sizes=sizes(paths, size, args))
+    (paths.results / "params-peers.yaml").write_text(yaml.safe_dump(peers_params(size), sort_keys=False))
     run.save()
+    for step in SIZES[size]["order"]:
+        rc = STEP_RUNNERS[step](run, args, configs)
+        if rc:
+            return rc
+        b = budget(paths, args.specforge_ttt_length, size)  # from the pipeline's own params.yaml once it exists
+        run.record["flags"]["budget"] = b
+        run.record["sizes"] = sizes(paths, size, args)
+        if step == "ours" and "ours" not in run.record.get("train", {}) and (fig := pipeline_train_figures(paths, b)):
+            run.record.setdefault("train", {})["ours"] = fig  # replaced by ours_train's if that runs later
+        run.save()
+    run.note("done", wall_s=round(time.monotonic() - run.t0, 1))
+    return 0
 
+
+def do_ours(run: Run, args, configs) -> int:
+    paths = run.paths
     if run.todo("ours"):
-        rc = run.call("ours", step_argv("ours", paths, args, b) + ["--deadline-s", str(max(60, run.left() - 1200))])
+        b = run.record["flags"]["budget"]
+        rc = run.call("ours", step_argv("ours", paths, args, b) + ["--deadline-s", str(max(60, run.left() - ours_reserve(run.size)))])
         if rc or not is_done("ours", paths, run.record):
             feats = "online features hold no states: give a fresh --work" if (paths.features / "train" / "tokens.safetensors").exists() else ""
             run.note("ours", error=f"no offline features and draft ({feats or 'see logs/ours.log'})")
             return rc or 1
-    b = budget(paths, args.specforge_ttt_length)  # now from the pipeline's own params.yaml
-    run.record["flags"]["budget"] = b
+    return 0
+
+
+def do_ours_train(run: Run, args, configs) -> int:
     if run.todo("ours_train"):
+        paths = run.paths
         shutil.rmtree(paths.ours_train, ignore_errors=True)  # one uninterrupted measurement, never a resumed one
-        watched_step(run, "ours_train", "ours", step_argv("ours_train", paths, args, b), paths.pipeline)
+        watched_step(run, "ours_train", "ours", step_argv("ours_train", paths, args, run.record["flags"]["budget"]), paths.pipeline)
+    return 0
+
+
+def do_convert(run: Run, args, configs) -> int:
+    paths = run.paths
     if run.todo("convert"):
-        run.call("convert", step_argv("convert", paths, args, b))
+        run.call("convert", step_argv("convert", paths, args, run.record["flags"]["budget"]))
     if (paths.sf / "run.yaml").exists():
         run.record["specforge_run_yaml"] = yaml.safe_load((paths.sf / "run.yaml").read_text())
+    return 0
+
+
+def do_sf_train(run: Run, args, configs) -> int:
     if run.todo("sf_train"):
-        run.call("sf_train", step_argv("sf_plan", paths, args, b), log_name="sf_plan")
-        watched_step(run, "sf_train", "specforge", step_argv("sf_train", paths, args, b), ROOT)
+        b = run.record["flags"]["budget"]
+        run.call("sf_train", step_argv("sf_plan", run.paths, args, b), log_name="sf_plan")
+        watched_step(run, "sf_train", "specforge", step_argv("sf_train", run.paths, args, b), ROOT)
+    return 0
+
+
+def do_sf_export(run: Run, args, configs) -> int:
     if run.todo("sf_export"):
-        run.call("sf_export", step_argv("sf_export", paths, args, b))
-    for step in ("check", "offline"):
+        run.call("sf_export", step_argv("sf_export", run.paths, args, run.record["flags"]["budget"]))
+    return 0
+
+
+def per_draft(step: str):
+    def do(run: Run, args, configs) -> int:
+        paths = run.paths
         if run.todo(step):
             for d in DRAFTS:
                 if (paths.draft[d] / "config.json").exists():
-                    run.call(step, step_argv(step, paths, args, b, d), cwd=paths.pipeline if step == "offline" else ROOT,
-                             log_name=f"{step}-{d}")
-    for d in DRAFTS:
-        for step in ("check", "offline"):
+                    run.call(step, step_argv(step, paths, args, run.record["flags"]["budget"], d),
+                             cwd=paths.pipeline if step == "offline" else ROOT, log_name=f"{step}-{d}")
+        for d in DRAFTS:
             p = paths.results / f"{step}-{d}.json"
             if p.exists():
                 run.record.setdefault(step, {})[d] = json.loads(p.read_text())
-    run.save()
+        return 0
+    return do
+
+
+def do_serve(run: Run, args, configs) -> int:
     if run.todo("serve"):
         serve_all(run, args, configs)
-    run.note("done", wall_s=round(time.monotonic() - run.t0, 1))
     return 0
+
+
+STEP_RUNNERS = {"ours": do_ours, "ours_train": do_ours_train, "convert": do_convert, "sf_train": do_sf_train,
+                "sf_export": do_sf_export, "check": per_draft("check"), "offline": per_draft("offline"), "serve": do_serve}
+assert set(STEP_RUNNERS) == set(STEPS) and all(sorted(v["order"]) == sorted(STEPS) for v in SIZES.values())
+
+
+def serve_todo(run: Run, configs: list[str]) -> list[tuple[str, str | None]]:
+    """(config, draft) pairs to serve now, in order (drafts alternating by configuration, so that a
+    drift over time does not favour one draft), or (config, None) for a configuration skipped for
+    time: a configuration is served for both drafts or for neither, and the deadline cuts the last
+    configurations first."""
+    out, left, per = [], run.left(), EXPECT_S[run.size]["serve_config"]
+    for i, config in enumerate(configs):
+        todo = [d for d in (DRAFTS if i % 2 == 0 else DRAFTS[::-1])
+                if not served_done(run.paths, d, config) and (run.paths.draft[d] / "config.json").exists()]
+        if not todo:
+            continue
+        if left < per * len(todo):
+            out.append((config, None))
+            continue
+        left -= per * len(todo)
+        out += [(config, d) for d in todo]
+    return out
 
 
 def serve_all(run: Run, args, configs: list[str]) -> None:
@@ -563,16 +762,19 @@ def serve_all(run: Run, args, configs: list[str]) -> None:
     base_log = paths.results / "logs" / "server-baseline.log"
     run.record["flags"]["baseline_server_argv"] = base_argv
     with serve(base_argv, base_log, 600) as srv:
-        for i, config in enumerate(configs):
-            for d in (DRAFTS if i % 2 == 0 else DRAFTS[::-1]):
-                if served_done(paths, d, config) or not (paths.draft[d] / "config.json").exists():
-                    continue
-                if run.left() < EXPECT_S["serve_config"]:
-                    run.note("serve", skipped=f"{config} for {d}: {run.left():.0f} s left")
-                    continue
-                run.call("serve", serve_argv(paths, args, d, config, srv.url, base_log, free_port(), run.left() - 10),
-                         log_name=f"serve-{d}-{config}")
-                collect_served(run)
+        for config, d in serve_todo(run, configs):  # planned once the baseline is up, with the time then left
+            if d is None:
+                cut = run.record["steps"].setdefault("serve", {}).setdefault("skipped_configs", [])
+                cut += [config] if config not in cut else []
+                run.note("serve", skipped=f"{config}: {run.left():.0f} s left, both drafts need "
+                                          f"{EXPECT_S[run.size]['serve_config']} s each")
+                continue
+            if run.left() < EXPECT_S[run.size]["serve_config"]:  # slower than planned
+                run.note("serve", skipped=f"{config} for {d}: {run.left():.0f} s left")
+                continue
+            run.call("serve", serve_argv(paths, args, d, config, srv.url, base_log, free_port(), run.left() - 10),
+                     log_name=f"serve-{d}-{config}")
+            collect_served(run)
 
 
 def collect_served(run: Run) -> None:

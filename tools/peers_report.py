@@ -76,6 +76,7 @@ def plots(peers: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for d in DRAFTS:
         ev = (peers.get("train", {}).get(d) or {}).get("evals") or []
+        ev = [e for e in ev if e.get("t_s") is not None and e.get("acc_1") is not None]
         ax.plot([e["t_s"] for e in ev], [e["acc_1"] for e in ev], "o-", label=LABEL[d])
     ax.set_xlabel("seconds since the trainer started")
     ax.set_ylabel("step-1 eval accuracy")
@@ -84,6 +85,33 @@ def plots(peers: dict, out: Path) -> list[str]:
     fig.savefig(out / "accuracy.png", dpi=110)
     plt.close(fig)
     return ["served.png", "accuracy.png"]
+
+
+def mode_lines(peers: dict) -> list[str]:
+    """The run's mode and sizes, what the deadline skipped, and where our trainer's figures come from."""
+    z, f = peers.get("sizes", {}), peers.get("flags", {})
+    mode = z.get("mode") or f.get("size") or "full"
+    n = lambda v: "-" if v is None else f"{v:,}"
+    out = [f"**Mode: {mode}** (`--size {mode}`"
+           + ("; the full mode, `--size full`, uses 4,800 prompts and serves 3-1-4, 5-1-6, 6-8-32, 5-4-8)." if mode != "full" else ")."),
+           "",
+           "| size | value |", "|---|---|",
+           f"| prompts (train + eval) | {n(z.get('num_prompts'))} |",
+           f"| train sequences, both trainers | {n(z.get('train_sequences'))} |",
+           f"| real train tokens per epoch | {n(z.get('train_tokens_per_epoch'))} |",
+           f"| capture layers | {z.get('capture_layers', '-')} |",
+           f"| offline-run prompts | {n(z.get('offline_prompts'))} |",
+           f"| served prompts per configuration (paired, bs=1) | {n(z.get('served_prompts', f.get('num_prompts')))} |",
+           f"| configurations planned | {', '.join(f.get('configs', [])) or '-'} |",
+           f"| pipeline bench stage | {'run' if z.get('bench_stage', True) else 'not run (the serve and offline steps measure both drafts)'} |"]
+    skipped = [f"{k} ({v['skipped']})" for k, v in peers.get("steps", {}).items() if isinstance(v, dict) and v.get("skipped")]
+    cut = peers.get("steps", {}).get("serve", {}).get("skipped_configs", [])
+    if skipped or cut:
+        out += ["", "Skipped for time: " + "; ".join(skipped + [f"served configuration {c}" for c in cut if c not in " ".join(skipped)]) + "."]
+    src = (peers.get("train", {}).get("ours") or {}).get("source")
+    if src:
+        out += ["", f"Our trainer's figures: {src}."]
+    return out
 
 
 def report(results: Path, out: Path, target_acc: float | None = None) -> dict:
@@ -103,6 +131,8 @@ def report(results: Path, out: Path, target_acc: float | None = None) -> dict:
                            + ("ours >= SpecForge's" if ours >= theirs else "**ours is lower: to be explained**"))
     text = "\n".join([
         "# This project's EAGLE-3 trainer against SpecForge's, on one GPU",
+        "",
+        *mode_lines(peers),
         "",
         (f"Made by `python tools/peers_h200.py` and `python tools/peers_report.py`. Versions: SpecForge {v.get('specforge')}, "
          f"SGLang {v.get('sglang')}, torch {v.get('torch')}, transformers {v.get('transformers')}; GPU {v.get('gpu')}."),
