@@ -89,7 +89,7 @@ def test_the_gpu_8b_subcommand_runs_the_phases_asked(monkeypatch):
 def simulate(tmp_path, monkeypatch, size, deadline):
     """main() with every step replaced by one that takes its expected seconds (a fake clock):
     which steps ran and which configurations were served."""
-    args, paths, _ = setup(tmp_path / f"{size}-{deadline}", "--size", size, "--deadline-s", str(deadline))
+    args, paths, _ = setup(tmp_path / f"{size}-{deadline}-{len(list(tmp_path.iterdir()))}", "--size", size, "--deadline-s", str(deadline))
     for d in ("ours", "specforge"):
         paths.draft[d].mkdir(parents=True)
         (paths.draft[d] / "config.json").write_text("{}")
@@ -126,10 +126,10 @@ def test_the_deadline_cuts_serving_before_training(tmp_path, monkeypatch):
     ran, served = simulate(tmp_path, monkeypatch, "small", 1680)
     assert {c for c, _ in served} == {"3-1-4", "5-1-6", "6-8-32"} and "offline" not in ran
     ran, served = simulate(tmp_path, monkeypatch, "small", 1200)  # short: training whole, serving cut
-    assert set(ran) == training and not served
+    assert training <= set(ran) and "serve" not in ran and not served  # (offline fills the 150 s left)
     ran, _ = simulate(tmp_path, monkeypatch, "small", 10_000)
     assert ran == peers.SIZES["small"]["order"]
-    for deadline in range(400, 2400, 40):  # never a configuration served while a training step was cut
+    for deadline in range(400, 2400, 80):  # never a configuration served while a training step was cut
         ran, served = simulate(tmp_path, monkeypatch, "small", deadline)
         assert not served or training <= set(ran), deadline
         assert len([1 for c, _ in served]) % 2 == 0  # a configuration for both drafts or neither

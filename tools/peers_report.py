@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The comparison with SpecForge as a report: RESULTS/peers.json (tools/peers_h200.py) ->
-OUT/README.md (method, versions, one table), OUT/results.json, OUT/served.png (served tau and
+OUT/README.md (the mode, full or small, and its sizes; method, versions, one table), OUT/results.json, OUT/served.png (served tau and
 bs=1 speedup by configuration, both drafts) and OUT/accuracy.png (step-1 eval accuracy over
 training time, both trainers).
 
