@@ -129,7 +129,7 @@ def test_the_deadline_cuts_serving_before_training(tmp_path, monkeypatch):
     assert training <= set(ran) and "serve" not in ran and not served  # (offline fills the 150 s left)
     ran, _ = simulate(tmp_path, monkeypatch, "small", 10_000)
     assert ran == peers.SIZES["small"]["order"]
-    for deadline in range(400, 2400, 80):  # never a configuration served while a training step was cut
+    for deadline in range(400, 2400, 190):  # never a configuration served while a training step was cut
         ran, served = simulate(tmp_path, monkeypatch, "small", deadline)
         assert not served or training <= set(ran), deadline
         assert len([1 for c, _ in served]) % 2 == 0  # a configuration for both drafts or neither
