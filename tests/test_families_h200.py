@@ -1,8 +1,6 @@
 """tools/families_h200.py, tools/micro_targets.py and tools/families_report.py on a CPU: the tiny
 targets, the per-row plan, the deadline and resume logic, and the report (no SGLang here)."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,21 +9,14 @@ import yaml
 from safetensors.torch import load_file
 
 from draftlab.params import load_params
+from tests.support.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-mt = _load("micro_targets")
-fam = _load("families_h200")
-report = _load("families_report")
+mt = load_tool("micro_targets")
+fam = load_tool("families_h200")
+report = load_tool("families_report")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +99,7 @@ def test_deepseek_before_0_5_14_falls_back_to_a_layout_its_rule_can_take():
 
 
 def test_a_rows_params_are_valid_params_of_the_pipeline(tmp_path):
-    sglang_run = _load("sglang_run")
+    sglang_run = load_tool("sglang_run")
     override = fam.row_params("models/pipeline", ["embedding", 3, 5], "0.5.14")
     merged = sglang_run.merge(sglang_run.merge(yaml.safe_load((ROOT / "params.yaml").read_text()), sglang_run.SGLANG_PARAMS), override)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(merged))

@@ -1,26 +1,17 @@
 """tools/peers_h200.py and tools/peers_report.py on a CPU: the plan, SpecForge's argv against its
 CLI, resume and deadline, the log parsers on lines in SpecForge's and our formats, the report."""
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from tests.support.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-peers = load("peers_h200")
-report = load("peers_report")
+peers = load_tool("peers_h200")
+report = load_tool("peers_report")
 
 
 def specforge_parser():

@@ -335,17 +335,10 @@ def test_a_sliding_window_target_past_its_window_decodes_its_own_greedy_output_a
     its cache. A chain past the window must still give the target's own greedy tokens, with a draft
     that is always right (every round crops nothing) and one that is never right (every round crops
     the whole block); a tree, which needs a mask over every cached position, is refused by name."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from draftlab.errors import UserError
+    from tests.support.tools import load_tool
 
-    spec_ = importlib.util.spec_from_file_location("micro_targets", Path(__file__).resolve().parents[1] / "tools" / "micro_targets.py")
-    micro_targets = importlib.util.module_from_spec(spec_)
-    sys.modules.setdefault("micro_targets", micro_targets)  # its dataclasses look their module up by name
-    spec_.loader.exec_module(micro_targets)
-    target = micro_targets.make_model("gpt-oss").eval()
+    target = load_tool("micro_targets").make_model("gpt-oss").eval()
     assert target.config.sliding_window == 128
     prompt = [(7 * i) % 200 + 20 for i in range(150)]  # longer than the window before the first round
     ref = spec_engine.baseline_generate(target, prompt, 24, ignore_eos=True).output_ids

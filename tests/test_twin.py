@@ -1,8 +1,6 @@
 """tools/make_twin.py and tools/check_twin.py: a twin of models/tiny-target at a reduced shape computes
 the tiny target's function (float32, CPU), its capture-layer map is right, and bad shapes are refused."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from draftlab import tasks
+from tests.support.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "models" / "tiny-target"
@@ -18,14 +17,6 @@ SMALL = ROOT / "models" / "tiny-target"
 REDUCED = ["--hidden-size", "512", "--num-layers", "16", "--num-heads", "16", "--num-kv-heads", "4",
            "--head-dim", "64", "--intermediate-size", "1536"]
 RTOL = 1e-5  # of the largest |value|: float32 sums in another order over padded dims (measured ~5e-7)
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 make_twin, check_twin = load_tool("make_twin"), load_tool("check_twin")

@@ -99,13 +99,15 @@ def make_model(name: str, seed: int = 0):
     return model.eval()
 
 
-def make_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
+def make_tokenizer(vocab_size: int = VOCAB, model_max_length: int = COMMON["max_position_embeddings"]) -> PreTrainedTokenizerFast:
     """Byte-level, one token per byte: special tokens at ids 0..6, then printable ASCII and
-    whitespace, then other bytes while they fit (tests/support/micro.py builds the same one)."""
+    whitespace, then other bytes while they fit (tests/support/micro.py's tokenizer is this one)."""
     table = _bytes_to_unicode()
     first = [ord(c) for c in "\t\n\r"] + list(range(32, 127))
     rest = [b for b in range(256) if b not in first]
     specials = SPECIAL_TOKENS + THINK_TOKENS
+    if vocab_size - len(specials) < len(first):
+        raise ValueError(f"vocab_size must be >= {len(specials) + len(first)}, got {vocab_size}")
     chars = [table[b] for b in (first + rest)[:vocab_size - len(specials)]]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -113,7 +115,7 @@ def make_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE,
-                                   model_max_length=COMMON["max_position_embeddings"])
+                                   model_max_length=model_max_length)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -341,12 +341,12 @@ def run_batches_paired(base, spec, prompts, sampling, concurrency: int, repeats:
     return out
 
 
-def warm_up(client, prompts, sampling, concurrency: int) -> None:
+def warm_up(client, prompts, sampling) -> None:
+    """Two short requests before the bs=1 pairs (each concurrency gets its own whole warm-up batch
+    in run_batches_paired)."""
     short = {**sampling, "max_new_tokens": 16}
     for p in prompts[:2]:
         client.generate(p, short)
-    if concurrency > 1:
-        run_batch(client, (prompts * concurrency)[:concurrency], short, concurrency)
 
 
 def main(argv=None) -> dict:
@@ -417,7 +417,6 @@ def main(argv=None) -> dict:
     server_flags = SpecFlags(algorithm=None, max_running_requests=args.max_running_requests, attention_backend=ATTENTION_BACKEND)
     logs = Path(args.work_dir) / "logs"
     sweep_on = args.concurrency_configs
-    max_c = max([1, *args.concurrency])
 
     todo = [c for c in args.configs if config_name(c) not in results["configs"]
             or "speedup" not in results["configs"][config_name(c)]]
@@ -434,7 +433,7 @@ def main(argv=None) -> dict:
         results["baseline_startup_s"] = elapsed() - t0
         results["baseline_url_given"] = bool(args.baseline_url)
         print(f"[{elapsed():.0f}s] baseline up in {results['baseline_startup_s']:.0f}s", flush=True)
-        warm_up(base, prompts, sampling, max_c)
+        warm_up(base, prompts, sampling)
         startup_estimate = results.get("max_spec_startup_s", 150.0)
 
         def measure(cfg, role: str = "") -> None:
@@ -462,7 +461,7 @@ def main(argv=None) -> dict:
                     entry["startup_s"] = elapsed() - t0
                     results["max_spec_startup_s"] = startup_estimate = max(results.get("max_spec_startup_s", 0), entry["startup_s"])
                     print(f"[{elapsed():.0f}s] {name}: EAGLE3 server up in {entry['startup_s']:.0f}s", flush=True)
-                    warm_up(spec, prompts, sampling, max_c)
+                    warm_up(spec, prompts, sampling)
                     t1 = elapsed()
                     entry.update(aggregate(run_paired(base, spec, prompts, sampling)))
                     entry["measure_s"] = elapsed() - t1

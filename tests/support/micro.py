@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from draftlab.target import save_tokenizer
-from draftlab.tasks import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, THINK_TOKENS
+from draftlab.tasks import EOS, PAD, SPECIAL_TOKENS
+from tests.support.tools import load_tool
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -59,28 +59,9 @@ def make_micro_model(
 
 def make_micro_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer with one token per byte (no merges): special tokens at ids 0..6,
-    then printable ASCII and whitespace, then other bytes while they fit in vocab_size."""
-    table = _bytes_to_unicode()
-    first = [ord(c) for c in "\t\n\r"] + list(range(32, 127))
-    rest = [b for b in range(256) if b not in first]
-    specials = SPECIAL_TOKENS + THINK_TOKENS
-    n_bytes = vocab_size - len(specials)
-    if n_bytes < len(first):
-        raise ValueError(f"vocab_size must be >= {len(specials) + len(first)}, got {vocab_size}")
-    chars = [table[b] for b in (first + rest)[:n_bytes]]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
-    )
+    then printable ASCII and whitespace, then other bytes while they fit in vocab_size
+    (tools/micro_targets.py's, which the families' tiny targets ship with)."""
+    return load_tool("micro_targets").make_tokenizer(vocab_size, model_max_length=512)
 
 
 def save_micro_model(dir: str | os.PathLike, arch: str = "llama", **kw) -> PreTrainedModel:
@@ -92,16 +73,3 @@ def save_micro_model(dir: str | os.PathLike, arch: str = "llama", **kw) -> PreTr
     model.save_pretrained(dir)
     save_tokenizer(tokenizer, dir)
     return model
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet of ByteLevel tokenizers."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
