@@ -224,3 +224,55 @@ def test_kimi_servers_start_from_the_served_checkpoint_with_the_params_namespace
     assert model == "models/serve-kimi-serve" and bench == "bench-section"
     assert (driver.work / "models" / "serve-kimi-serve").resolve() == serve.resolve()
     assert p.target.model == "models/deepseek"  # the pipeline's own params are left as they were
+
+
+def test_a_refused_layout_is_served_anyway_from_its_fallbacks_draft(tmp_path):
+    rows = by_id(fam.plan(["llama", "gpt-oss", "qwen3"], "0.5.14"))
+    # The ids a newer release would export for [embedding, 3, 5], served from the fallback row's draft.
+    for name in ("llama", "gpt-oss"):
+        refused = rows[f"{name} [embedding, 3, 5]"]
+        assert refused["probe_ids"] == [-1, 3, 5] and refused["probe_from"] == f"{name} [0, 3, 6]"
+    assert "probe_ids" not in rows["qwen3 [embedding, 3, 5]"]  # not refused: nothing to probe
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"weights")
+    (draft / "config.json").write_text(json.dumps({"draftlab": {"capture_layers": [0, 3, 6]},
+                                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 6], "use_aux_hidden_state": True}}))
+    out = fam.with_ids(draft, tmp_path / "probe", [-1, 3, 5])
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5], "use_aux_hidden_state": True}
+    assert "draftlab" not in config and (out / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((draft / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
+
+
+def test_a_probe_says_whether_the_server_confirms_the_refusal():
+    crashed = fam.probe_outcome(None, ["Traceback (most recent call last):", "TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'"])
+    assert crashed.startswith("crashed: TypeError")
+    served = fam.probe_outcome({"slots": [{"best_match": "physical 0"}, {"best_match": "physical 4"}, {"best_match": "physical 6"}]}, None)
+    assert served == "served, fed [0, 4, 6]"
+    assert fam.probe_outcome({"slots": [], "error": {"message": "timed out"}}, None) == "no answer: timed out"
+    row = {"status": "refused", "probe": {"outcome": crashed}}
+    assert fam.verdict(row, 0.05).startswith("refused by the project's rules; served anyway, SGLang crashed: TypeError")
+    assert fam.verdict({**row, "probe": {"outcome": served}}, 0.05) == "refused by the project's rules, but SGLang served, fed [0, 4, 6]"
+    assert fam.verdict({"status": "refused"}, 0.05) == "refused by the project's rules"
+
+
+def test_each_refused_layout_is_probed_once_after_its_fallback_trains(tmp_path, monkeypatch):
+    probes = []
+    monkeypatch.setattr(fam.Families, "pipeline", lambda self, row, target: {"status": "trained", "pipeline_s": 1.0})
+    monkeypatch.setattr(fam.Families, "parity", lambda self, row, target: {"status": "measured", "fed_physical": row["trained_physical"],
+                                                                           "max_rel_err": 0.01, "parity_s": 1.0})
+
+    def probe(self, refused, fallback, target):
+        probes.append((refused["id"], fallback["id"]))
+        assert self.record["rows"][fallback["id"]]["status"] == "measured"  # the fallback is on disk first
+        return {"outcome": "crashed: TypeError: x", "ids": refused["probe_ids"]}
+
+    monkeypatch.setattr(fam.Families, "probe", probe)
+    assert fam.Families(_args(tmp_path)).run() == 0
+    assert probes == [("llama [embedding, 3, 5]", "llama [0, 3, 6]")]
+    rec = json.loads((tmp_path / "families.json").read_text())["rows"]["llama [embedding, 3, 5]"]
+    assert rec["status"] == "refused" and rec["probe"]["ids"] == [-1, 3, 5] and "served anyway" in rec["verdict"]
+    assert fam.Families(_args(tmp_path)).run() == 0 and len(probes) == 1  # a re-run does not probe again
+    (tmp_path / "b").mkdir()
+    assert fam.Families(_args(tmp_path / "b", extra=["--no-probe"])).run() == 0 and len(probes) == 1

@@ -18,6 +18,9 @@ per capture layout (LAYOUTS):
              --enable-return-hidden-states, then the check stage with live parity against it
              (tools/sglang_run.py, phase parity): which target layer each slot SGLang feeds
              really is, and its relative error against the training features
+ 4. probe    a refused layout is served anyway, once its fallback row has a draft: that draft with
+             the ids the refused layout would get, so the server itself shows the refusal's reason
+             (a crash confirms it; a served answer means the rule is stricter than the release)
 Server start-up is the cost: the servers run without CUDA graphs (--disable-cuda-graph) and
 with --mem-fraction-static 0.15, so a row takes about 40 s of GPU time and all of them fit in
 about 8-10 minutes; the results say so (settings.server_args).
@@ -119,6 +122,9 @@ def plan(families: list[str], sglang_version: str) -> list[dict]:
                 fallback = FALLBACK_DEEPSEEK if rules.family(fam.architecture) == "deepseek" else FALLBACK
                 if fallback not in layouts:
                     layouts.append(fallback)
+                probe = probe_ids(fam.architecture, layout)
+                if probe is not None:  # served anyway, from the fallback row's draft (Families.probe)
+                    row.update(probe_ids=probe, probe_from=row_id(name, fallback))
             rows.append(row)
         for layout in layouts[len(LAYOUTS):]:  # the fallbacks, validated the same way
             physical = rules.physical_from_spec(layout, fam.architecture, micro_targets.NUM_LAYERS)
@@ -126,6 +132,42 @@ def plan(families: list[str], sglang_version: str) -> list[dict]:
                          "layout": layout, "sglang_version": sglang_version, "status": "planned", "trained_physical": physical,
                          "ids_expected": rules.ids_for_physical(fam.architecture, micro_targets.NUM_LAYERS, physical, sglang_version)})
     return rows
+
+
+def probe_ids(architecture: str, layout) -> list[int] | None:
+    """The ids a refused layout would be exported with by the newest release the rules know: what a
+    user who ignored the refusal would serve. None where no release takes the layout."""
+    try:
+        physical = rules.physical_from_spec(layout, architecture, micro_targets.NUM_LAYERS)
+        return rules.ids_for_physical(architecture, micro_targets.NUM_LAYERS, physical, rules.VERIFIED_VERSIONS[-1])
+    except UserError:
+        return None
+
+
+def with_ids(draft: Path, out: Path, ids: list[int]) -> Path:
+    """A copy of an exported draft whose config asks SGLang for `ids` (weights linked, not copied);
+    the project's own layers block is dropped, so the check reads it as any SGLang checkpoint."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in draft.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((draft / "config.json").read_text())
+    config.pop("draftlab", None)
+    config.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def probe_outcome(parity: dict | None, error: list[str] | None) -> str:
+    """A refused layout served anyway: 'crashed' (the refusal is confirmed), 'fed [...]' (SGLang took
+    it: the rule is stricter than the release), or 'no answer'."""
+    if error:
+        return "crashed: " + error[-1][:200]
+    slots = (parity or {}).get("slots") or []
+    if not slots:
+        return "no answer: " + str(((parity or {}).get("error") or {}).get("message", "no slots"))[:200]
+    fed = [int(s["best_match"].split()[1]) if str(s["best_match"]).startswith("physical ") else s["best_match"] for s in slots]
+    return f"served, fed {fed}"
 
 
 def row_params(target_link: str, layout, sglang_version: str) -> dict:
@@ -173,7 +215,12 @@ def parity_of(check: dict) -> dict:
 
 def verdict(row: dict, rtol: float) -> str:
     if row["status"] == "refused":
-        return "refused by the project's rules"
+        probe = row.get("probe") or {}
+        if "outcome" not in probe:
+            return "refused by the project's rules"
+        if probe["outcome"].startswith("crashed"):
+            return "refused by the project's rules; served anyway, SGLang " + probe["outcome"]
+        return "refused by the project's rules, but SGLang " + probe["outcome"]
     if row["status"] == "not served":
         return "not served: " + (row.get("error_lines") or ["(no error line in the log)"])[-1][:200]
     if row["status"] != "measured":
@@ -255,6 +302,55 @@ class Families:
             out["hidden_states_response"] = os.path.relpath(sample, self.results)
         return out
 
+    def probe(self, refused: dict, fallback: dict, target: dict) -> dict:
+        """Serve a refused layout anyway, to see the refusal's reason on the server itself: the
+        fallback row's draft with the ids the refused layout would get (probe_ids), an EAGLE3 server
+        with hidden states, and live parity against the target run here (every layer compared)."""
+        from draftlab.check.external import check_external
+
+        ok, why = fits(self.left(), "parity")
+        if not ok:
+            return {"skipped": why}
+        d, t = self.driver(fallback, target), time.monotonic()
+        if not (d.work / "models" / "draft" / "config.json").exists():
+            return {"skipped": f"{fallback['id']} has no exported draft"}
+        rdir = self.results / "rows" / slug(refused["id"])
+        draft = with_ids(d.work / "models" / "draft", rdir / "draft-probe", refused["probe_ids"])
+        log = rdir / "server-probe.log"
+        p = d.params(d.work)
+        p = types.SimpleNamespace(**{**vars(p), "bench": dataclasses.replace(p.bench, startup_timeout_s=150.0)})
+        flags, _ = d.flags_for(p)
+        out = {"ids": refused["probe_ids"], "draft_from": fallback["id"]}
+        parity, error = None, None
+        try:
+            with d.server(p, draft, flags, log, hidden=True) as url:
+                verdict_ = check_external(draft, str(target["pipeline"]), refused["sglang_version"], server=url, samples=2,
+                                          rtol=self.rtol(), timeout_s=60.0)
+                parity = verdict_.parity
+        except Exception as e:  # noqa: BLE001  the crash is what is measured
+            text = log.read_text(errors="replace") if log.exists() else ""
+            error = error_lines(text) or str(e).splitlines()[-4:]
+        if parity is not None:
+            out["fed_rel_err"] = [s.get("rel_err") for s in parity.get("slots") or []]
+        out.update(outcome=probe_outcome(parity, error), error_lines=error, seconds=round(time.monotonic() - t, 1))
+        if log.exists():
+            (rdir / "server-probe-tail.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-80:]) + "\n")
+            out["server_log_tail"] = os.path.relpath(rdir / "server-probe-tail.log", self.results)
+        return out
+
+    def run_probes(self, rows: list[dict], done_row: dict, targets: dict) -> None:
+        """After a fallback row has its draft: the refused rows that probe from it."""
+        if done_row["status"] == "skipped" or done_row.get("stage") == "pipeline":
+            return  # no draft to serve
+        for r in rows:
+            rec = self.record["rows"].get(r["id"], {})
+            if r.get("probe_from") == done_row["id"] and "outcome" not in (rec.get("probe") or {}):
+                row = {**r, **{k: v for k, v in rec.items() if k != "probe"}, "probe": self.probe(r, done_row, targets[r["family"]])}
+                if self.args.backend == "sglang" and "outcome" in row["probe"]:
+                    row["probe_source"] = "served anyway on real SGLang " + r["sglang_version"]
+                row["verdict"] = verdict(row, self.rtol())
+                self.save(row)
+
     def run(self) -> int:
         families = [f for f in self.args.families.split(",") if f]
         for f in families:
@@ -284,6 +380,13 @@ class Families:
                 row["source"] = ("measured on real SGLang " + version) if self.args.backend == "sglang" else "reference server (no SGLang)"
                 row["verdict"] = verdict(row, self.rtol())
                 self.save(row)
+                if self.args.probe:
+                    self.run_probes(rows, row, targets)
+        if self.args.probe:  # fallbacks finished by an earlier invocation whose probes did not run
+            ran = {r["id"] for r in work}
+            for r in rows:
+                if r["id"] not in ran and self.record["rows"].get(r["id"], {}).get("status") in ("measured", "not served"):
+                    self.run_probes(rows, self.record["rows"][r["id"]], targets)
         self.record["wall_s"] = round(time.monotonic() - self.t0, 1)
         self.save()
         return 0
@@ -336,6 +439,8 @@ def parse_args(argv=None):
     ap.add_argument("--jobs", type=int, default=3, help="rows whose CPU pipeline runs at once (the servers run one at a time)")
     ap.add_argument("--backend", choices=["sglang", "reference"], default="sglang",
                     help="reference: the project's reference server instead of SGLang (a CPU dry run of this driver)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="do not serve refused layouts anyway (by default each is served once, from its fallback row's draft)")
     ap.add_argument("--sglang-version", default="0.5.14", help="the rules' release when SGLang is not importable here")
     return ap.parse_args(argv)
 
