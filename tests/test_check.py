@@ -659,6 +659,16 @@ def test_embedding_trained_draft_served_by_a_release_that_crashes_on_it_names_th
     assert all(x.severity == "error" for x in found) and "0.5.22" in found[0].fix
 
 
+def test_a_qwen3_draft_on_the_embedding_is_an_error_where_sglang_feeds_an_overwritten_tensor():
+    # Measured on 0.5.14: the server runs, but slot 0 holds the residual the later layers wrote into the embedding tensor.
+    draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5]}})
+    f = check_capture([0, 4, 6], served_layers(draft, {"architecture": "Qwen3ForCausalLM", "num_layers": 8}, "0.5.14"))
+    found = [x for x in f if x.name == "embedding_captured" and x.evidence["side"] == "training features"]
+    assert found and found[0].severity == "error" and "overwritten tensor" in found[0].cause and "0.5.21" in found[0].fix
+    f = check_capture([0, 4, 6], served_layers(draft, {"architecture": "Qwen3ForCausalLM", "num_layers": 8}, "0.5.21"))
+    assert [x for x in f if x.severity == "error"] == [] and "embedding_served" in names(f)
+
+
 def test_ids_that_capture_the_embedding_instead_of_layer_zero_are_named():
     # trained on decoder layer 0's output (physical 1); the config's -1 makes SGLang 0.5.22 feed the embedding
     draft = ExportedDraft(Path("d"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 3, 5]}})

@@ -75,18 +75,19 @@ def test_the_plan_follows_the_projects_rules_per_family_on_0_5_14():
     assert llama["status"] == "refused" and "TypeError" in llama["refusal"] and "0.5.22" in llama["refusal"]
     assert rows["llama [0, 3, 6]"]["ids_expected"] == [0, 3, 6] and rows["llama [0, 3, 6]"]["trained_physical"] == [1, 4, 7]
     assert rows["llama [1, 3, 5]"]["ids_expected"] == [1, 3, 5]
-    # Qwen3 dense and MoE: id -1 for the embedding.
-    for name in ("qwen3", "qwen3-moe"):
-        assert rows[f"{name} [embedding, 3, 5]"]["ids_expected"] == [-1, 3, 5]
-        assert f"{name} [0, 3, 6]" not in rows
+    # Qwen3 MoE: id -1 for the embedding. Qwen3 dense: refused (0.5.14 feeds an overwritten tensor), with a fallback.
+    assert rows["qwen3-moe [embedding, 3, 5]"]["ids_expected"] == [-1, 3, 5] and "qwen3-moe [0, 3, 6]" not in rows
+    assert rows["qwen3 [embedding, 3, 5]"]["status"] == "refused" and "in place" in rows["qwen3 [embedding, 3, 5]"]["refusal"]
+    assert rows["qwen3 [0, 3, 6]"]["ids_expected"] == [0, 3, 6]
     # DeepSeek-V3 and Kimi-K2.5: the embedding as-is (first id 0), [1, 3, 5] through the +1 mode.
     for name in ("deepseek-v3", "kimi-k2.5"):
         emb = rows[f"{name} [embedding, 3, 5]"]
         assert (emb["status"], emb["trained_physical"], emb["ids_expected"]) == ("planned", [0, 4, 6], [0, 4, 6])
         assert rows[f"{name} [1, 3, 5]"]["ids_expected"] == [1, 3, 5]
-    # gpt-oss on 0.5.14: the embedding is refused; from 0.5.17 it is id -1.
+    # gpt-oss on 0.5.14 and 0.5.17: the embedding is refused (a crash, then an overwritten tensor); from 0.5.21 it is id -1.
     assert rows["gpt-oss [embedding, 3, 5]"]["status"] == "refused" and rows["gpt-oss [0, 3, 6]"]["status"] == "planned"
-    assert by_id(fam.plan(["gpt-oss"], "0.5.17"))["gpt-oss [embedding, 3, 5]"]["ids_expected"] == [-1, 3, 5]
+    assert "in place" in by_id(fam.plan(["gpt-oss"], "0.5.17"))["gpt-oss [embedding, 3, 5]"]["refusal"]
+    assert by_id(fam.plan(["gpt-oss"], "0.5.21"))["gpt-oss [embedding, 3, 5]"]["ids_expected"] == [-1, 3, 5]
     # Every family gets at least two layouts that run.
     for name in fam.FAMILY_ORDER:
         assert sum(r["family"] == name and r["status"] == "planned" for r in rows.values()) >= 2, name
@@ -135,7 +136,7 @@ def test_the_run_writes_each_row_and_a_rerun_skips_finished_rows(tmp_path, monke
     def parity(self, row, target):
         calls.append(("parity", row["id"]))
         assert (self.path).exists()  # rows before this one are already on disk
-        if row["family"] == "qwen3" and row["layout"][0] == "embedding":
+        if row["family"] == "qwen3" and row["layout"] == [1, 3, 5]:
             return {"status": "not served", "error_lines": ["ValueError: no kernel"], "parity_s": 2.0}
         physical = row["trained_physical"]
         return {"status": "measured", "fed_physical": physical, "max_rel_err": 0.004, "ids_exported": row["ids_expected"], "parity_s": 2.0}
@@ -146,7 +147,7 @@ def test_the_run_writes_each_row_and_a_rerun_skips_finished_rows(tmp_path, monke
     rec = json.loads((tmp_path / "families.json").read_text())["rows"]
     assert rec["llama [embedding, 3, 5]"]["status"] == "refused"
     assert rec["llama [1, 3, 5]"]["verdict"] == "parity clean" and rec["llama [1, 3, 5]"]["seconds"] == 3.0
-    assert rec["qwen3 [embedding, 3, 5]"]["verdict"] == "not served: ValueError: no kernel"
+    assert rec["qwen3 [1, 3, 5]"]["verdict"] == "not served: ValueError: no kernel"
     first = len(calls)
     assert fam.Families(_args(tmp_path)).run() == 0
     assert len(calls) == first  # everything finished: nothing re-runs
@@ -227,12 +228,12 @@ def test_kimi_servers_start_from_the_served_checkpoint_with_the_params_namespace
 
 
 def test_a_refused_layout_is_served_anyway_from_its_fallbacks_draft(tmp_path):
-    rows = by_id(fam.plan(["llama", "gpt-oss", "qwen3"], "0.5.14"))
+    rows = by_id(fam.plan(["llama", "gpt-oss", "qwen3", "qwen3-moe"], "0.5.14"))
     # The ids a newer release would export for [embedding, 3, 5], served from the fallback row's draft.
-    for name in ("llama", "gpt-oss"):
+    for name in ("llama", "gpt-oss", "qwen3"):
         refused = rows[f"{name} [embedding, 3, 5]"]
         assert refused["probe_ids"] == [-1, 3, 5] and refused["probe_from"] == f"{name} [0, 3, 6]"
-    assert "probe_ids" not in rows["qwen3 [embedding, 3, 5]"]  # not refused: nothing to probe
+    assert "probe_ids" not in rows["qwen3-moe [embedding, 3, 5]"]  # not refused: nothing to probe
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "model.safetensors").write_bytes(b"weights")
@@ -270,9 +271,9 @@ def test_each_refused_layout_is_probed_once_after_its_fallback_trains(tmp_path, 
 
     monkeypatch.setattr(fam.Families, "probe", probe)
     assert fam.Families(_args(tmp_path)).run() == 0
-    assert probes == [("llama [embedding, 3, 5]", "llama [0, 3, 6]")]
+    assert probes == [("llama [embedding, 3, 5]", "llama [0, 3, 6]"), ("qwen3 [embedding, 3, 5]", "qwen3 [0, 3, 6]")]
     rec = json.loads((tmp_path / "families.json").read_text())["rows"]["llama [embedding, 3, 5]"]
     assert rec["status"] == "refused" and rec["probe"]["ids"] == [-1, 3, 5] and "served anyway" in rec["verdict"]
-    assert fam.Families(_args(tmp_path)).run() == 0 and len(probes) == 1  # a re-run does not probe again
+    assert fam.Families(_args(tmp_path)).run() == 0 and len(probes) == 2  # a re-run does not probe again
     (tmp_path / "b").mkdir()
-    assert fam.Families(_args(tmp_path / "b", extra=["--no-probe"])).run() == 0 and len(probes) == 1
+    assert fam.Families(_args(tmp_path / "b", extra=["--no-probe"])).run() == 0 and len(probes) == 2

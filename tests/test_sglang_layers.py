@@ -3,7 +3,7 @@ from itertools import combinations
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, FAMILIES, can_capture_embedding, capture_only_ids, captured_physical,
+from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, FAMILIES, can_capture_embedding, embedding_failure, embedding_refusal, capture_only_ids, captured_physical,
                                     dropped_ids, ids_for_physical, physical_from_spec, physical_from_user_layers,
                                     user_layers_from_physical, validate_capture)
 
@@ -61,11 +61,16 @@ def test_gpt_oss_boundary_rule_from_0_5_17():
     L = 24
     assert captured_physical("GptOssForCausalLM", L, [1, 11, 20], "0.5.16") == [2, 12, 21]
     assert captured_physical("GptOssForCausalLM", L, [1, 11, 20], "0.5.17") == [2, 12, 21]
-    assert captured_physical("GptOssForCausalLM", L, [0, 12, 24], "0.5.17") == [0, 12, 24]  # boundaries
+    assert captured_physical("GptOssForCausalLM", L, [2, 12, 24], "0.5.17") == [2, 12, 24]  # boundaries
     assert ids_for_physical("GptOssForCausalLM", L, [2, 12, 21], "0.5.17") == [1, 11, 20]
-    # From 0.5.17 the +1 loop reaches boundary 0 (id -1, residual fallback) and boundary L (id L-1,
-    # the last block output before the final norm); 0.5.16 and before crash on the embedding.
-    assert ids_for_physical("GptOssForCausalLM", L, [0, 12, 21], "0.5.17") == [-1, 11, 20]
+    # From 0.5.17 the +1 loop reaches boundary 0 (id -1) and boundary L (id L-1, the last block output
+    # before the final norm). Boundary 0 is the embedding tensor itself, overwritten in place by the later
+    # layers until 0.5.21 copies it (measured on 0.5.17: the slot matched no layer); 0.5.16 and before crash.
+    for ids in ([-1, 11, 20], [0, 12, 24]):
+        with pytest.raises(UserError, match="overwrite it in place.*measured on a real server.*SGLang >= 0.5.21"):
+            captured_physical("GptOssForCausalLM", L, ids, "0.5.17")
+    assert ids_for_physical("GptOssForCausalLM", L, [0, 12, 21], "0.5.21") == [-1, 11, 20]
+    assert captured_physical("GptOssForCausalLM", L, [0, 12, 24], "0.5.23") == [0, 12, 24]
     assert captured_physical("GptOssForCausalLM", L, [1, 11, 23], "0.5.17") == [2, 12, 24]
     assert dropped_ids("GptOssForCausalLM", L, [1, 11, 23], "0.5.17") == []
     assert dropped_ids("GptOssForCausalLM", L, [1, 11, 23], "0.5.16") == [23]
@@ -172,12 +177,34 @@ def test_llama_captures_the_embedding_from_0_5_22_only():
     assert captured_physical("LlamaForCausalLM", 8, [-1, 3, 5], "0.5.23") == [0, 4, 6]
 
 
-@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
-def test_qwen_families_capture_the_embedding_in_every_release_read(arch):
-    # residual fallback (qwen2.py) or the communicator's capture after prepare_attn (MoE), from 0.5.5 on
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"])
+def test_qwen_moe_families_capture_the_embedding_in_every_release_read(arch):
+    # the communicator's capture after prepare_attn, from 0.5.5 on (measured on 0.5.14: parity clean, rel err 0.0)
     for v in ("0.5.5", "0.5.14", "0.5.21", "0.5.23"):
         assert ids_for_physical(arch, 8, [0, 4, 6], v) == [-1, 3, 5]
         assert captured_physical(arch, 8, [-1, 3, 5], v) == [0, 4, 6]
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_dense_feeds_an_overwritten_embedding_until_0_5_21(arch):
+    # Measured on 0.5.14 (Qwen3): ids [-1, 3, 5] served without error, but slot 0 held the residual stream the
+    # later layers wrote into the embedding tensor (11.6x relative error). 0.5.21's snapshot copies it.
+    for v in ("0.5.5", "0.5.14", "0.5.20"):
+        with pytest.raises(UserError, match="runs and feeds the draft the last layer's residual stream.*with no error"):
+            ids_for_physical(arch, 8, [0, 4, 6], v)
+        with pytest.raises(UserError, match="SGLang >= 0.5.21"):
+            captured_physical(arch, 8, [-1, 3, 5], v)
+    for v in ("0.5.21", "0.5.23"):
+        assert ids_for_physical(arch, 8, [0, 4, 6], v) == [-1, 3, 5]
+        assert captured_physical(arch, 8, [-1, 3, 5], v) == [0, 4, 6]
+
+
+def test_the_embedding_failure_says_crash_or_silent_alias_and_whether_it_was_measured():
+    assert embedding_failure("LlamaForCausalLM", "0.5.14") == "crash" and embedding_failure("LlamaForCausalLM", "0.5.22") is None
+    assert embedding_failure("GptOssForCausalLM", "0.5.16") == "crash" and embedding_failure("GptOssForCausalLM", "0.5.17") == "alias"
+    assert embedding_failure("Qwen3ForCausalLM", "0.5.14") == "alias" and embedding_failure("Qwen3MoeForCausalLM", "0.5.14") is None
+    assert "measured on a real server" in embedding_refusal("LlamaForCausalLM", "0.5.14")
+    assert "measured on a real server" not in embedding_refusal("LlamaForCausalLM", "0.5.21")  # read from source only
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"])
@@ -225,7 +252,7 @@ def test_id_rules_read_the_same_in_every_release_through_0_5_23(version):
     assert captured_physical("Qwen3MoeForCausalLM", 8, None, version) == [2, 4, 5]
     assert captured_physical("DeepseekV3ForCausalLM", 61, [1, 30, 57], version) == [2, 31, 58]
     assert captured_physical("DeepseekV3ForCausalLM", 61, [3, 30, 57], version) == [3, 30, 57]
-    assert captured_physical("GptOssForCausalLM", 24, [0, 12, 24], version) == [0, 12, 24]
+    assert captured_physical("GptOssForCausalLM", 24, [2, 12, 24], version) == [2, 12, 24]  # boundary ids
 
 
 def test_capture_only_server_ids_from_0_5_23_refuse_the_negative_embedding_id():

@@ -79,6 +79,7 @@ ROW_PARAMS = {
 # Expected seconds per row (the deadline skips a row that would not fit): the pipeline on a
 # 16-core CPU, and a server start without CUDA graphs plus the check stage.
 EXPECT_S = {"pipeline": 90, "parity": 75}
+NO_MATCH = 4  # x the parity tolerance: a slot whose nearest layer is further off matches no layer
 FINISHED = ("measured", "not served", "refused")  # a re-run skips these; failed and skipped rows run again
 ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|not supported|RuntimeError|ValueError)")
 
@@ -205,8 +206,10 @@ def parity_of(check: dict) -> dict:
 
     fed = [physical(s["best_match"]) for s in slots]
     rel = [s["rel_err"] for s in slots]
+    best = [s.get("best_rel_err") for s in slots]
     return {"ids_exported": settings.get("eagle_aux_hidden_state_layer_ids"), "predicted_physical": settings.get("sglang_captures"),
             "fed_physical": fed or None, "rel_err": rel or None, "max_rel_err": max(rel) if rel else None,
+            "best_rel_err": best if slots and None not in best else None,
             # candidates beyond the stored slots and the final state: the target was loaded and every layer compared
             "every_layer_compared": bool(slots) and len(slots[0].get("candidates", {})) > len(slots) + 1,
             "parity_tokens": parity.get("tokens"), "parity_error": parity.get("error"),
@@ -227,6 +230,11 @@ def verdict(row: dict, rtol: float) -> str:
         return row["status"]
     if row.get("fed_physical") is None:
         return "no live parity: " + str((row.get("parity_error") or {}).get("message", "no slots"))[:200]
+    unmatched = [i for i, e in enumerate(row.get("best_rel_err") or []) if e > NO_MATCH * rtol]
+    if unmatched:  # the nearest layer is no match: the slot holds a state the target never computes at a boundary
+        i = unmatched[0]
+        return (f"slot {i} matches no layer (nearest physical {row['fed_physical'][i]} at rel err {row['best_rel_err'][i]:.2f}; "
+                f"rel err {row['rel_err'][i]:.1f} against the trained physical {row['trained_physical'][i]})")
     if row["fed_physical"] != row["trained_physical"]:
         return f"fed {row['fed_physical']}, trained {row['trained_physical']}"
     return "parity clean" if row["max_rel_err"] <= rtol else f"right layers, rel err {row['max_rel_err']:.3f} > {rtol}"
@@ -351,6 +359,16 @@ class Families:
                 row["verdict"] = verdict(row, self.rtol())
                 self.save(row)
 
+    def reread(self) -> int:
+        """Re-derive each measured row's parity fields and verdict from its check stage report (no server)."""
+        for rid, row in self.record["rows"].items():
+            check = self.results / "rows" / slug(rid) / "work" / "reports" / "check.json"
+            if row.get("status") == "measured" and check.exists():
+                row.update(parity_of(json.loads(check.read_text())))
+            row["verdict"] = verdict(row, self.record.get("settings", {}).get("rtol", self.rtol()))
+        self.save()
+        return 0
+
     def run(self) -> int:
         families = [f for f in self.args.families.split(",") if f]
         for f in families:
@@ -441,6 +459,8 @@ def parse_args(argv=None):
                     help="reference: the project's reference server instead of SGLang (a CPU dry run of this driver)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="do not serve refused layouts anyway (by default each is served once, from its fallback row's draft)")
+    ap.add_argument("--reread", action="store_true",
+                    help="run nothing: re-derive the parity fields and verdicts of --results from each row's check report")
     ap.add_argument("--sglang-version", default="0.5.14", help="the rules' release when SGLang is not importable here")
     return ap.parse_args(argv)
 
@@ -450,7 +470,8 @@ def main(argv=None) -> int:
     Path(args.results).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DRAFTLAB_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, args.jobs))))
     try:
-        return Families(args).run()
+        families = Families(args)
+        return families.reread() if args.reread else families.run()
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,10 +16,13 @@ from draftlab.dtypes import TORCH_DTYPES
 from draftlab.errors import UserError
 from draftlab.features import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs, expected_tensors, tensor_problems
-from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, can_capture_embedding, default_physical, dropped_ids, family,
+from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, can_capture_embedding, embedding_failure, default_physical, dropped_ids, family,
                                     ids_for_physical)
 
 REEXPORT = "re-run the export stage"
+# How a release fails on the embedding output (draftlab.sglang.layers.embedding_failure).
+EMBEDDING_FAILURE_TEXT = {"crash": "its capture loop crashes with a TypeError",
+                          "alias": "the server runs, but feeds the draft an overwritten tensor in that slot, with no error"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ def check_capture(trained_physical: list[int], served: ServedLayers, redo: str |
         if served_embedding is False:
             out.append(error("embedding_captured", {**ev0, "side": "training features"},
                              f"the draft was trained on physical layer 0, the embedding output; SGLang {sglang_version} cannot "
-                             f"capture it on {arch} (its capture loop crashes with a TypeError; SGLang {since} and later capture it)",
+                             f"capture it on {arch} ({EMBEDDING_FAILURE_TEXT[embedding_failure(arch, sglang_version)]}; SGLang "
+                             f"{since} and later capture it)",
                              f"serve with SGLang >= {since} (export.sglang_version: \"{since}\"), or set capture.layers to decoder "
                              f"layers 0..{L - 2} and re-run extract and everything after it"))
         elif served_embedding:

@@ -9,7 +9,8 @@ the SGLang version:
 
 - llama (Llama, Qwen2/3, Qwen MoE): id k captures physical k+1; with no ids, physical
   [2, L//2, L-3]. The id L-1 (physical L) is silently dropped. The embedding output (physical 0,
-  id -1): see EMBEDDING_CAPTURE_FROM (Llama crashes before 0.5.22; Qwen captures it).
+  id -1): see EMBEDDING_CAPTURE_FROM (Llama crashes before 0.5.22; Qwen2/3 dense feed an overwritten
+  tensor before 0.5.21; the Qwen MoE families capture it).
 - deepseek (DeepSeek-V2/V3, Kimi): before 0.5.13 id k -> k+1; from 0.5.13 on, k+1 only when the
   FIRST id of the list is 1, otherwise the ids are physical indices as-is (so a first id 0 is the
   embedding output, captured from 0.5.14 on).
@@ -54,10 +55,11 @@ EMBEDDING_CAPTURE_FROM = {
     # captures its input (sgl-project/sglang v0.5.22 python/sglang/srt/layers/layer_boundary/stage.py
     # _prepare_attention, capture_before_read; python/sglang/srt/models/llama.py LlamaDecoderLayer.forward).
     "LlamaForCausalLM": (0, 5, 22),
-    # `hidden_states + residual if residual is not None else hidden_states` (sgl-project/sglang v0.5.5..v0.5.20
-    # python/sglang/srt/models/qwen2.py Qwen2Model.forward; Qwen3Model inherits it; v0.5.21+ layer boundaries).
-    "Qwen2ForCausalLM": (0, 5, 5),
-    "Qwen3ForCausalLM": (0, 5, 5),
+    # v0.5.21 captures a copy (layer_boundary/residual/access.py snapshot: `hidden_states.clone()` when the
+    # residual is None); v0.5.5..v0.5.20 keep the embedding tensor itself, which later layers overwrite
+    # (EMBEDDING_ALIASED_FROM).
+    "Qwen2ForCausalLM": (0, 5, 21),
+    "Qwen3ForCausalLM": (0, 5, 21),
     # The communicator captures the residual after prepare_attn, the layer input at layer 0
     # (sgl-project/sglang v0.5.5 python/sglang/srt/layers/communicator.py prepare_attn_and_capture_last_layer_outputs).
     "Qwen2MoeForCausalLM": (0, 5, 5),
@@ -68,10 +70,31 @@ EMBEDDING_CAPTURE_FROM = {
     "DeepseekV3ForCausalLM": (0, 5, 14),
     "KimiK2ForCausalLM": (0, 5, 14),
     "KimiK25ForConditionalGeneration": (0, 5, 14),
-    # Boundary capture with a residual fallback (sgl-project/sglang v0.5.17 python/sglang/srt/models/gpt_oss.py
-    # GptOssModel.forward: `if self.start_layer in self.layers_to_capture`); v0.5.14 adds the residual.
+    # v0.5.21 captures through layer boundaries into an accumulator that copies (layers/aux_hidden_states.py
+    # AuxHiddenStateAccumulator.capture); v0.5.17..v0.5.20 keep the embedding tensor itself (EMBEDDING_ALIASED_FROM);
+    # v0.5.14 adds the residual (TypeError, measured).
+    "GptOssForCausalLM": (0, 5, 21),
+}
+# Releases from these on, up to EMBEDDING_CAPTURE_FROM, do not crash on the embedding output: their capture
+# loop appends `hidden_states + residual if residual is not None else hidden_states`, and before layer 0 that
+# is the embedding tensor itself, not a copy. Layer 0 keeps it as its residual, and every later fused
+# add+RMSNorm adds into that residual in place, so by the time the draft reads the slot it holds the residual
+# stream of the last layer. The server runs and the draft gets a wrong state with no error. Measured on
+# SGLang 0.5.14 (Qwen3ForCausalLM) and 0.5.17 (GptOssForCausalLM): the slot is 11.6x and 13.0x the embedding's
+# relative error and matches no layer (reports/families).
+EMBEDDING_ALIASED_FROM = {
+    "Qwen2ForCausalLM": (0, 5, 5),
+    "Qwen3ForCausalLM": (0, 5, 5),
     "GptOssForCausalLM": (0, 5, 17),
 }
+EMBEDDING_ALIAS_SOURCE = {
+    "Qwen2ForCausalLM": "sgl-project/sglang v0.5.20 python/sglang/srt/models/qwen2.py Qwen2Model.forward",
+    "Qwen3ForCausalLM": "sgl-project/sglang v0.5.20 python/sglang/srt/models/qwen2.py Qwen2Model.forward (Qwen3Model inherits it)",
+    "GptOssForCausalLM": "sgl-project/sglang v0.5.20 python/sglang/srt/models/gpt_oss.py GptOssModel.forward",
+}
+# Each failure measured on a real server (tools/families_h200.py, reports/families).
+EMBEDDING_MEASURED = {("LlamaForCausalLM", "0.5.14"), ("GptOssForCausalLM", "0.5.14"), ("Qwen3ForCausalLM", "0.5.14"),
+                      ("GptOssForCausalLM", "0.5.17")}
 # Where the crash is, for the refusal (the last release read before the architecture's entry above).
 EMBEDDING_CRASH_SOURCE = {
     "llama": "sgl-project/sglang v0.5.21 python/sglang/srt/models/llama.py LlamaModel.forward",
@@ -109,13 +132,29 @@ def can_capture_embedding(architecture: str, sglang_version: str) -> bool:
     return parse_version(sglang_version) >= EMBEDDING_CAPTURE_FROM[architecture]
 
 
+def embedding_failure(architecture: str, sglang_version: str) -> str | None:
+    """How SGLang `sglang_version` fails on the target's embedding output: "crash" (a TypeError on the
+    first forward), "alias" (it runs and feeds an overwritten tensor), or None where it captures it."""
+    if can_capture_embedding(architecture, sglang_version):
+        return None
+    aliased = EMBEDDING_ALIASED_FROM.get(architecture)
+    return "alias" if aliased is not None and parse_version(sglang_version) >= aliased else "crash"
+
+
 def embedding_refusal(architecture: str, sglang_version: str) -> str:
     """Why SGLang `sglang_version` cannot capture the embedding output of the target, and the alternatives."""
     since = _version_text(EMBEDDING_CAPTURE_FROM[architecture])
-    return (f"SGLang {sglang_version} cannot capture the embedding output (physical 0) of a {architecture} target: its capture "
-            f"loop adds the residual stream, which is None before decoder layer 0, and the server crashes with a TypeError "
-            f"({EMBEDDING_CRASH_SOURCE[family(architecture)]}). Capture decoder layer 0's output instead (capture.layers 0 "
-            f"in place of {EMBEDDING}), or serve with SGLang >= {since} (export.sglang_version: \"{since}\")")
+    measured = " measured on a real server;" if (architecture, _version_text(parse_version(sglang_version))) in EMBEDDING_MEASURED else ""
+    if embedding_failure(architecture, sglang_version) == "alias":
+        why = (f"its capture loop keeps the embedding tensor itself before decoder layer 0 (no residual to add, no copy), and "
+               f"the later layers' fused add+RMSNorm overwrite it in place, so the server runs and feeds the draft the last "
+               f"layer's residual stream in that slot, with no error ({measured} {EMBEDDING_ALIAS_SOURCE[architecture]})")
+    else:
+        why = (f"its capture loop adds the residual stream, which is None before decoder layer 0, and the server crashes with "
+               f"a TypeError ({measured} {EMBEDDING_CRASH_SOURCE[family(architecture)]})")
+    return (f"SGLang {sglang_version} cannot capture the embedding output (physical 0) of a {architecture} target: {why}. "
+            f"Capture decoder layer 0's output instead (capture.layers 0 in place of {EMBEDDING}), or serve with SGLang >= "
+            f"{since} (export.sglang_version: \"{since}\")").replace("( ", "(")
 
 
 def physical_from_user_layers(layers: list) -> list[int]:
