@@ -8,6 +8,7 @@ could not load the draft.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from draftlab.cli import run_stage_cli
@@ -17,7 +18,7 @@ from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.checkpoint import export_sglang
-from draftlab.sglang.layers import user_layers_from_physical
+from draftlab.sglang.layers import release_warning, user_layers_from_physical
 from draftlab.train import load_draft
 
 FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked against a real vLLM
@@ -42,6 +43,9 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
     draft = load_draft(ckpt)
     inputs = {"train": train_manifest["config_hash"], "features": features_manifest["config_hash"]}
     manifest = build_manifest("export", as_dict(params), inputs, __file__)
+    release = release_warning(export_params.sglang_version)
+    if release:
+        print(f"warning: {release}", file=sys.stderr)
     config = export_sglang(draft, out, target, physical, export_params.sglang_version, export_params.dtype)
 
     layer_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -54,6 +58,8 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
                 "ttt_steps": train_manifest["params"]["train"]["ttt_steps"]}
     figures = {"eagle_aux_hidden_state_layer_ids": layer_ids, "max_position_embeddings": config["max_position_embeddings"],
                "bytes": manifest["info"]["bytes"]}
+    if release:
+        settings["sglang_version_warning"] = release
     atomic_write_json(report, with_lineage(figures, manifest, settings))
     print(f"export: SGLang EAGLE-3 draft, eagle_aux_hidden_state_layer_ids {layer_ids} "
           f"(physical {physical}, SGLang {export_params.sglang_version}) -> {out}")

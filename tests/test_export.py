@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from draftlab.draft import KVCache
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import ExportedDraft, export_sglang, load_exported, read_exported
+from draftlab.sglang.layers import release_warning
 from tiny_features import K, V, VD, make_draft
 
 TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
@@ -187,6 +188,23 @@ def test_export_stage_writes_the_checkpoint_and_a_report_with_lineage(tmp_path, 
     assert report["settings"]["capture_layers"] == [1, 3, 5] and report["settings"]["physical_layers"] == [2, 4, 6]
     loaded, _ = load_exported(tmp_path / "draft", embed=draft.embed_tokens)
     assert loaded.config == dataclasses.replace(draft.config, max_position_embeddings=TARGET["max_position_embeddings"])
+
+
+def test_a_release_outside_the_ones_read_is_exported_with_a_warning_naming_the_nearest(tmp_path, monkeypatch, capsys):
+    from stages.export import main
+
+    stage_inputs(tmp_path, [2, 4, 6])
+    monkeypatch.chdir(tmp_path)
+    main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    assert "warning" not in capsys.readouterr().err  # 0.5.14: a release whose rules were read
+    assert "sglang_version_warning" not in json.loads((tmp_path / "export.json").read_text())["settings"]
+    (tmp_path / "params.yaml").write_text('export: {sglang_version: "0.5.30", formats: [sglang], dtype: bfloat16}\n')
+    main(tmp_path / "ckpt", tmp_path / "features", tmp_path / "draft", tmp_path / "export.json")
+    err = capsys.readouterr().err
+    assert "0.5.30 is newer than every SGLang release" in err and "the rules of 0.5.23, the nearest" in err
+    assert "0.5.23" in json.loads((tmp_path / "export.json").read_text())["settings"]["sglang_version_warning"]
+    assert release_warning("0.5.4").startswith("export.sglang_version 0.5.4 is older") and "rules of 0.5.5" in release_warning("0.5.4")
+    assert release_warning("0.5.5") is None and release_warning("0.5.23") is None
 
 
 def test_export_stage_takes_the_layers_from_the_feature_shards_not_from_a_manifest(tmp_path, monkeypatch):

@@ -126,6 +126,17 @@ def _version_text(v: tuple[int, ...]) -> str:
     return ".".join(str(p) for p in v)
 
 
+def release_warning(sglang_version: str) -> str | None:
+    """A warning for a release outside VERIFIED_VERSIONS, naming the nearest release whose rules apply; None inside."""
+    v, first, last = parse_version(sglang_version), parse_version(VERIFIED_VERSIONS[0]), parse_version(VERIFIED_VERSIONS[-1])
+    if first <= v <= last:
+        return None
+    nearest = VERIFIED_VERSIONS[0] if v < first else VERIFIED_VERSIONS[-1]
+    return (f"export.sglang_version {sglang_version} is {'older' if v < first else 'newer'} than every SGLang release whose "
+            f"capture and flag rules were read ({VERIFIED_VERSIONS[0]}-{VERIFIED_VERSIONS[-1]}); the rules of {nearest}, the "
+            f"nearest, are applied. Prove the wiring on your server with the check stage's live parity (check.server_url)")
+
+
 def can_capture_embedding(architecture: str, sglang_version: str) -> bool:
     """Whether SGLang `sglang_version` can capture the embedding output (physical 0) of the target."""
     family(architecture)  # an unknown architecture is refused by name
