@@ -1,8 +1,10 @@
 """tools/gpu_8b.py, the parts that need no GPU: the params it runs with and the deadline."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from draftlab.params import load_params
@@ -14,6 +16,7 @@ sys.modules["gpu_8b"] = tool
 spec.loader.exec_module(tool)
 sys.path.insert(0, str(ROOT / "tools"))
 import sglang_run  # noqa: E402
+from support.tools import load_tool  # noqa: E402
 
 
 def test_gpu_params_load_and_point_synthesis_at_the_server(tmp_path):
@@ -37,3 +40,20 @@ def test_a_step_that_would_not_fit_is_skipped_and_recorded(tmp_path):
     assert not run.fits("parity", 500)
     again = tool.Run(tool.parse_args(["--work", str(tmp_path / "w"), "--results", str(tmp_path / "r")]))
     assert "500 s expected" in again.record["steps"]["parity"]["skipped"]  # run.json survives a re-run
+
+
+def test_the_sweep_measures_the_prompts_the_bench_stage_measured(tmp_path):
+    """The advice per concurrency is calibrated on the bench stage's batches and compared with the
+    sweep's: both must be the same eval prompts, since a batch's throughput depends on which of its
+    prompts are still running in its last wave."""
+    from draftlab import bench
+
+    twin_sweep = load_tool("serve_8b_twin")
+    warmup, num_prompts = tool.bench_prompts()
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(num_prompts + 40)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    measured = bench.read_eval_prompts(tmp_path, num_prompts + warmup)[warmup:]  # what the bench stage's batches send
+    bs1, batches = twin_sweep.prompt_windows(rows, warmup, 32, num_prompts)
+    assert batches == measured and len(batches) == num_prompts and bs1 == measured[:32]
+    with pytest.raises(SystemExit, match="prompt-offset"):
+        twin_sweep.prompt_windows(rows[:num_prompts], warmup, 32, num_prompts)

@@ -70,7 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency-configs", default="6-8-32,advised",
                     help="sweep configurations that also get concurrency 4/8/16 ('advised': the advice's pick)")
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
-    ap.add_argument("--concurrency-prompts", type=int, default=64, help="prompts per batch with requests in flight")
+    ap.add_argument("--concurrency-prompts", type=int, default=None,
+                    help="prompts per batch with requests in flight (default: bench.num_prompts, the bench stage's batch)")
     ap.add_argument("--parity-reserve-s", type=float, default=EXPECT_S["parity"] + 30,
                     help="seconds the sweep leaves for parity after it (0: parity runs only if time is left)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
@@ -137,6 +138,13 @@ def run_params(run: Run, base_url: str) -> Path:
     path = run.results / "params-gpu-8b.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
+
+
+def bench_prompts() -> tuple[int, int]:
+    """(bench.warmup, bench.num_prompts) of params.yaml + configs/gpu-8b.yaml: the sweep measures
+    the same eval prompts (tools/serve_8b_twin.py --prompt-offset, --concurrency-prompts)."""
+    bench = {**yaml.safe_load((ROOT / "params.yaml").read_text())["bench"], **yaml.safe_load(CONFIG.read_text()).get("bench", {})}
+    return int(bench["warmup"]), int(bench["num_prompts"])
 
 
 def epoch_lines(train_log: Path) -> list[dict]:
@@ -239,7 +247,8 @@ def main(argv=None) -> int:
                                "--twin", str(twin), "--draft", str(draft), "--baseline-url", srv.url, "--baseline-log", str(base_log),
                                "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
                                "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
-                               "--concurrency-prompts", str(args.concurrency_prompts),
+                               "--concurrency-prompts", str(args.concurrency_prompts or bench_prompts()[1]),
+                               "--prompt-offset", str(bench_prompts()[0]),
                                "--advise-from", str(run.work / "pipeline" / "reports" / "bench.json"),
                                "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),
                                "--port", str(free_port()), "--out", str(run.results / "sweep.json"),

@@ -59,6 +59,19 @@ def parse_config(text: str) -> tuple[int, int, int]:
     return steps, topk, tokens
 
 
+def prompt_windows(rows: list, offset: int, num_prompts: int, concurrency_prompts: int | None) -> tuple[list, list]:
+    """(bs=1 prompts, concurrency prompts): eval rows from `offset` on. With offset = bench.warmup and
+    concurrency_prompts = bench.num_prompts they are the very prompts the bench stage measured, so advice
+    calibrated on the bench stage's batches is compared on the same batches (a batch's throughput depends
+    on its prompts' output lengths: which ones are still running in its last wave)."""
+    n_conc = concurrency_prompts or num_prompts
+    window = rows[offset:offset + max(num_prompts, n_conc)]
+    if len(window) < max(num_prompts, n_conc):
+        raise SystemExit(f"error: --prompts has {len(rows)} rows; --prompt-offset {offset} + {max(num_prompts, n_conc)} prompts "
+                         "needs more")
+    return window[:num_prompts], window[:n_conc]
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text else []
 
@@ -75,6 +88,8 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency-prompts", type=int, default=None,
                     help="prompts per batch with requests in flight (default --num-prompts); more waves of the batch "
                          "are in steady state, fewer are its first prefills and its last stragglers")
+    ap.add_argument("--prompt-offset", type=int, default=0,
+                    help="eval rows to skip first: the bench stage's warm-up prompts (bench.warmup), so the batches are its")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--configs", type=lambda s: [parse_config(c) for c in s.split(",")],
                     default=[(3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8)], help="STEPS-TOPK-DRAFT_TOKENS,...")
@@ -398,7 +413,7 @@ def main(argv=None) -> dict:
         "bandwidth_floor": {"nominal_bandwidth": NOMINAL_BANDWIDTH,
                             "tokens_per_s_at_nominal": bandwidth_floor(model_bytes, NOMINAL_BANDWIDTH),
                             "tokens_per_s_at_measured_copy": bandwidth_floor(model_bytes, bw) if bw else None},
-        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
+        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts, "prompt_offset": args.prompt_offset, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                    "ignore_eos": False, "pairing": "one request at a time, baseline and speculative alternating (ABBA)",
                    "server_args": ["--attention-backend", ATTENTION_BACKEND] + SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static),
                                                  "--max-running-requests", str(args.max_running_requests)],
@@ -408,10 +423,9 @@ def main(argv=None) -> dict:
     save()
 
     tok = AutoTokenizer.from_pretrained(str(twin), local_files_only=True)
-    n_conc = args.concurrency_prompts or args.num_prompts
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][:max(args.num_prompts, n_conc)]
-    all_prompts = render(tok, rows)
-    prompts, conc_prompts = all_prompts[:args.num_prompts], all_prompts[:n_conc]
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts, conc_prompts = (render(tok, r) for r in prompt_windows(rows, args.prompt_offset, args.num_prompts,
+                                                                     args.concurrency_prompts))
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": False}
     extra = SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static)]
     server_flags = SpecFlags(algorithm=None, max_running_requests=args.max_running_requests, attention_backend=ATTENTION_BACKEND)
