@@ -1,0 +1,39 @@
+"""Stage target: pin the target LLM that target.model names (draftlab/target_pin.py).
+
+    python -m stages.target --out models/target-pin.json
+Reads params keys: target.model, target.revision.
+
+A local folder is pinned by the content hash of its model files, a hub id by the commit its
+revision resolves to (offline from the local Hugging Face cache). Every stage that loads the
+target depends on the pin, not on the target's files, so another target is one params edit:
+`dvc exp run -S target.model=org/name` re-makes the pin and re-runs what loads the target.
+
+When the pin is re-made: DVC runs this stage when target.model or target.revision changes (its
+params) or its code does; the stages after it re-run only when the pin's bytes change. The stage
+is deliberately not `always_changed`: that would run it on every `dvc repro` and keep
+`dvc status` from ever being clean ("nothing changed runs nothing" would no longer hold). The
+price: files of a local target edited in place, or a hub branch that moved, are not seen until
+`dvc repro --force target` (then a plain `dvc repro` re-runs what the new pin changes).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftlab.cli import run_stage_cli
+from draftlab.fsutil import atomic_write_json
+from draftlab.params import load_params
+from draftlab.target_pin import pin_target
+
+
+def main(out: Path) -> None:
+    target = load_params(["target"]).target
+    pin, how = pin_target(target.model, target.revision)
+    atomic_write_json(out, pin)
+    what = {"hashed": f"content sha256 {pin.get('content_sha256', '')[:12]} over {len(pin.get('files', {}))} files",
+            "given": f"commit {pin.get('commit')} (as given)", "hub": f"commit {pin.get('commit')} (resolved on the hub)",
+            "cache": f"commit {pin.get('commit')} (resolved from the local Hugging Face cache)"}[how]
+    print(f"target: {target.model} ({pin['kind']}): {what} -> {out}")
+
+
+if __name__ == "__main__":
+    run_stage_cli(main, __doc__, out="models/target-pin.json")
