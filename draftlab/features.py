@@ -33,6 +33,11 @@ counts iff loss_mask[t+2+i].
 from __future__ import annotations
 
 import json
+import os
+import struct
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -247,12 +252,50 @@ class Sequences:
         return min(b - a, self.max_length) if self.max_length else b - a
 
 
+BATCH_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "BOOL": torch.bool}
+READ_THREADS = 4  # rows of a batch read concurrently (preadv releases the GIL; more requests in flight on a cold disk)
+
+
+def shard_layout(path: str | Path) -> dict[str, tuple[int, torch.dtype, tuple[int, ...]]]:
+    """Where each batch field's data sits in a shard file, from its safetensors header:
+    name -> (absolute byte offset of row 0, dtype, shape). Row r of a [T, C] field is the
+    C * itemsize bytes at offset + r * C * itemsize (safetensors: C order, little-endian)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = {}
+    for name in BATCH_FIELDS:
+        info = header[name]
+        out[name] = (8 + n + info["data_offsets"][0], _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+    return out
+
+
+def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous CPU tensor `dst` with the bytes at `offset` of `fd` (one copy, no mmap faults)."""
+    view = memoryview(dst.view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"short read at byte {offset + done} (file truncated?)")
+        done += got
+
+
 class FeatureDataset(Sequences, torch.utils.data.Dataset):
     """Sequences of one split (`data/features/train`), read lazily from the shards.
 
     Item i is a dict: input_ids int64 [n], loss_mask bool [n], aux_hidden [n, k*H],
-    final_hidden [n, H] (stored dtype), truncated to `max_length` tokens. Only the offsets are
-    held in memory; each item reads its slices from the file (memory-mapped by safetensors).
+    final_hidden [n, H] (stored dtype), truncated to `max_length` tokens. Only the offsets (and
+    each shard's header layout) are held in memory; an item reads its slices from the file
+    (memory-mapped by safetensors).
+
+    batch() does not go through items: it reads every row's bytes with one preadv per field
+    straight into its place in a preallocated [B, T, ...] batch (pinned memory when the device
+    is CUDA), zeroes only the padding, and copies the batch to the device once (non-blocking).
+    The same values as collate([self[i] for i in indices], device). prefetch(indices, device)
+    reads the next batch in a background thread while the device works on the current one:
+    at most one batch read ahead (host memory: two batches).
     """
 
     def __init__(self, split_dir: str | Path, max_length: int | None = None):
@@ -274,6 +317,12 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
                 off = f.get_tensor("seq_offsets").tolist()
             self.index += [(s, a, b) for a, b in zip(off[:-1], off[1:]) if b > a]
         self._open: dict[int, object] = {}
+        self._layouts: dict[int, dict] = {}  # shard -> shard_layout, read on first use
+        self._fds: dict[int, int] = {}  # shard -> os file descriptor for batch reads
+        self._pool: ThreadPoolExecutor | None = None  # row reads
+        self._ahead_pool: ThreadPoolExecutor | None = None  # one prefetched batch at a time
+        self._ahead: tuple[tuple, Future] | None = None  # (key, future) of the batch prefetch() started
+        self._lock = threading.Lock()
         self.tokens_served = 0  # real tokens of the batches made so far (the stage's training rate)
 
     def span(self, i: int) -> tuple[int, int]:
@@ -286,16 +335,106 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         if s not in self._open:
             self._open[s] = safe_open(str(self.paths[s]), framework="pt")
         f = self._open[s]
-        return {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+        return {name: f.get_slice(name)[a:b] for name in BATCH_FIELDS}
+
+    # -- batches -------------------------------------------------------------------------------
+
+    def _shard(self, s: int) -> tuple[dict, int]:
+        with self._lock:  # the prefetch thread and the caller may open the same shard
+            if s not in self._layouts:
+                self._layouts[s] = shard_layout(self.paths[s])
+                self._fds[s] = os.open(self.paths[s], os.O_RDONLY)
+            return self._layouts[s], self._fds[s]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="features-read")
+        return self._pool
+
+    def host_batch(self, indices: list[int], pin: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+        """Sequences `indices` padded at the end into CPU tensors in the stored dtypes (states not
+        yet converted to float32), and their real token count."""
+        spans = []
+        for i in indices:
+            s, a, b = self.index[i]
+            spans.append((s, a, min(b, a + self.max_length) if self.max_length else b))
+        layouts = [self._shard(s)[0] for s in {s for s, _, _ in spans}]
+        if sys.byteorder != "little" or any(lay[n][1] != layouts[0][n][1] for lay in layouts for n in BATCH_FIELDS):
+            # mixed state dtypes across shards (the contract allows it): the item path promotes them
+            items = [self[i] for i in indices]
+            return collate(items, "cpu"), sum(len(x["input_ids"]) for x in items)
+        B, T = len(spans), max(b - a for _, a, b in spans)
+        out = {}
+        for name in BATCH_FIELDS:
+            _, dtype, shape = layouts[0][name]
+            out[name] = torch.empty((B, T, *shape[1:]), dtype=dtype, pin_memory=pin)
+
+        def read_row(j):
+            s, a, b = spans[j]
+            layout, fd = self._shard(s)
+            for name in BATCH_FIELDS:
+                offset, dtype, shape = layout[name]
+                row_bytes = out[name][j, 0].numel() * out[name].element_size()
+                _pread_into(fd, out[name][j, : b - a], offset + a * row_bytes)
+                out[name][j, b - a :] = 0  # padding: 0 / False / 0.0, as collate pads
+
+        if B > 1 and READ_THREADS > 1:
+            pool = self._executor()
+            for fut in [pool.submit(read_row, j) for j in range(B)]:
+                fut.result()
+        else:
+            for j in range(B):
+                read_row(j)
+        return out, sum(b - a for _, a, b in spans)
+
+    def prefetch(self, indices: list[int], device) -> None:
+        """Start reading batch `indices` in the background; the next batch(indices, device) takes it."""
+        pin = torch.device(device).type == "cuda"
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="features-ahead")
+        if self._ahead is not None:
+            self._ahead[1].result()  # never more than one batch read ahead
+        self._ahead = ((tuple(indices), pin), self._ahead_pool.submit(self.host_batch, list(indices), pin))
 
     def batch(self, indices: list[int], device) -> dict[str, torch.Tensor]:
         """Sequences `indices` padded into one batch on `device` (the train loop's only reader;
-        draftlab.online.OnlineFeatures computes the same batch with the target instead)."""
-        items = [self[i] for i in indices]
-        self.tokens_served += sum(len(x["input_ids"]) for x in items)
-        return collate(items, device)
+        draftlab.online.OnlineFeatures computes the same batch with the target instead):
+        input_ids int64, loss_mask bool, aux_hidden/final_hidden float32, each [B, T, ...]."""
+        device = torch.device(device)
+        pin = device.type == "cuda"
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (tuple(indices), pin):
+            host, tokens = ahead[1].result()
+        else:
+            if ahead is not None:
+                ahead[1].result()  # a prefetch of other rows: let it finish, then drop it
+            host, tokens = self.host_batch(list(indices), pin)
+        self.tokens_served += tokens
+        out = {name: t.to(device, non_blocking=pin) for name, t in host.items()}
+        for name in ("aux_hidden", "final_hidden"):
+            out[name] = out[name].float()
+        return out
 
-    def __getstate__(self):  # open file handles do not cross process boundaries
+    def close(self) -> None:
+        for pool in (self._ahead_pool, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._ahead_pool = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds, self._layouts, self._ahead = {}, {}, None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __getstate__(self):  # open file handles, threads and locks do not cross process boundaries
         state = dict(self.__dict__)
-        state["_open"] = {}
+        state.update(_open={}, _layouts={}, _fds={}, _pool=None, _ahead_pool=None, _ahead=None, _lock=None)
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

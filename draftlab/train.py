@@ -276,6 +276,8 @@ def fit(
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
             batch = train_ds.batch(batches[b][rank::world], device)
+            if b + 1 < len(batches) and hasattr(train_ds, "prefetch"):  # stored states: read the next batch during this step
+                train_ds.prefetch(batches[b + 1][rank::world], device)
             labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
             counts = step_token_counts(batch["loss_mask"], tp.ttt_steps, world)
             for group in opt.param_groups:
