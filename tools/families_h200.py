@@ -159,6 +159,11 @@ def with_ids(draft: Path, out: Path, ids: list[int]) -> Path:
     return out
 
 
+def physical_of(name):
+    """A parity slot's best match ("physical 4", "final") as the physical index 4, or as it is."""
+    return int(name.split()[1]) if isinstance(name, str) and name.startswith("physical ") else name
+
+
 def probe_outcome(parity: dict | None, error: list[str] | None) -> str:
     """A refused layout served anyway: 'crashed' (the refusal is confirmed), 'fed [...]' (SGLang took
     it: the rule is stricter than the release), or 'no answer'."""
@@ -167,7 +172,7 @@ def probe_outcome(parity: dict | None, error: list[str] | None) -> str:
     slots = (parity or {}).get("slots") or []
     if not slots:
         return "no answer: " + str(((parity or {}).get("error") or {}).get("message", "no slots"))[:200]
-    fed = [int(s["best_match"].split()[1]) if str(s["best_match"]).startswith("physical ") else s["best_match"] for s in slots]
+    fed = [physical_of(s["best_match"]) for s in slots]
     return f"served, fed {fed}"
 
 
@@ -201,10 +206,7 @@ def parity_of(check: dict) -> dict:
     settings, parity = check.get("settings") or {}, check.get("parity") or {}
     slots = parity.get("slots") or []
 
-    def physical(name):
-        return int(name.split()[1]) if isinstance(name, str) and name.startswith("physical ") else name
-
-    fed = [physical(s["best_match"]) for s in slots]
+    fed = [physical_of(s["best_match"]) for s in slots]
     rel = [s["rel_err"] for s in slots]
     best = [s.get("best_rel_err") for s in slots]
     return {"ids_exported": settings.get("eagle_aux_hidden_state_layer_ids"), "predicted_physical": settings.get("sglang_captures"),

@@ -43,15 +43,22 @@ def _err(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def rules_now(row: dict, num_layers: int = NUM_LAYERS) -> str:
-    """What the project's rules say of the row's layout on its release today."""
+def refusal_now(row: dict, num_layers: int = NUM_LAYERS) -> str | None:
+    """Why the project's rules refuse the row's layout on its release today, or None."""
     try:
         physical = rules.physical_from_spec(row["layout"], row["architecture"], num_layers)
         rules.validate_capture(row["architecture"], num_layers, physical, row["sglang_version"])
-    except (UserError, KeyError):
-        failure = rules.embedding_failure(row["architecture"], row["sglang_version"]) if row.get("architecture") else None
-        return {"crash": "refused (crashes)", "alias": "refused (feeds an overwritten state)"}.get(failure, "refused")
-    return "allowed"
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def rules_now(row: dict) -> str:
+    """What the project's rules say of the row's layout on its release today."""
+    if refusal_now(row) is None:
+        return "allowed"
+    failure = rules.embedding_failure(row["architecture"], row["sglang_version"])
+    return {"crash": "refused (crashes)", "alias": "refused (feeds an overwritten state)"}.get(failure, "refused")
 
 
 def rows_in_order(record: dict) -> list[dict]:
@@ -103,11 +110,8 @@ def markdown(record: dict) -> str:
                 said.append("server: " + " / ".join(r["error_lines"]))
             elif r.get("status") == "measured":
                 said.append(f"served: {r.get('verdict')}")
-            try:
-                physical = rules.physical_from_spec(r["layout"], r["architecture"], NUM_LAYERS)
-                rules.validate_capture(r["architecture"], NUM_LAYERS, physical, r["sglang_version"])
-            except UserError as e:
-                said.append(f"rules: {e}")
+            if refusal_now(r):
+                said.append(f"rules: {refusal_now(r)}")
             lines.append(f"- {r['family']} {_list(r.get('layout'))} on SGLang {r.get('sglang_version')}: " + "; ".join(said))
     trained = [r for r in rows_in_order(record) if r.get("fed_physical") is not None]
     if trained:

@@ -243,12 +243,13 @@ def main(argv=None) -> int:
         conc = set(args.concurrency_configs.split(",")) - {"advised"}
         need = len(configs) * EXPECT_S["sweep_config"] + len(conc) * EXPECT_S["sweep_concurrency"]
         if "sweep" not in run.skip and (draft / "config.json").exists() and run.fits("sweep", EXPECT_S["sweep_config"] + 30):
+            warmup, num_prompts = bench_prompts()
             run.call("sweep", [sys.executable, str(ROOT / "tools" / "serve_8b_twin.py"), "--work-dir", str(run.work / "sweep"),
                                "--twin", str(twin), "--draft", str(draft), "--baseline-url", srv.url, "--baseline-log", str(base_log),
                                "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
                                "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
-                               "--concurrency-prompts", str(args.concurrency_prompts or bench_prompts()[1]),
-                               "--prompt-offset", str(bench_prompts()[0]),
+                               "--concurrency-prompts", str(args.concurrency_prompts or num_prompts),
+                               "--prompt-offset", str(warmup),
                                "--advise-from", str(run.work / "pipeline" / "reports" / "bench.json"),
                                "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),
                                "--port", str(free_port()), "--out", str(run.results / "sweep.json"),
