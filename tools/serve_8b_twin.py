@@ -456,7 +456,7 @@ def main(argv=None) -> dict:
             name = config_name(cfg)
             sweep = args.concurrency if (sweep_on == "all" or (sweep_on == "chains" and cfg[1] == 1)
                                          or name in sweep_on.split(",") or (role and role in sweep_on.split(","))) else []
-            need = startup_estimate + 40 + 15 * len(sweep) * max(1.0, n_conc / 32)
+            need = startup_estimate + 40 + 15 * len(sweep) * max(1.0, len(conc_prompts) / 32)
             if args.deadline_s is not None and elapsed() + need > args.deadline_s:
                 results["configs"][name] = {"skipped": f"not started: {need:.0f}s needed, "
                                                       f"{args.deadline_s - elapsed():.0f}s left before the deadline"}
