@@ -85,6 +85,15 @@ def test_concurrency_is_paired_batch_by_batch_in_abba_order(monkeypatch):
     assert out["spec"]["served_tau"] == pytest.approx(2.5)
     assert out["speedup"] == pytest.approx(out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"])
     assert len(out["baseline"]["batches"]) == 2 and out["repeats"] == 2
+    assert out["repeat_speedups"] == pytest.approx([1.0, 1.0]) and out["repeat_spread"] == pytest.approx(0.0)
+
+
+def test_the_repeat_spread_is_the_range_of_the_pairs_speedups():
+    base = [{"tokens_per_s": 100.0}, {"tokens_per_s": 100.0}, {"tokens_per_s": 80.0}]
+    spec = [{"tokens_per_s": 200.0}, {"tokens_per_s": 150.0}, {"tokens_per_s": 200.0}]
+    out = tool.repeat_spread(base, spec)
+    assert out["repeat_speedups"] == pytest.approx([2.0, 1.5, 2.5])
+    assert out["repeat_spread"] == pytest.approx(2.5 / 1.5 - 1)
 
 
 def test_an_existing_baseline_server_is_used_not_started():

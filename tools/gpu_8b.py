@@ -54,8 +54,8 @@ BASELINE_MAX_RUNNING = 48
 # Expected seconds per step on one H200 (the deadline logic skips a step that would not fit).
 # Measured (reports/gpu-8b/run/pipeline.json, 4,800 prompts, online training): the pipeline phase
 # 796 s (bench stage 339 s of it); sweep configurations 70-90 s each, 60 s more for 4/8/16 in
-# flight; parity 172 s.
-EXPECT_S = {"pipeline": 900, "sweep_config": 110, "sweep_concurrency": 60, "parity": 180}
+# flight (2 repeats; ~25 s per further repeat); parity 172 s.
+EXPECT_S = {"pipeline": 900, "sweep_config": 110, "sweep_concurrency": 110, "parity": 180}
 
 
 def parse_args(argv=None):
@@ -72,6 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="seconds from the start for the whole run")
     ap.add_argument("--concurrency-prompts", type=int, default=None,
                     help="prompts per batch with requests in flight (default: bench.num_prompts, the bench stage's batch)")
+    ap.add_argument("--concurrency-repeats", type=int, default=4,
+                    help="counted batches per server at each concurrency in the sweep (two repeats of 64-prompt batches "
+                         "differed by up to 32%% in speedup on one H200: reports/gpu-8b/same-batches)")
     ap.add_argument("--parity-reserve-s", type=float, default=EXPECT_S["parity"] + 30,
                     help="seconds the sweep leaves for parity after it (0: parity runs only if time is left)")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: pipeline, sweep, parity")
@@ -249,6 +252,7 @@ def main(argv=None) -> int:
                                "--prompts", str(run.work / "pipeline" / "data" / "prompts" / "eval.jsonl"),
                                "--configs", args.configs, "--concurrency", "4,8,16", "--concurrency-configs", args.concurrency_configs,
                                "--concurrency-prompts", str(args.concurrency_prompts or num_prompts),
+                               "--concurrency-repeats", str(args.concurrency_repeats),
                                "--prompt-offset", str(warmup),
                                "--advise-from", str(run.work / "pipeline" / "reports" / "bench.json"),
                                "--mem-fraction-static", MEM_FRACTION, "--max-running-requests", str(MAX_RUNNING),

@@ -92,6 +92,33 @@ def level(n: int, base_tokens_per_s: float, spec_tokens_per_s: float, per_reques
     return row
 
 
+def same_batch_predictions(in_flight: dict, scaled: dict, served_tau: dict) -> list[dict]:
+    """Each configuration measured in flight, predicted from every other one's batches (the same
+    prompts and baseline server): the bench stage's per-concurrency model (advice.costs_by_concurrency,
+    the in-process round shape `scaled`) calibrated on configuration x's b_n and served round at n,
+    then asked for y at y's served tau; with and without the verify's batch growth (gemm_s)."""
+    out = []
+    for x, ex in in_flight.items():
+        kx, tau_x = key(ex), served_tau[x]
+        cx = {**scaled, "offline_round_s": advice.round_cost(scaled, *kx, tau_x)["round"]}
+        base_x = [{"concurrency": r["concurrency"], "throughput": r["baseline"]["tokens_per_s"]} for r in ex["concurrency"]]
+        spec_x = [{"concurrency": r["concurrency"], "throughput": r["spec"]["tokens_per_s"]} for r in ex["concurrency"]]
+        per = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2])
+        flat = advice.costs_by_concurrency({k: v for k, v in cx.items() if k != "gemm_s"}, base_x, spec_x, tau_x, kx[2])
+        for y, ey in in_flight.items():
+            if y == x:
+                continue
+            ky = key(ey)
+            for r in ey["concurrency"]:
+                n = r["concurrency"]
+                if n in per and n > 1:
+                    pred = advice.predict(per[n], served_tau[y], *ky)
+                    out.append({"calibrated_on": x, "config": y, "concurrency": n, "measured": r["speedup"],
+                                "predicted_same_batches": pred, "error_same_batches": pred / r["speedup"] - 1.0,
+                                "error_same_batches_no_growth": advice.predict(flat[n], served_tau[y], *ky) / r["speedup"] - 1.0})
+    return out
+
+
 def build(run: Path) -> dict:
     sweep = json.loads((run / "sweep.json").read_text())
     bench = json.loads((run / "bench.json").read_text())
@@ -162,21 +189,11 @@ def build(run: Path) -> dict:
     # same batches (64 prompts, the same baseline server): the shape across configurations alone,
     # with and without the verify's batch growth
     in_flight = {name(key(e)): e for e in sweep["configs"].values() if e.get("concurrency")}
-    for x, ex in in_flight.items():
-        kx, tau_x = key(ex), served_tau[x]
-        cx = {**scaled, "offline_round_s": advice.round_cost(scaled, *kx, tau_x)["round"]}
-        base_x = [{"concurrency": r["concurrency"], "throughput": r["baseline"]["tokens_per_s"]} for r in ex["concurrency"]]
-        spec_x = [{"concurrency": r["concurrency"], "throughput": r["spec"]["tokens_per_s"]} for r in ex["concurrency"]]
-        per = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2])
-        flat = advice.costs_by_concurrency({k: v for k, v in cx.items() if k != "gemm_s"}, base_x, spec_x, tau_x, kx[2])
-        for y in (y for y in in_flight if y != x):
-            for r in concurrency[y]:
-                if r["concurrency"] in per and r["concurrency"] > 1:
-                    ky = key(in_flight[y])
-                    r["calibrated_on"] = x
-                    r["predicted_same_batches"] = advice.predict(per[r["concurrency"]], served_tau[y], *ky)
-                    r["error_same_batches"] = r["predicted_same_batches"] / r["speedup"] - 1.0
-                    r["error_same_batches_no_growth"] = advice.predict(flat[r["concurrency"]], served_tau[y], *ky) / r["speedup"] - 1.0
+    for p in same_batch_predictions(in_flight, scaled, served_tau):
+        for r in concurrency[p["config"]]:
+            if r["concurrency"] == p["concurrency"]:
+                r.update({k: p[k] for k in ("calibrated_on", "predicted_same_batches", "error_same_batches",
+                                            "error_same_batches_no_growth")})
     crossover = {n: max(advice.predict(cn, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"])
                  for n, cn in by_c_costs.items()}
 

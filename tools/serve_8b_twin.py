@@ -94,6 +94,8 @@ def parse_args(argv=None):
     ap.add_argument("--configs", type=lambda s: [parse_config(c) for c in s.split(",")],
                     default=[(3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8)], help="STEPS-TOPK-DRAFT_TOKENS,...")
     ap.add_argument("--concurrency", type=int_list, default=[], help="extra concurrency levels, e.g. 4,8,16")
+    ap.add_argument("--concurrency-repeats", type=int, default=2,
+                    help="counted batches per server at each concurrency (ABBA pairs; each costs about one batch time per server)")
     ap.add_argument("--concurrency-configs", default="chains", help="'chains', 'all' or STEPS-TOPK-TOKENS,...: "
                     "the configurations that get the concurrency sweep")
     ap.add_argument("--mem-fraction-static", type=float, default=0.4, help="per server (two share the GPU)")
@@ -353,7 +355,17 @@ def run_batches_paired(base, spec, prompts, sampling, concurrency: int, repeats:
                      "served_tau": statistics.mean(taus) if taus else None, "batches": batches}
     out["speedup"] = out["spec"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
     out["per_request_speedup"] = out["spec"]["per_request_tokens_per_s"] / out["baseline"]["per_request_tokens_per_s"]
+    out.update(repeat_spread(got["baseline"], got["spec"]))
     return out
+
+
+def repeat_spread(base_batches: list[dict], spec_batches: list[dict]) -> dict:
+    """The speedup of each ABBA pair of batches (same prompts, back to back) and their spread
+    (max / min - 1): how far the measurement itself moves between repeats. A prediction cannot be
+    checked more finely than this; on one H200 two repeats of 64-prompt batches differed by up to
+    32% at 8 and 16 in flight (reports/gpu-8b/same-batches)."""
+    pairs = [s["tokens_per_s"] / b["tokens_per_s"] for b, s in zip(base_batches, spec_batches)]
+    return {"repeat_speedups": pairs, "repeat_spread": max(pairs) / min(pairs) - 1.0 if pairs else None}
 
 
 def warm_up(client, prompts, sampling) -> None:
@@ -413,7 +425,8 @@ def main(argv=None) -> dict:
         "bandwidth_floor": {"nominal_bandwidth": NOMINAL_BANDWIDTH,
                             "tokens_per_s_at_nominal": bandwidth_floor(model_bytes, NOMINAL_BANDWIDTH),
                             "tokens_per_s_at_measured_copy": bandwidth_floor(model_bytes, bw) if bw else None},
-        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts, "prompt_offset": args.prompt_offset, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
+        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts,
+                   "concurrency_repeats": args.concurrency_repeats, "prompt_offset": args.prompt_offset, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                    "ignore_eos": False, "pairing": "one request at a time, baseline and speculative alternating (ABBA)",
                    "server_args": ["--attention-backend", ATTENTION_BACKEND] + SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static),
                                                  "--max-running-requests", str(args.max_running_requests)],
@@ -456,7 +469,7 @@ def main(argv=None) -> dict:
             name = config_name(cfg)
             sweep = args.concurrency if (sweep_on == "all" or (sweep_on == "chains" and cfg[1] == 1)
                                          or name in sweep_on.split(",") or (role and role in sweep_on.split(","))) else []
-            need = startup_estimate + 40 + 15 * len(sweep) * max(1.0, len(conc_prompts) / 32)
+            need = startup_estimate + 40 + 15 * len(sweep) * max(1.0, len(conc_prompts) / 32) * (1 + args.concurrency_repeats) / 3
             if args.deadline_s is not None and elapsed() + need > args.deadline_s:
                 results["configs"][name] = {"skipped": f"not started: {need:.0f}s needed, "
                                                       f"{args.deadline_s - elapsed():.0f}s left before the deadline"}
@@ -487,7 +500,7 @@ def main(argv=None) -> dict:
                     if sweep:
                         entry["concurrency"] = []
                         for c in sweep:
-                            point = run_batches_paired(base, spec, conc_prompts, sampling, c)
+                            point = run_batches_paired(base, spec, conc_prompts, sampling, c, args.concurrency_repeats)
                             entry["concurrency"].append(point)
                             print(f"[{elapsed():.0f}s] {name} c={c}: baseline {point['baseline']['tokens_per_s']:.0f} tok/s, spec "
                                   f"{point['spec']['tokens_per_s']:.0f} tok/s, speedup {point['speedup']:.2f} "
