@@ -54,6 +54,7 @@ from typing import Callable, Iterable
 import torch
 from transformers import DynamicCache
 
+from draftlab.attention import use_shared_kv
 from draftlab.draft import KVCache
 from draftlab.errors import UserError
 from draftlab.extract import AuxCapture
@@ -145,6 +146,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
     check_flags(num_steps, topk, num_draft_tokens)
     t_start = time.perf_counter()
     device = target.device
+    use_shared_kv(target)  # the verify's masked attention without copies of the cache (the same logits)
     greedy = temperature < GREEDY_BELOW
     stops = set() if ignore_eos else _ids(eos_token_id)
     out: list[int] = []
@@ -233,6 +235,7 @@ def baseline_generate(target, prompt_ids, max_new_tokens: int, temperature: floa
     """
     t_start = time.perf_counter()
     device = target.device
+    use_shared_kv(target)  # as generate's target: both decode with the same attention code
     greedy = temperature < GREEDY_BELOW
     stops = set() if ignore_eos else _ids(eos_token_id)
     out: list[int] = []
