@@ -281,9 +281,12 @@ def plots(r: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def pct(v) -> str:
+    """A relative error as the tables print it (+1.2%), or '-' where there is none."""
+    return "-" if v is None else f"{100 * v:+.1f}%"
+
+
 def tables(r: dict) -> str:
-    def pct(v):
-        return "-" if v is None else f"{100 * v:+.1f}%"
     lines = ["| config | source | served tau | predicted tau (offline / train) | baseline tok/s | EAGLE3 tok/s | speedup | "
              "advice: scaled (at served tau) | advice: served fit (held out) | served round |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -119,8 +119,7 @@ def plots(r: dict, out: Path) -> None:
 
 
 def tables(r: dict) -> str:
-    def pct(v):
-        return "-" if v is None else f"{100 * v:+.1f}%"
+    pct = report.pct
     lines = ["| config | in flight | speedup (pooled) | each repeat | repeat spread |", "|---|---|---|---|---|"]
     for cfg, rows in r["configs"].items():
         for row in rows:
