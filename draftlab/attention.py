@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "sdpa_shared_kv"  # the attention implementation name registered with transformers
 
 
 def sdpa_shared_kv(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     plain = all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux")) and not kwargs.get("output_attentions")
     if groups > 1 and attention_mask is not None and plain and query.device.type == "cpu":

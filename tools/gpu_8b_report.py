@@ -61,6 +61,13 @@ def costs_in_seconds(costs_ms: dict) -> dict:
     return out
 
 
+def scaled_costs(bench: dict) -> dict:
+    """The bench stage's in-process costs (seconds), scaled to the served round of the configuration it
+    ran (advice.round_scale): its model for a server that is not the reference engine."""
+    costs = costs_in_seconds(bench["costs"])
+    return {**costs, "round_scale": (bench_point(bench)["round_ms"] / 1e3) / costs["offline_round_s"]}
+
+
 def bench_point(bench: dict) -> dict:
     """The bench stage's configuration as a pooled, paired bs=1 point with its served round."""
     base, spec = bench["baseline"]["tokens_per_s"], bench["spec"]
@@ -134,9 +141,8 @@ def build(run: Path) -> dict:
     train_tau = {f"{n}-1-{n + 1}": v for n, v in ((int(k.split("_")[1]), v) for k, v in train["tau_by_steps"].items())}
 
     # the bench stage's model, as run and scaled to the served round of its configuration
-    costs = costs_in_seconds(bench["costs"])
     ran = bench_point(bench)
-    scaled = {**costs, "round_scale": (ran["round_ms"] / 1e3) / costs["offline_round_s"]}
+    scaled = scaled_costs(bench)
     scaled_rows = {name(key(c)): advice.predict(scaled, c["predicted_tau"], *key(c)) for c in bench["advice"]["candidates"]}
     bench_now = advice.recommend([{**c, "predicted_speedup": scaled_rows[name(key(c))]} for c in bench["advice"]["candidates"]])
     # the served-round fit: as the sweep ran it (its pick), and by the advice as it is now, after the

@@ -21,7 +21,6 @@ Three readings per configuration and concurrency:
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -39,16 +38,17 @@ import gpu_8b_report as report  # noqa: E402
 import serve_8b_twin  # noqa: E402
 from draftlab.sglang.launch import read_log  # noqa: E402
 
-LEVELS = (1, 4, 8, 16)
+LEVELS = (1, 4, 8, 16)  # requests in flight measured (1: the bs=1 pairs)
+LOG_LEVELS = (4, 8, 16)  # running requests whose log lines give a round (see log_rounds)
 
 
 def log_rounds(path: Path) -> dict:
     """SGLang's own ms per decode round at exactly n running requests (median over its Decode lines).
     A line's throughput spans the last 40 decode steps, so lines at n = 1 between paired requests also
-    count the idle time while the other server ran: read n >= 4."""
+    count the idle time while the other server ran: only n in LOG_LEVELS are read."""
     by: dict[int, list[float]] = {}
     for d in read_log(path).decode:
-        if d.gen_throughput and d.running_req in LEVELS:
+        if d.gen_throughput and d.running_req in LOG_LEVELS:
             by.setdefault(d.running_req, []).append(1e3 * d.running_req * (d.accept_len or 1.0) / d.gen_throughput)
     return {str(n): {"median_ms": statistics.median(v), "lines": len(v)} for n, v in sorted(by.items())}
 
@@ -56,9 +56,7 @@ def log_rounds(path: Path) -> dict:
 def build(run: Path, bench_path: Path) -> dict:
     sweep = json.loads((run / "sweep.json").read_text())
     bench = json.loads(bench_path.read_text())
-    costs = report.costs_in_seconds(bench["costs"])
-    ran = report.bench_point(bench)
-    scaled = {**costs, "round_scale": (ran["round_ms"] / 1e3) / costs["offline_round_s"]}
+    scaled = report.scaled_costs(bench)
     in_flight = {report.name(report.key(e)): e for e in sweep["configs"].values() if e.get("concurrency")}
     served_tau = {k: e["served_tau"] for k, e in in_flight.items()}
     configs = {}
@@ -102,7 +100,7 @@ def plots(r: dict, out: Path) -> None:
     a1.set_ylabel("throughput speedup (dots: each ABBA repeat)")
     a1.axhline(1.0, color="grey", lw=0.8, ls="--")
     for i, (server, rounds) in enumerate(r["sglang_rounds_ms"].items()):
-        pts = [(int(n), v["median_ms"]) for n, v in rounds.items() if int(n) >= 4]
+        pts = [(int(n), v["median_ms"]) for n, v in rounds.items()]
         if pts:
             a2.plot(*zip(*pts), marker="s", color="k" if server == "baseline" else f"C{i - 1}",
                     label="baseline step" if server == "baseline" else f"{server.removeprefix('spec-')} round")
@@ -134,7 +132,7 @@ def tables(r: dict) -> str:
                      f"{100 * p['repeat_spread']:.0f}% |")
     servers = list(r["sglang_rounds_ms"])
     lines += ["", "| requests running | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers)]
-    for n in ("4", "8", "16"):
+    for n in map(str, LOG_LEVELS):
         cells = [f"{v[n]['median_ms']:.1f} ms ({v[n]['lines']})" if n in v else "-" for v in r["sglang_rounds_ms"].values()]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
