@@ -133,3 +133,34 @@ def test_the_advice_pick_is_measured_after_the_first_configurations_not_after_al
     assert tool.split_for_advice(configs, configs, None) == (configs, [])  # no bench.json: the plain sweep
     args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--advise-from", "b.json", "--advise-after", "2"])
     assert args.advise_from == "b.json" and args.advise_after == 2
+
+
+def test_the_prefill_graph_switch_keeps_every_other_server_flag():
+    off, on = tool.server_args(False), tool.server_args(True)
+    assert tool.NO_PREFILL_GRAPH in off and tool.NO_PREFILL_GRAPH not in on
+    assert [a for a in off if a != tool.NO_PREFILL_GRAPH] == on
+    args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r"])
+    assert args.prefill_cuda_graph == "off" and not args.prefill_probe  # the sweep gpu_8b.py runs is unchanged
+    args = tool.parse_args(["--work-dir", "w", "--prompts", "p", "--out", "r", "--prefill-cuda-graph", "on", "--prefill-probe"])
+    assert args.prefill_cuda_graph == "on" and args.prefill_probe
+
+
+def test_a_batch_keeps_each_request_and_the_probe_asks_for_one_token(monkeypatch):
+    asked = []
+
+    class Counting(FakeClient):
+        def generate(self, ids, sampling):
+            asked.append(sampling["max_new_tokens"])
+            return "", GenerateMeta(completion_tokens=ids[0], spec_verify_ct=ids[0] // 2)
+
+    clock = iter(range(0, 100000, 2))  # each perf_counter call advances two seconds
+    monkeypatch.setattr(tool.time, "perf_counter", lambda: next(clock))
+    batch = tool.run_batch(Counting("s", 0, 0, []), [[10], [20], [30]], {"max_new_tokens": 128}, concurrency=1)
+    assert [row[0] for row in batch["request_rows"]] == [10, 20, 30]  # in prompt order: tokens, seconds, rounds
+    assert [row[2] for row in batch["request_rows"]] == [5, 10, 15]
+    assert all(row[1] > 0 for row in batch["request_rows"])
+    asked.clear()
+    probe = tool.prefill_probe(Counting("b", 0, 0, []), [[1], [2]], {"max_new_tokens": 128}, [1, 4], repeats=2)
+    assert set(probe) == {"1", "4"} and set(asked) == {1}
+    assert len(asked) == 2 * 2 * (1 + 2)  # per level: one uncounted batch, then two counted, of two prompts each
+    assert probe["1"]["ms_per_request"] == pytest.approx(sum(probe["1"]["repeats_ms"]) / 2)

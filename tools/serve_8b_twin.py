@@ -37,6 +37,16 @@ sys.path.append(str(ROOT))  # a checkout's draftlab, unless one is importable al
 
 ATTENTION_BACKEND = "triton"  # launch_argv passes it as --attention-backend (from SpecFlags)
 SERVER_ARGS = ["--sampling-backend", "pytorch", "--grammar-backend", "none", "--disable-piecewise-cuda-graph"]
+# SGLang's default is a prefill CUDA graph (piecewise, captured over a range of token counts): a
+# prefill then costs a few graph replays rather than hundreds of eager kernel launches. Off, start-up
+# is shorter, and every new request's prefill stalls the decode batch longer (about 25-35 ms per
+# request for the 8B-cost twin, measured in reports/gpu-8b/same-batches).
+NO_PREFILL_GRAPH = "--disable-piecewise-cuda-graph"
+
+
+def server_args(prefill_graph: bool) -> list[str]:
+    """The servers' common flags, with SGLang's prefill CUDA graph on (its default) or off."""
+    return [a for a in SERVER_ARGS if not (prefill_graph and a == NO_PREFILL_GRAPH)]
 NOMINAL_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (NVIDIA's figure)
 
 
@@ -98,6 +108,11 @@ def parse_args(argv=None):
                     help="counted batches per server at each concurrency (ABBA pairs; each costs about one batch time per server)")
     ap.add_argument("--concurrency-configs", default="chains", help="'chains', 'all' or STEPS-TOPK-TOKENS,...: "
                     "the configurations that get the concurrency sweep")
+    ap.add_argument("--prefill-cuda-graph", choices=("on", "off"), default="off",
+                    help="on: SGLang's default prefill CUDA graph; off: eager prefill, a shorter start-up (default)")
+    ap.add_argument("--prefill-probe", action="store_true",
+                    help="also time prompt-only requests (max_new_tokens 1) at every concurrency on each server: what a "
+                         "request costs the server besides its decode rounds")
     ap.add_argument("--mem-fraction-static", type=float, default=0.4, help="per server (two share the GPU)")
     ap.add_argument("--max-running-requests", type=int, default=16, help="both servers (also caps CUDA-graph batch sizes)")
     ap.add_argument("--port", type=int, default=31000, help="baseline port; the speculative server uses port + 1 (<= 55535)")
@@ -331,7 +346,24 @@ def run_batch(client, prompts, sampling, concurrency: int) -> dict:
     verify = sum(m.spec_verify_ct or 0 for m in metas)
     return {"concurrency": concurrency, "requests": len(metas), "completion_tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "served_tau": tokens / verify if verify else None,
-            "request_tokens_per_s": [m.completion_tokens / sec for m, sec in done if sec > 0]}
+            "request_tokens_per_s": [m.completion_tokens / sec for m, sec in done if sec > 0],
+            # per request, in prompt order: completion tokens, seconds, verify rounds (0 without speculation)
+            "request_rows": [[m.completion_tokens, round(sec, 5), m.spec_verify_ct or 0] for m, sec in done]}
+
+
+def prefill_probe(client, prompts, sampling, levels: list[int], repeats: int = 2) -> dict:
+    """{n: ms per request} of prompt-only requests (max_new_tokens 1) with n in flight, after one
+    uncounted batch: the server's time per request when it does nothing but admit requests (HTTP,
+    tokenizing, scheduling, the prefill; on a speculative server the draft's prefill too). At n in
+    flight the decode batch stalls for this while every new request is admitted."""
+    one = {**sampling, "max_new_tokens": 1}
+    out = {}
+    for n in levels:
+        run_batch(client, prompts, one, n)
+        batches = [run_batch(client, prompts, one, n) for _ in range(repeats)]
+        out[str(n)] = {"ms_per_request": 1e3 * sum(b["seconds"] for b in batches) / sum(b["requests"] for b in batches),
+                       "repeats_ms": [1e3 * b["seconds"] / b["requests"] for b in batches]}
+    return out
 
 
 def run_batches_paired(base, spec, prompts, sampling, concurrency: int, repeats: int = 2) -> dict:
@@ -425,10 +457,10 @@ def main(argv=None) -> dict:
         "bandwidth_floor": {"nominal_bandwidth": NOMINAL_BANDWIDTH,
                             "tokens_per_s_at_nominal": bandwidth_floor(model_bytes, NOMINAL_BANDWIDTH),
                             "tokens_per_s_at_measured_copy": bandwidth_floor(model_bytes, bw) if bw else None},
-        "method": {"num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts,
+        "method": {"prefill_cuda_graph": args.prefill_cuda_graph, "num_prompts": args.num_prompts, "concurrency_prompts": args.concurrency_prompts or args.num_prompts,
                    "concurrency_repeats": args.concurrency_repeats, "prompt_offset": args.prompt_offset, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                    "ignore_eos": False, "pairing": "one request at a time, baseline and speculative alternating (ABBA)",
-                   "server_args": ["--attention-backend", ATTENTION_BACKEND] + SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static),
+                   "server_args": ["--attention-backend", ATTENTION_BACKEND] + server_args(args.prefill_cuda_graph == "on") + ["--mem-fraction-static", str(args.mem_fraction_static),
                                                  "--max-running-requests", str(args.max_running_requests)],
                    "prompts": Path(args.prompts).name},
     })
@@ -440,7 +472,8 @@ def main(argv=None) -> dict:
     prompts, conc_prompts = (render(tok, r) for r in prompt_windows(rows, args.prompt_offset, args.num_prompts,
                                                                      args.concurrency_prompts))
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": False}
-    extra = SERVER_ARGS + ["--mem-fraction-static", str(args.mem_fraction_static)]
+    extra = server_args(args.prefill_cuda_graph == "on") + ["--mem-fraction-static", str(args.mem_fraction_static)]
+    probe_levels = [1] + [c for c in args.concurrency if c > 1]
     server_flags = SpecFlags(algorithm=None, max_running_requests=args.max_running_requests, attention_backend=ATTENTION_BACKEND)
     logs = Path(args.work_dir) / "logs"
     sweep_on = args.concurrency_configs
@@ -461,6 +494,11 @@ def main(argv=None) -> dict:
         results["baseline_url_given"] = bool(args.baseline_url)
         print(f"[{elapsed():.0f}s] baseline up in {results['baseline_startup_s']:.0f}s", flush=True)
         warm_up(base, prompts, sampling)
+        if args.prefill_probe and "baseline_prefill_probe" not in results:
+            results["baseline_prefill_probe"] = prefill_probe(base, conc_prompts, sampling, probe_levels)
+            print(f"[{elapsed():.0f}s] baseline prefill probe (ms per request by concurrency): "
+                  f"{ {n: round(v['ms_per_request'], 1) for n, v in results['baseline_prefill_probe'].items()} }", flush=True)
+            save()
         startup_estimate = results.get("max_spec_startup_s", 150.0)
 
         def measure(cfg, role: str = "") -> None:
@@ -497,6 +535,8 @@ def main(argv=None) -> dict:
                           f"speedup {entry['speedup']:.2f}, identical {entry['greedy_identical']:.0%}", flush=True)
                     results["configs"][name] = entry
                     save()
+                    if args.prefill_probe:
+                        entry["prefill_probe"] = prefill_probe(spec, conc_prompts, sampling, probe_levels)
                     if sweep:
                         entry["concurrency"] = []
                         for c in sweep:
