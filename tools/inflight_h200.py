@@ -101,7 +101,19 @@ def main(argv=None) -> int:
             "--prefill-probe", "--mem-fraction-static", "0.4", "--max-running-requests", "16",
             "--deadline-s", str(max(0.0, args.deadline_s - (time.monotonic() - t0)))]
     try:
-        serve_8b_twin.main(argv)
+        try:
+            serve_8b_twin.main(argv)
+        except Exception as e:  # noqa: BLE001  (a failed start with the graph on must not lose the run)
+            done = json.loads((results / "sweep.json").read_text()) if (results / "sweep.json").exists() else {}
+            if args.prefill_cuda_graph == "off" or any("speedup" in c for c in done.get("configs", {}).values()):
+                raise
+            print(f"the run with the prefill CUDA graph on failed before any measurement ({type(e).__name__}: {e}); "
+                  "again with it off", flush=True)
+            (work / "sweep.json").unlink(missing_ok=True)
+            (results / "sweep.json").unlink(missing_ok=True)
+            argv[argv.index("--prefill-cuda-graph") + 1] = "off"
+            argv[argv.index("--deadline-s") + 1] = str(max(0.0, args.deadline_s - (time.monotonic() - t0)))
+            serve_8b_twin.main(argv)
     finally:
         logs = work / "logs"
         decode_lines(logs / "baseline.log", results / "decode-baseline.log")
