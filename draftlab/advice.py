@@ -8,7 +8,9 @@ predicted tau and speedup of chains and trees, with "don't speculate" when none 
 The cost model counts the round as the engine runs it (spec_engine.generate). For a configuration
 of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tokens (seconds):
 
-    round(s, k, w, tau) = D0 + (s - 1) * d_k      drafting (draft_chain / draft_tree): the head on the
+    round(s, k, w, tau) = DV(s, k, w)              drafting and verify, timed whole per configuration
+                                                   (draft_verify_s); where a configuration was not timed:
+                          D0 + (s - 1) * d_k       drafting (draft_chain / draft_tree): the head on the
                                                    root, then s - 1 draft forwards of the k-wide frontier
                         + V0 + V1 * w              verify: one target forward over the w draft tokens,
                                                    the acceptance walk, the KV rollback
@@ -32,6 +34,13 @@ requests, `served_round`) / the offline run's round of it (`round_scale`).
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
+
+DV is timed as a round runs it, the draft's forwards and the target's verify one after the other
+over a cache of a prompt plus half an answer (`measure_costs`): the sum of the parts timed apart
+missed how a round's cost grows with depth (the verify's cost is a step function of its width on a
+CPU, 3.4 ms at 2-3 tokens, 4.0 at 4-6, 4.7 at 7-9 for the default target, which a line through noisy
+timings flattened). The parts below stay: they show where a round's time goes, and they predict a
+configuration that was not timed.
 
 The terms are fitted, not read off one timing each (`fit_costs`): a timing of one configuration on
 a shared CPU moves by more than the difference between neighbouring configurations, so
@@ -210,7 +219,9 @@ def round_cost(costs: dict, num_steps: int, topk: int, num_draft_tokens: int, ta
     verify = fit[f"{kind}_fixed"] + fit[f"{kind}_per_token"] * num_draft_tokens
     extend = fit["extend_fixed"] + fit["extend_per_row"] * tau
     parts = {"draft": drafting, "verify": verify, "extend": extend, "loop": costs.get("loop_s", 0.0)}
-    parts["round"] = sum(parts.values())
+    whole = (costs.get("draft_verify_s") or {}).get(f"{num_steps}-{topk}-{num_draft_tokens}")
+    parts["draft_verify"] = float(whole) if whole is not None else drafting + verify
+    parts["round"] = parts["draft_verify"] + extend + parts["loop"]
     return parts
 
 
@@ -585,10 +596,21 @@ def _timed(fn, device):
 
 
 @torch.inference_mode()
-def measure_costs(target, draft, prompt: list[int], physical: list[int], configs=None, repeats: int = 15) -> dict:
+def measure_costs(target, draft, prompt: list[int], physical: list[int], configs=None, repeats: int = 15,
+                  prompt_len: int | None = None) -> dict:
     """The raw timings of the round model's terms (seconds), on `prompt`, by the engine's own functions:
     baseline_step_s, prefill_s, draft_prefill_s, draft_s {"num_steps-topk": s}, verify_s and
-    tree_verify_s {width: s}, extend_s {rows: s}. `fit_costs` turns them into the model's terms.
+    tree_verify_s {width: s}, extend_s {rows: s}, and draft_verify_s {"num_steps-topk-num_draft_tokens": s}:
+    the drafting, verify, acceptance and KV keep of one round of each configuration, timed whole.
+    `fit_costs` turns the parts into the model's lines; `round_cost` takes a configuration's whole
+    timing where there is one.
+
+    `prompt` is the state the rounds are timed in: give a prompt plus about half an answer (the
+    bench passes its offline run's first output cut there), and prompt_len, the prompt's own length
+    (the prefills are timed over it). Rounds run over a cache that grows
+    from the prompt to the prompt plus the answer, and every draft step and verify attends over
+    it: timed over the prompt alone, the deeper chains' rounds came out short of the offline run's by
+    about 4% of a baseline decode step per draft step (2-core CPU, the default target and draft).
 
     Each timing is the median of `repeats`, the terms interleaved (`_interleaved_medians`); a term is
     timed from the state the engine would be in (the prompt prefilled in the target's and the
@@ -598,20 +620,26 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
     """
     configs = configs or CHAINS + TREES
     device = target.device
-    ids = torch.tensor([prompt], device=device)
+    prompt_len = prompt_len or len(prompt)
     n = len(prompt)
     spec_engine.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
 
     with AuxCapture(target, physical) as aux, spec_engine.attention_kernels(device):
-        cache = spec_engine.new_cache(target)
-        t0 = time.perf_counter()
-        x = int(spec_engine.target_forward(target, ids, cache, logits_to_keep=1)[0, -1].argmax())
-        prefill = time.perf_counter() - t0
-        dcache = KVCache()
-        t0 = time.perf_counter()
-        root = draft.step(torch.cat([ids[:, 1:], torch.tensor([[x]], device=device)], 1), draft.project(aux.take()),
-                          torch.arange(n, device=device)[None], dcache)[:, -1:]
-        draft_prefill = time.perf_counter() - t0
+        def prefilled(tokens):  # (ids, target cache, first token, draft cache, root state, seconds, draft seconds)
+            ids = torch.tensor([tokens], device=device)
+            cache = spec_engine.new_cache(target)
+            t0 = time.perf_counter()
+            x = int(spec_engine.target_forward(target, ids, cache, logits_to_keep=1)[0, -1].argmax())
+            prefill = time.perf_counter() - t0
+            dcache = KVCache()
+            t0 = time.perf_counter()
+            root = draft.step(torch.cat([ids[:, 1:], torch.tensor([[x]], device=device)], 1), draft.project(aux.take()),
+                              torch.arange(len(tokens), device=device)[None], dcache)[:, -1:]
+            spec_engine._sync(device)
+            return ids, cache, x, dcache, root, prefill, time.perf_counter() - t0
+
+        *_, prefill, draft_prefill = prefilled(prompt[:prompt_len])  # a request's prefills: the prompt alone
+        ids, cache, x, dcache, root, *_ = prefilled(prompt)  # the state the rounds are timed in
         d0 = len(dcache)
 
         def decode_step():  # the baseline's step (baseline_generate's body), timed among the rest
@@ -656,6 +684,25 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
 
         for r in range(1, max(chain_widths) + 1):
             timers[("extend", r)] = extend(r)
+
+        def whole(s, k, ndt):  # drafting, verify, acceptance and the KV keep of one round, as generate runs them
+            def run():
+                t0 = time.perf_counter()
+                if k == 1:
+                    tree = spec_engine.draft_chain(draft, dcache, root, x, n, s)
+                else:
+                    tree = spec_engine.draft_tree(draft, dcache, root, x, n, s, k, ndt)
+                logits = spec_engine.verify_tree(target, cache, tree, n)
+                path, _ = spec_engine.accept_path(tree, logits, True, 0.0, -1, 1.0, None)
+                spec_engine.keep_kv(cache, n, path)
+                spec_engine._sync(device)
+                took = time.perf_counter() - t0
+                _rollback(cache, n)
+                return took
+            return run
+
+        for s, k, ndt in configs:
+            timers[("draft_verify", f"{s}-{k}-{ndt}")] = whole(s, k, ndt)
         med = _interleaved_medians(timers, repeats)
     baseline_step = med.pop(("decode", 1))
 
@@ -663,7 +710,8 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
         return {key: t for (name, key), t in med.items() if name == term}
 
     return {"baseline_step_s": baseline_step, "prefill_s": prefill, "draft_prefill_s": draft_prefill,
-            "draft_s": by("draft"), "verify_s": by("verify"), "tree_verify_s": by("tree_verify"), "extend_s": by("extend")}
+            "draft_s": by("draft"), "verify_s": by("verify"), "tree_verify_s": by("tree_verify"), "extend_s": by("extend"),
+            "draft_verify_s": by("draft_verify")}
 
 
 @torch.inference_mode()

@@ -229,7 +229,11 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     # A sliding-window target (gpt-oss) verifies chains only in-process (spec_engine.verify_tree)
     trees = [] if spec_engine._sliding(target) else advice.TREES
     configs = advice.CHAINS + trees + ([ran] if ran not in advice.CHAINS + trees else [])
-    costs = advice.measure_costs(target, draft, plan.prompt_ids[warmup], physical, configs)
+    # Rounds are timed over a cache of the first prompt plus half a typical answer (its own offline
+    # output cut there): a round's draft steps and verify attend over the whole cache.
+    first = plan.prompt_ids[warmup]
+    context = offline["outputs"][0][:len(first) + int(offline["tokens_per_request"] / 2)]
+    costs = advice.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
     costs["trees"] = bool(trees)
     batches = [n for n in plan.bench_params.concurrency if n > 1]
     if batches:  # the target's matmuls over n * w tokens: how a verify grows with requests in flight (advice.batch_growth)

@@ -215,12 +215,28 @@ def test_the_prediction_by_hand_for_a_chain():
     row = out["candidates"][0]
     assert row["predicted_tau"] == pytest.approx(2.2)
     assert advice.round_cost(HAND, 2, 1, 3, 2.2) == pytest.approx(
-        {"draft": 3.0, "verify": 11.0, "extend": 1.12, "loop": 0.5, "round": 15.62})
+        {"draft": 3.0, "verify": 11.0, "draft_verify": 14.0, "extend": 1.12, "loop": 0.5, "round": 15.62})
     assert row["predicted_speedup"] == pytest.approx(2.2 * 10 / 15.62)  # 1.4085
     # per request of T = 100 tokens, prefill 20, the draft's prefill 4: (20 + 1000) / (24 + 100 / 2.2 * 15.62)
     per_request = {**HAND, "tokens_per_request": 100, "prefill_s": 20.0, "draft_prefill_s": 4.0}
     assert advice.predict(per_request, 2.2, 2, 1, 3) == pytest.approx(1020 / 734.0)
     assert out["recommendation"] == "num_steps=2 topk=1 num_draft_tokens=3" and out["speculate"]
+
+
+def test_a_configuration_timed_whole_is_predicted_from_that_timing_not_the_sum_of_its_parts():
+    """The draft and verify of a round timed one after the other (draft_verify_s) replace the lines
+    through the parts for that configuration; an untimed one still gets the lines."""
+    timed = {**HAND, "draft_verify_s": {"2-1-3": 12.5, "5-1-6": 30.0}}
+    # 2-1-3: 12.5 + extend 0.9 + 0.1 * 2.2 + loop 0.5 (the parts' lines said 3 + 11 = 14)
+    assert advice.round_cost(timed, 2, 1, 3, 2.2)["round"] == pytest.approx(14.12)
+    assert advice.predict(timed, 2.2, 2, 1, 3) == pytest.approx(2.2 * 10 / 14.12)
+    # a round that costs more for its depth than the lines say ranks below a shallower one
+    deep = advice.advise([0.95] * 5, timed, [(2, 1, 3), (5, 1, 6)])
+    assert deep["recommendation"] == "num_steps=2 topk=1 num_draft_tokens=3"
+    lines = advice.advise([0.95] * 5, HAND, [(2, 1, 3), (5, 1, 6)])
+    assert lines["recommendation"] == "num_steps=5 topk=1 num_draft_tokens=6"
+    # not timed whole: the parts' lines
+    assert advice.round_cost(timed, 3, 1, 4, 2.5) == advice.round_cost(HAND, 3, 1, 4, 2.5)
 
 
 def test_the_prediction_by_hand_for_a_tree():
@@ -434,3 +450,32 @@ def test_the_targets_matmuls_are_timed_per_token_count():
     out = advice.measure_gemm_s(target, [1, 64, 2048], repeats=3)
     assert set(out) == {1, 64, 2048} and all(t > 0 for t in out.values())
     assert out[2048] > out[1]  # 2048 rows of three matmuls cost more than one row on any device
+
+
+def test_measure_costs_times_every_configuration_whole_over_a_mid_answer_cache():
+    """On a micro target and an untrained draft: one whole timing of drafting + verify per
+    configuration asked for, and the advice's round for it is that timing plus extend and loop."""
+    import torch
+
+    from draftlab import spec_engine
+    from draftlab.draft import DraftConfig, Eagle3Draft
+    from tests.support.micro import make_micro_model
+
+    target = make_micro_model("llama", num_layers=4, seed=11)
+    c = target.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                      rms_norm_eps=1e-6, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+                      target_hidden_size=c.hidden_size, num_aux_layers=3, max_position_embeddings=c.max_position_embeddings,
+                      rope_theta=10000.0)
+    torch.manual_seed(3)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight).eval()
+    prompt = [5, 9, 200, 3, 77, 12]
+    context = prompt + spec_engine.baseline_generate(target, prompt, 10, ignore_eos=True).output_ids
+    configs = [(1, 1, 2), (3, 1, 4), (2, 2, 4)]
+    costs = advice.measure_costs(target, draft, context, [1, 2, 3], configs, repeats=2, prompt_len=len(prompt))
+    assert set(costs["draft_verify_s"]) == {"1-1-2", "3-1-4", "2-2-4"}
+    assert all(t > 0 for t in costs["draft_verify_s"].values())
+    costs["loop_s"] = 0.0
+    parts = advice.round_cost(costs, 3, 1, 4, 2.0)
+    assert parts["round"] == pytest.approx(costs["draft_verify_s"]["3-1-4"] + parts["extend"])
