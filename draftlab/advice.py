@@ -371,7 +371,8 @@ def advise_by_concurrency(acceptance: list[float], costs_by_batch: dict, configs
 
 
 def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: list[dict], tau: float,
-                         ran_width: int | None = None) -> dict:
+                         ran_width: int | None = None, request_s: dict | None = None,
+                         tokens_per_request: float | None = None) -> dict:
     """{concurrency: costs dict} for advise_by_concurrency, from the configuration that ran served
     with n requests in flight (the bench stage's paired batches: tokens/s of whole batches).
 
@@ -380,15 +381,30 @@ def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: li
     Every configuration's round is scaled as at bs=1 (`round_scale`), kappa_n = R_n / the offline
     round of the configuration that ran: the in-process round's shape, the served batch's scale.
     With costs["gemm_s"] and ran_width (the num_draft_tokens that ran), each other width's round also
-    gets the batch growth of its verify (`batch_growth`). Concurrency 1 is `costs` itself."""
+    gets the batch growth of its verify (`batch_growth`). Concurrency 1 is `costs` itself.
+
+    With request_s ({n: seconds}, the server's time per admitted request at n in flight: prompt-only
+    requests, the prefill probe) and tokens_per_request (T), the prefills come out of the step and
+    the round instead of being amortized into both. A request in flight waits through about n
+    prefills in its life (every request around it is replaced once), so at n in flight it costs
+    n * p_n + T * b_n, and tokens/s = n * T / that:
+        b_n = n / baseline tokens/s - n * p_n / T,  R_n = tau * (n / speculative tokens/s - n * p_n / T).
+    A configuration with a higher tau then pays the same prefills over fewer rounds, which the
+    amortized form charges it per round."""
     out = {1: costs}
     spec = {r["concurrency"]: r for r in spec_sweep}
     for base in baseline_sweep:
         n, s = base["concurrency"], spec.get(base["concurrency"])
         if n <= 1 or not s or not base.get("throughput") or not s.get("throughput") or not costs.get("offline_round_s"):
             continue
-        out[n] = {**costs, "server_step_s": n / base["throughput"], "server_request_s": 0.0, "tokens_per_request": None,
-                  "round_scale": n * tau / s["throughput"] / costs["offline_round_s"], "batch": n, "ref_width": ran_width}
+        p_n = float((request_s or {}).get(n) or (request_s or {}).get(str(n)) or 0.0) if tokens_per_request else 0.0
+        per_token = n * p_n / tokens_per_request if p_n else 0.0  # s of prefill per generated token, per slot
+        step, rnd = n / base["throughput"] - per_token, tau * (n / s["throughput"] - per_token)
+        if step <= 0 or rnd <= 0:  # prefills larger than what was measured: fall back to amortizing them
+            step, rnd, p_n = n / base["throughput"], n * tau / s["throughput"], 0.0
+        out[n] = {**costs, "server_step_s": step, "server_request_s": n * p_n,
+                  "tokens_per_request": tokens_per_request if p_n else None,
+                  "round_scale": rnd / costs["offline_round_s"], "batch": n, "ref_width": ran_width}
     return out
 
 

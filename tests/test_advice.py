@@ -407,6 +407,34 @@ def test_the_advice_per_concurrency_scales_each_batch_and_names_the_crossover():
     assert out["crossover_concurrency"] == 16
 
 
+def test_prefills_measured_per_request_come_out_of_the_round_so_a_higher_tau_pays_them_over_fewer_rounds():
+    """Batches made by the model itself: n in flight, T tokens a request, p_n seconds of prefill per
+    admitted request, step b_n, rounds R_n with the same in-process shape for both chains. From the
+    2-step chain's batches the 5-step chain comes out exact with the prefills measured, and too low
+    when they are amortized into the 2-step chain's rounds (it has more rounds to charge them to)."""
+    costs = {**HAND, "baseline_step_s": 10.0, "server_step_s": 10.0, "server_request_s": 0.0}
+    costs["offline_round_s"] = advice.round_cost(costs, 2, 1, 3, 2.5)["round"]
+    costs["round_scale"] = 1.0
+    T, p, b, kappa = 80.0, {8: 30.0}, 12.0, 1.6  # prefill 30 ms per request at 8 in flight
+
+    def tokens_per_s(n, step_or_round, tau):  # n * T tokens per slot life of n * p_n + (T / tau) * round
+        return n * T / (n * p[n] + T / tau * step_or_round)
+
+    r2 = kappa * costs["offline_round_s"]
+    r5 = kappa * advice.round_cost(costs, 5, 1, 6, 3.5)["round"]
+    base = [{"concurrency": 8, "throughput": tokens_per_s(8, b, 1.0)}]
+    spec2 = [{"concurrency": 8, "throughput": tokens_per_s(8, r2, 2.5)}]
+    measured5 = tokens_per_s(8, r5, 3.5) / base[0]["throughput"]
+    per = advice.costs_by_concurrency(costs, base, spec2, tau=2.5, request_s=p, tokens_per_request=T)
+    assert per[8]["server_step_s"] == pytest.approx(b) and per[8]["round_scale"] == pytest.approx(kappa)
+    assert advice.predict(per[8], 3.5, 5, 1, 6) == pytest.approx(measured5)
+    amortized = advice.costs_by_concurrency(costs, base, spec2, tau=2.5)
+    assert advice.predict(amortized[8], 3.5, 5, 1, 6) < 0.98 * measured5
+    # prefills larger than the batches allow (a bad probe): the amortized form, not a negative step
+    odd = advice.costs_by_concurrency(costs, base, spec2, tau=2.5, request_s={8: 500.0}, tokens_per_request=T)
+    assert odd[8]["server_step_s"] == pytest.approx(amortized[8]["server_step_s"])
+
+
 def test_a_wide_verify_grows_with_requests_in_flight_where_the_matmuls_turn_compute_bound():
     """An 8B-like matmul curve: flat (weights read once) up to 128 tokens, then linear. At 16 in
     flight a 32-wide tree verifies 512 tokens where the 6-wide chain that ran verifies 96."""

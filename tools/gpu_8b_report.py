@@ -99,19 +99,36 @@ def level(n: int, base_tokens_per_s: float, spec_tokens_per_s: float, per_reques
     return row
 
 
-def same_batch_predictions(in_flight: dict, scaled: dict, served_tau: dict) -> list[dict]:
+def tokens_per_request(entry: dict) -> float | None:
+    """Completion tokens per request over every counted baseline batch of an in-flight entry."""
+    batches = [b for r in entry.get("concurrency", []) for b in r["baseline"].get("batches", [])]
+    requests = sum(b.get("requests", 0) for b in batches)
+    return sum(b["completion_tokens"] for b in batches) / requests if requests else None
+
+
+def probe_seconds(probe: dict | None) -> dict:
+    """{n: seconds per admitted request} from a sweep's prefill probe ({n: {"ms_per_request": ..}})."""
+    return {int(n): v["ms_per_request"] / 1e3 for n, v in (probe or {}).items()}
+
+
+def same_batch_predictions(in_flight: dict, scaled: dict, served_tau: dict, request_s: dict | None = None) -> list[dict]:
     """Each configuration measured in flight, predicted from every other one's batches (the same
     prompts and baseline server): the bench stage's per-concurrency model (advice.costs_by_concurrency,
     the in-process round shape `scaled`) calibrated on configuration x's b_n and served round at n,
-    then asked for y at y's served tau; with and without the verify's batch growth (gemm_s)."""
+    then asked for y at y's served tau; with and without the verify's batch growth (gemm_s). With
+    request_s (the baseline's prefill probe, {n: s per request}) the prefills come out of the step
+    and the round (`error_amortized`: the same prediction with them amortized)."""
     out = []
     for x, ex in in_flight.items():
         kx, tau_x = key(ex), served_tau[x]
         cx = {**scaled, "offline_round_s": advice.round_cost(scaled, *kx, tau_x)["round"]}
         base_x = [{"concurrency": r["concurrency"], "throughput": r["baseline"]["tokens_per_s"]} for r in ex["concurrency"]]
         spec_x = [{"concurrency": r["concurrency"], "throughput": r["spec"]["tokens_per_s"]} for r in ex["concurrency"]]
-        per = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2])
-        flat = advice.costs_by_concurrency({k: v for k, v in cx.items() if k != "gemm_s"}, base_x, spec_x, tau_x, kx[2])
+        T = tokens_per_request(ex) if request_s else None
+        per = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2], request_s, T)
+        flat = advice.costs_by_concurrency({k: v for k, v in cx.items() if k != "gemm_s"}, base_x, spec_x, tau_x, kx[2],
+                                           request_s, T)
+        amortized = advice.costs_by_concurrency(cx, base_x, spec_x, tau_x, kx[2])
         for y, ey in in_flight.items():
             if y == x:
                 continue
@@ -122,7 +139,8 @@ def same_batch_predictions(in_flight: dict, scaled: dict, served_tau: dict) -> l
                     pred = advice.predict(per[n], served_tau[y], *ky)
                     out.append({"calibrated_on": x, "config": y, "concurrency": n, "measured": r["speedup"],
                                 "predicted_same_batches": pred, "error_same_batches": pred / r["speedup"] - 1.0,
-                                "error_same_batches_no_growth": advice.predict(flat[n], served_tau[y], *ky) / r["speedup"] - 1.0})
+                                "error_same_batches_no_growth": advice.predict(flat[n], served_tau[y], *ky) / r["speedup"] - 1.0,
+                                "error_amortized": advice.predict(amortized[n], served_tau[y], *ky) / r["speedup"] - 1.0})
     return out
 
 

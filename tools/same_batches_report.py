@@ -68,7 +68,8 @@ def build(run: Path, bench_path: Path) -> dict:
                          "baseline_tokens_per_s": r["baseline"]["tokens_per_s"], "spec_tokens_per_s": r["spec"]["tokens_per_s"],
                          **spread})
         configs[cfg] = rows
-    preds = report.same_batch_predictions(in_flight, scaled, served_tau)
+    request_s = report.probe_seconds(sweep.get("baseline_prefill_probe"))
+    preds = report.same_batch_predictions(in_flight, scaled, served_tau, request_s or None)
     spread_of = {(c, r["concurrency"]): r.get("repeat_spread") for c, rows in configs.items() for r in rows}
     for p in preds:
         p["repeat_spread"] = spread_of[(p["config"], p["concurrency"])]
