@@ -74,13 +74,17 @@ def build(run: Path, bench_path: Path) -> dict:
     for p in preds:
         p["repeat_spread"] = spread_of[(p["config"], p["concurrency"])]
     logs = {f.stem.removeprefix("decode-"): log_rounds(f) for f in sorted(run.glob("decode-*.log"))}
+    probes = {"baseline": sweep.get("baseline_prefill_probe")} | {f"spec-{c}": e.get("prefill_probe") for c, e in in_flight.items()}
+    probe_ms = {server: {n: v["ms_per_request"] for n, v in probe.items()} for server, probe in probes.items() if probe}
     errors = [abs(p["error_same_batches"]) for p in preds]
     spreads = [r["repeat_spread"] for rows in configs.values() for r in rows if r.get("repeat_spread") is not None]
     return {"gpu": sweep.get("gpu"), "sglang_version": sweep.get("sglang_version"), "method": sweep["method"],
             "draft": sweep["draft"], "costs_from": bench_path.name, "configs": configs, "predictions": preds,
-            "sglang_rounds_ms": logs,
+            "sglang_rounds_ms": logs, "prefill_probe_ms": probe_ms,
+            "tokens_per_request": {c: report.tokens_per_request(e) for c, e in in_flight.items()},
             "summary": {"max_abs_error": max(errors) if errors else None,
                         "within_10pct": sum(e <= 0.10 for e in errors), "predictions": len(errors),
+                        "max_abs_error_amortized": max((abs(p["error_amortized"]) for p in preds), default=None) if probe_ms else None,
                         "max_repeat_spread": max(spreads) if spreads else None,
                         "median_repeat_spread": statistics.median(spreads) if spreads else None}}
 
@@ -125,12 +129,22 @@ def tables(r: dict) -> str:
             reps = " ".join(f"{s:.2f}" for s in row.get("repeat_speedups") or []) or "-"
             spread = f"{100 * row['repeat_spread']:.0f}%" if row.get("repeat_spread") is not None else "-"
             lines.append(f"| {cfg} | {row['concurrency']} | {row['speedup']:.2f}x | {reps} | {spread} |")
-    lines += ["", "| calibrated on | predicted | in flight | measured | predicted | error | error, no batch growth | that point's repeat spread |",
-              "|---|---|---|---|---|---|---|---|"]
+    probed = bool(r.get("prefill_probe_ms"))
+    extra = " error, prefills amortized |" if probed else ""
+    lines += ["", "| calibrated on | predicted | in flight | measured | predicted | error | error, no batch growth |" + extra
+              + " that point's repeat spread |", "|---|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
     for p in r["predictions"]:
+        amortized = f" {pct(p['error_amortized'])} |" if probed else ""
         lines.append(f"| {p['calibrated_on']} | {p['config']} | {p['concurrency']} | {p['measured']:.2f}x | "
-                     f"{p['predicted_same_batches']:.2f}x | {pct(p['error_same_batches'])} | {pct(p['error_same_batches_no_growth'])} | "
-                     f"{100 * p['repeat_spread']:.0f}% |")
+                     f"{p['predicted_same_batches']:.2f}x | {pct(p['error_same_batches'])} | {pct(p['error_same_batches_no_growth'])} |"
+                     f"{amortized} {100 * p['repeat_spread']:.0f}% |")
+    if probed:
+        servers = list(r["prefill_probe_ms"])
+        levels = sorted({int(n) for v in r["prefill_probe_ms"].values() for n in v})
+        lines += ["", "| prompt-only requests in flight | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers)]
+        for n in levels:
+            cells = [f"{v[str(n)]:.1f} ms" if str(n) in v else "-" for v in r["prefill_probe_ms"].values()]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     servers = list(r["sglang_rounds_ms"])
     lines += ["", "| requests running | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers)]
     for n in map(str, LOG_LEVELS):
