@@ -24,7 +24,8 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
 o: the server's own work per engine step: with the served baseline's requests fitted as
-P + T * b_server (`fit_requests`), b = b_server, P = its fixed part (prefill, HTTP) and
+P + T * b_server (`probed_requests`: P from prompt-only requests, b_server the median of the
+rest per token; `fit_requests` without them), b = b_server, P = its fixed part (prefill, HTTP) and
 o = b_server - the in-process decode step over the same prompts, paid once per round by a
 speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
 prefill and o = 0;
@@ -238,6 +239,21 @@ def server_costs(costs: dict) -> tuple[float, float, float]:
         return costs["baseline_step_s"], costs.get("prefill_s", 0.0), 0.0
     step, here = costs["server_step_s"], costs.get("baseline_run_step_s") or costs["baseline_step_s"]
     return step, costs.get("server_request_s", costs.get("prefill_s", 0.0)), max(0.0, step - here)
+
+
+def probed_requests(tokens: list[int], seconds: list[float], prompt_only_s: list[float]) -> dict | None:
+    """A server's per-request cost and decode step from its requests and from prompt-only requests
+    (max_new_tokens 1) to it: P1 = the median prompt-only request (prefill, HTTP, the first token),
+    step = the median over requests of (seconds - P1) / (tokens - 1); returned in the P + T * step
+    form of `fit_requests` (server_request_s = P1 - step). Medians, not a line fitted through every
+    request: on a shared 2-core CPU a burst of load on a few requests moved the fitted fixed part
+    from 0.1 ms to 475 ms between two runs of one configuration, and with it the prediction by 20%."""
+    p1 = statistics.median(prompt_only_s) if prompt_only_s else None
+    steps = [(sec - p1) / (t - 1) for t, sec in zip(tokens, seconds) if p1 is not None and t > 1]
+    if not steps:
+        return None
+    step = max(0.0, statistics.median(steps))
+    return {"server_request_s": max(0.0, p1 - step), "server_step_s": step}
 
 
 def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:

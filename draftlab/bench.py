@@ -114,6 +114,13 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
                 recs, seconds = run_requests(client, [prompt], sampling)
                 records[mode] += recs
                 wall[mode] += seconds
+        # Prompt-only requests (max_new_tokens 1), alternating too: each server's own per-request cost
+        # (prefill, HTTP, the first token), which the advice takes apart from its decode step.
+        prompt_only = {mode: [] for mode in clients}
+        for prompt in prompts[warmup:]:
+            for mode, client in clients.items():
+                recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1})
+                prompt_only[mode].append(seconds)
         sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency)
         out = {}
         for mode, client in clients.items():
@@ -123,7 +130,7 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
             out[mode] = {"speed": speed(records[mode], wall[mode]), "spec": spec_figures(metas), "sweep": sweep,
                          "server_accept_length": server_accept_length(info),
                          "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas],
-                         "request_seconds": [r["seconds"] for r in records[mode]]}
+                         "request_seconds": [r["seconds"] for r in records[mode]], "prompt_only_seconds": prompt_only[mode]}
         return out
     finally:
         for client in clients.values():

@@ -108,7 +108,9 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     if baseline:  # the served baseline's own step and per-request cost (advice.server_costs)
         done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
         done = [(t, sec) for t, sec in done if t]
-        costs.update(advice.fit_requests([t for t, _ in done], [sec for _, sec in done]) or {})
+        tokens, seconds = [t for t, _ in done], [sec for _, sec in done]
+        costs.update(advice.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
+                     or advice.fit_requests(tokens, seconds) or {})
         if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (advice.round_scale)
             ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
             served = advice.served_round(done, [r for r in ran if r[0] and r[1]])

@@ -507,3 +507,20 @@ def test_measure_costs_times_every_configuration_whole_over_a_mid_answer_cache()
     costs["loop_s"] = 0.0
     parts = advice.round_cost(costs, 3, 1, 4, 2.0)
     assert parts["round"] == pytest.approx(costs["draft_verify_s"]["3-1-4"] + parts["extend"])
+
+
+def test_a_burst_of_load_on_a_few_requests_does_not_move_the_servers_per_request_cost():
+    """Requests of P + T * b with P = 12 ms, b = 10 ms; five of 32 hit by a burst (3x slower). The
+    prompt-only requests give P back, the medians give b back; a line through every request does not."""
+    rng = random.Random(0)
+    P, b = 0.012, 0.010
+    tokens = [rng.randint(33, 128) for _ in range(32)]
+    seconds = [P + t * b for t in tokens]
+    for i in (3, 9, 14, 20, 27):
+        seconds[i] *= 3.0
+    prompt_only = [P + b] * 30 + [0.2, 0.3]  # the first token comes with the prefill; two probes hit too
+    got = advice.probed_requests(tokens, seconds, prompt_only)
+    assert got["server_step_s"] == pytest.approx(b) and got["server_request_s"] == pytest.approx(P)
+    line = advice.fit_requests(tokens, seconds)
+    assert abs(line["server_request_s"] - P) > 0.05 or abs(line["server_step_s"] - b) > 0.002
+    assert advice.probed_requests(tokens, seconds, []) is None  # no probe: the caller falls back to the line
