@@ -29,6 +29,16 @@ rest per token; `fit_requests` without them), b = b_server, P = its fixed part (
 o = b_server - the in-process decode step over the same prompts, paid once per round by a
 speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
 prefill and o = 0;
+The bench's reference server runs this very engine, and there the prediction is the in-process
+speedup at the served pair's scale (`speedup_scale`, `in_process_speedup`):
+    speedup(c) = sigma * (P + T * e) / (P + P_d + (T / tau_c) * (round(c) - L)),
+    sigma = the served speedup of the configuration that ran / that formula for it at its served tau,
+with e, P, P_d the decode step and prefills timed in `measure_costs`' loop. Every timing in the
+formula comes from one interleaved loop, so a change in the machine's speed hits them alike: on a
+shared 2-core CPU the served pair, the offline run and that loop, taken a minute apart, differed by
+up to 2x in absolute speed, which the additive form (o, L from other minutes) turned into errors of
+up to 20%. The configuration that ran is then predicted exactly; the test of the model is how it
+predicts the others (`tools/advice_sweep.py`).
 With a server that runs another engine (SGLang), o is replaced by a scale: every round costs
 kappa * round, kappa = the served round of the configuration that ran (measured from its paired
 requests, `served_round`) / the offline run's round of it (`round_scale`).
@@ -266,8 +276,31 @@ def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
     return {"server_request_s": fixed, "server_step_s": step}
 
 
+def in_process_speedup(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+    """The in-process engine's speedup by the timings of `measure_costs` alone, all taken in one
+    interleaved loop: (P + T * e) / (P + P_d + (T / tau) * round), e the decode step and P, P_d the
+    prefills timed there, round = `round_cost` less its loop term (calibrated on another run)."""
+    parts = round_cost(costs, num_steps, topk, num_draft_tokens, tau)
+    r, step = parts["round"] - parts["loop"], costs["baseline_step_s"]
+    T = costs.get("tokens_per_request") or math.inf
+    if math.isinf(T):
+        return tau * step / r
+    prefill, draft_prefill = costs.get("prefill_s", 0.0), costs.get("draft_prefill_s", 0.0)
+    return (prefill + T * step) / (prefill + draft_prefill + (T / tau) * r)
+
+
+def speedup_scale(costs: dict, measured_speedup: float, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
+    """sigma = the served speedup of the configuration that ran / its in-process speedup at its served
+    tau (`in_process_speedup`). With costs["speedup_scale"] = sigma, `predict` gives every candidate
+    sigma * its in-process speedup: the shape across configurations from one interleaved loop, the
+    server's share (HTTP, scheduling, its own step) as one ratio measured on the served pair."""
+    return measured_speedup / in_process_speedup(costs, tau, num_steps, topk, num_draft_tokens)
+
+
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
     """Predicted speedup of one configuration whose rounds yield `tau` tokens (module docstring)."""
+    if costs.get("speedup_scale"):  # the reference server: the in-process shape at the served pair's scale
+        return costs["speedup_scale"] * in_process_speedup(costs, tau, num_steps, topk, num_draft_tokens)
     base, prefill, overhead = server_costs(costs)
     r = round_cost(costs, num_steps, topk, num_draft_tokens, tau)["round"]
     draft_prefill = costs.get("draft_prefill_s", 0.0)
@@ -418,7 +451,7 @@ def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: li
         step, rnd = n / base["throughput"] - per_token, tau * (n / s["throughput"] - per_token)
         if step <= 0 or rnd <= 0:  # prefills larger than what was measured: fall back to amortizing them
             step, rnd, p_n = n / base["throughput"], n * tau / s["throughput"], 0.0
-        out[n] = {**costs, "server_step_s": step, "server_request_s": n * p_n,
+        out[n] = {**{k: v for k, v in costs.items() if k != "speedup_scale"}, "server_step_s": step, "server_request_s": n * p_n,
                   "tokens_per_request": tokens_per_request if p_n else None,
                   "round_scale": rnd / costs["offline_round_s"], "batch": n, "ref_width": ran_width}
     return out

@@ -124,6 +124,12 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     ran_config = (flags.num_steps, flags.topk, flags.num_draft_tokens)
     trees = advice.TREES if costs.get("trees", True) else []  # none timed on a sliding-window target
     configs = advice.CHAINS + trees + ([ran_config] if ran_config not in advice.CHAINS + trees else [])
+    if plan.bench_params.backend == "reference" and speedup:
+        # The in-process engine serves: its timings, all from one interleaved loop, give the shape
+        # across configurations; the served pair gives the scale (advice.speedup_scale). Served and
+        # in-process figures taken minutes apart on a shared CPU differed by up to 2x in absolute
+        # speed, which an additive server overhead turned into a 20% error.
+        costs["speedup_scale"] = advice.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
     advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
     measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
                  "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]

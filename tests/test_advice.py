@@ -524,3 +524,28 @@ def test_a_burst_of_load_on_a_few_requests_does_not_move_the_servers_per_request
     line = advice.fit_requests(tokens, seconds)
     assert abs(line["server_request_s"] - P) > 0.05 or abs(line["server_step_s"] - b) > 0.002
     assert advice.probed_requests(tokens, seconds, []) is None  # no probe: the caller falls back to the line
+
+
+def test_the_reference_servers_advice_is_the_in_process_shape_at_the_served_pairs_scale():
+    """Timings from one loop give every configuration's in-process speedup; the served pair of the
+    configuration that ran gives one ratio. Halving every timing (a faster minute for the loop)
+    changes nothing, and the per-concurrency costs keep their own scale."""
+    costs = {**cpu_costs(), "draft_verify_s": {"2-1-3": 5.0 * MS, "5-1-6": 6.5 * MS}, "prefill_s": 8 * MS,
+             "draft_prefill_s": 1 * MS, "tokens_per_request": 68.0, "loop_s": 3.0 * MS}
+    inproc5 = advice.in_process_speedup(costs, 3.6, 5, 1, 6)
+    # the loop term (calibrated on another run) is left out: 6.5 + extend, not + 3 ms
+    extend = advice.round_cost(costs, 5, 1, 6, 3.6)["extend"]
+    assert inproc5 == pytest.approx((8 + 68 * 2.9) / (8 + 1 + 68 / 3.6 * (6.5 + extend / MS)))
+    sigma = advice.speedup_scale(costs, 1.5, 3.6, 5, 1, 6)
+    scaled = {**costs, "speedup_scale": sigma}
+    assert advice.predict(scaled, 3.6, 5, 1, 6) == pytest.approx(1.5)  # the configuration that ran: its measurement
+    assert advice.predict(scaled, 2.4, 2, 1, 3) == pytest.approx(1.5 * advice.in_process_speedup(costs, 2.4, 2, 1, 3) / inproc5)
+    def halved(v):
+        return {kk: vv / 2 for kk, vv in v.items()} if isinstance(v, dict) else v / 2
+
+    half = {k: halved(v) if k.endswith("_s") else v for k, v in costs.items()}
+    half = {**half, "speedup_scale": advice.speedup_scale(half, 1.5, 3.6, 5, 1, 6)}
+    assert advice.predict(half, 2.4, 2, 1, 3) == pytest.approx(advice.predict(scaled, 2.4, 2, 1, 3))
+    per = advice.costs_by_concurrency({**scaled, "offline_round_s": 9 * MS}, [{"concurrency": 4, "throughput": 1000.0}],
+                                      [{"concurrency": 4, "throughput": 1500.0}], 3.6, 6)
+    assert "speedup_scale" not in per[4] and per[4]["round_scale"]
