@@ -161,7 +161,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "log_adjustments": [dataclasses.asdict(a) for a in server_log.adjustments] if server_log else [],
         "sweep": {"baseline": baseline["sweep"] if baseline else [], "speculative": spec["sweep"]},
         "costs": {**{k: _ms(v) for k, v in costs.items() if k.endswith("_s")}, "tokens_per_request": costs["tokens_per_request"],
-                  "round_scale": costs.get("round_scale"),
+                  "round_scale": costs.get("round_scale"), "speedup_scale": costs.get("speedup_scale"),
                   "depth1_rank_shares": ranks, "unit": "ms (keys ending _s hold milliseconds here)"},
         # "ran": the served configuration's row as a dict, so that `dvc exp show` (which leaves lists
         # out) tabulates predicted against measured per experiment

@@ -186,7 +186,8 @@ def collect(root: Path, keep_all: bool = False) -> tuple[list[tuple[str, dict]],
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("reports/advice_sweep"), help="where sweep.md and sweep.png go")
-    ap.add_argument("--files", nargs="*", type=Path, help="bench.json copies to read instead of the repo's experiments")
+    ap.add_argument("--files", nargs="*", type=Path, help="bench.json copies to read instead of the repo's experiments "
+                                                          "(each run named by its file's stem)")
     ap.add_argument("--reference", help="the run whose advice predicts every configuration: a run name (an experiment's "
                                         "name, a file's path); default: an experiment with the baseline "
                                         "commit's configuration, else the baseline commit's run, else the first")
@@ -194,13 +195,17 @@ def main(argv=None) -> None:
     ap.add_argument("--root", type=Path, default=Path("."), help="the repository (for dvc exp show)")
     args = ap.parse_args(argv)
     if args.files:
-        runs, baseline = [(str(f), json.loads(f.read_text())) for f in args.files], None
+        stems = [f.stem for f in args.files]  # a run is named by its file's stem where the stems differ
+        names = stems if len(set(stems)) == len(stems) else [str(f) for f in args.files]
+        runs, baseline = [(n, json.loads(f.read_text())) for n, f in zip(names, args.files)], None
     else:
         runs, baseline = collect(args.root, args.all)
     if not runs:
         sys.exit("advice_sweep: no finished bench run found (none in dvc exp show --json with a reports/bench.json from "
                  "the fitted cost model; --all keeps older ones)")
     ref_name = args.reference or baseline or runs[0][0]
+    if args.files and ref_name in map(str, args.files):  # a file's path names its run
+        ref_name = runs[[str(f) for f in args.files].index(ref_name)][0]
     reference = next((r for n, r in runs if n == ref_name or n.startswith(ref_name)), None)
     if reference is None:
         sys.exit(f"advice_sweep: --reference {ref_name}: no such run among {[n for n, _ in runs]}")
