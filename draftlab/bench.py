@@ -157,6 +157,11 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
                 got[mode] = (got[mode][0] + recs, got[mode][1] + seconds)
         for mode, (recs, seconds) in got.items():
             out[mode].append({"concurrency": n, **speed(recs, seconds)})
+        # Prompt-only requests at n in flight: the server's time per admitted request when it only
+        # admits (advice.costs_by_concurrency takes the prefills out of the step and the round with it).
+        for mode, client in clients.items():
+            recs, seconds = run_requests(client, prompts, {**sampling, "max_new_tokens": 1}, n)
+            out[mode][-1]["prompt_only_s_per_request"] = seconds / len(recs)
     return out
 
 

@@ -136,8 +136,10 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     compared = advice.predicted_vs_measured(advised["candidates"], measured)
     by_concurrency = None
     if baseline and spec["sweep"]:  # the advice at each concurrency measured, and where speculation stops paying
+        request_s = {r["concurrency"]: r["prompt_only_s_per_request"] for r in baseline["sweep"] if r.get("prompt_only_s_per_request")}
+        tokens = sum(r["completion_tokens"] for r in baseline["sweep"]) / max(1, sum(r["requests"] for r in baseline["sweep"]))
         per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"],
-                                                                             flags.num_draft_tokens),
+                                                                                   flags.num_draft_tokens, request_s or None, tokens),
                                            configs, depth1_ranks=ranks)
         by_concurrency = {"crossover_concurrency": per["crossover_concurrency"],
                           "recommendation": {str(n): a["recommendation"] for n, a in per["by_concurrency"].items()},
