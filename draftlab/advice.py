@@ -442,11 +442,12 @@ def costs_by_concurrency(costs: dict, baseline_sweep: list[dict], spec_sweep: li
     amortized form charges it per round."""
     out = {1: costs}
     spec = {r["concurrency"]: r for r in spec_sweep}
+    request_s = {int(k): float(v) for k, v in (request_s or {}).items()} if tokens_per_request else {}  # keys may be JSON strings
     for base in baseline_sweep:
         n, s = base["concurrency"], spec.get(base["concurrency"])
         if n <= 1 or not s or not base.get("throughput") or not s.get("throughput") or not costs.get("offline_round_s"):
             continue
-        p_n = float((request_s or {}).get(n) or (request_s or {}).get(str(n)) or 0.0) if tokens_per_request else 0.0
+        p_n = request_s.get(n, 0.0)
         per_token = n * p_n / tokens_per_request if p_n else 0.0  # s of prefill per generated token, per slot
         step, rnd = n / base["throughput"] - per_token, tau * (n / s["throughput"] - per_token)
         if step <= 0 or rnd <= 0:  # prefills larger than what was measured: fall back to amortizing them
@@ -703,8 +704,9 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
             spec_engine._sync(device)
             return ids, cache, x, dcache, root, prefill, time.perf_counter() - t0
 
-        *_, prefill, draft_prefill = prefilled(prompt[:prompt_len])  # a request's prefills: the prompt alone
-        ids, cache, x, dcache, root, *_ = prefilled(prompt)  # the state the rounds are timed in
+        first = prefilled(prompt[:prompt_len])  # a request's prefills: the prompt alone
+        prefill, draft_prefill = first[-2:]
+        ids, cache, x, dcache, root, *_ = first if prompt_len == n else prefilled(prompt)  # the state rounds are timed in
         d0 = len(dcache)
 
         def decode_step():  # the baseline's step (baseline_generate's body), timed among the rest

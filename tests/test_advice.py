@@ -483,21 +483,12 @@ def test_the_targets_matmuls_are_timed_per_token_count():
 def test_measure_costs_times_every_configuration_whole_over_a_mid_answer_cache():
     """On a micro target and an untrained draft: one whole timing of drafting + verify per
     configuration asked for, and the advice's round for it is that timing plus extend and loop."""
-    import torch
-
     from draftlab import spec_engine
-    from draftlab.draft import DraftConfig, Eagle3Draft
+    from tests.support.drafts import random_draft
     from tests.support.micro import make_micro_model
 
     target = make_micro_model("llama", num_layers=4, seed=11)
-    c = target.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                      rms_norm_eps=1e-6, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
-                      target_hidden_size=c.hidden_size, num_aux_layers=3, max_position_embeddings=c.max_position_embeddings,
-                      rope_theta=10000.0)
-    torch.manual_seed(3)
-    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight).eval()
+    draft = random_draft(target, 3)
     prompt = [5, 9, 200, 3, 77, 12]
     context = prompt + spec_engine.baseline_generate(target, prompt, 10, ignore_eos=True).output_ids
     configs = [(1, 1, 2), (3, 1, 4), (2, 2, 4)]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from draftlab import spec_engine
-from tests.support.drafts import ScriptedDraft
-from draftlab.draft import DraftConfig, Eagle3Draft
+from tests.support.drafts import ScriptedDraft, random_draft
+from draftlab.draft import Eagle3Draft
 from draftlab.sglang.checkpoint import export_sglang, load_exported
 from draftlab.sglang.flags import tree_candidates
 from tests.support.micro import make_micro_model
@@ -15,25 +15,6 @@ from draftlab.sglang.layers import captured_physical
 PHYSICAL = [1, 2, 3]  # outputs of decoder layers 0..2 of a 4-layer micro target
 PROMPTS = [[17], [5, 9, 200, 3, 77, 12], list(range(40, 57))]
 CONFIGS = [(1, 1, 2), (3, 1, 4), (2, 2, 4), (4, 3, 10)]  # (num_steps, topk, num_draft_tokens)
-
-
-def random_draft(target, seed: int, draft_vocab: int | None = None) -> Eagle3Draft:
-    """An untrained draft (mostly wrong); with draft_vocab, a reduced vocabulary mapped through d2t."""
-    c = target.config
-    V = c.vocab_size
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=1e-6,
-                      vocab_size=V, draft_vocab_size=draft_vocab or V, target_hidden_size=c.hidden_size, num_aux_layers=3,
-                      max_position_embeddings=c.max_position_embeddings, rope_theta=10000.0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        draft = Eagle3Draft(cfg, target.get_input_embeddings().weight).eval()
-        if draft_vocab:
-            kept = torch.randperm(V)[:draft_vocab].sort().values
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[kept] = True
-            draft.set_vocab(kept - torch.arange(draft_vocab), t2d)
-    return draft
 
 
 def spec(target, draft, prompt, config, max_new, **kw):

@@ -1,10 +1,31 @@
-"""Scripted drafts: stand-ins that know the target's greedy continuation, for tests and benchmarks
-that must isolate the target's side of speculation (perfect or useless drafting at no cost)."""
+"""Drafts for tests: an untrained random one, and scripted stand-ins that know the target's greedy
+continuation, for tests and benchmarks that must isolate the target's side of speculation
+(perfect or useless drafting at no cost)."""
 from __future__ import annotations
 
 import torch
 
+from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.spec_engine import baseline_generate
+
+
+def random_draft(target, seed: int, draft_vocab: int | None = None) -> Eagle3Draft:
+    """An untrained draft (mostly wrong); with draft_vocab, a reduced vocabulary mapped through d2t."""
+    c = target.config
+    V = c.vocab_size
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=1e-6,
+                      vocab_size=V, draft_vocab_size=draft_vocab or V, target_hidden_size=c.hidden_size, num_aux_layers=3,
+                      max_position_embeddings=c.max_position_embeddings, rope_theta=10000.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(cfg, target.get_input_embeddings().weight).eval()
+        if draft_vocab:
+            kept = torch.randperm(V)[:draft_vocab].sort().values
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[kept] = True
+            draft.set_vocab(kept - torch.arange(draft_vocab), t2d)
+    return draft
 
 
 
