@@ -16,13 +16,12 @@ The offline run, the costs and the advice are in draftlab.advice.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftlab import lifecycle, server
+from draftlab import jsonl, lifecycle, server
 from draftlab.errors import UserError
 from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
@@ -35,7 +34,7 @@ def read_eval_prompts(prompts: Path, n: int) -> list[dict]:
     path = prompts / "eval.jsonl"
     if not path.exists():
         raise UserError(f"{path} not found; run the prompts stage first (dvc repro prompts)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [row for _, row in jsonl.read(path, "re-run the prompts stage (dvc repro -f prompts)")]
     if not rows:
         raise UserError(f"{path}: no eval prompts; raise prompts.eval_fraction")
     return rows[:n]

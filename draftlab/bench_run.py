@@ -13,16 +13,14 @@ offline run (draftlab.advice), so that a GPU holds one copy of the target at a t
 from __future__ import annotations
 
 import dataclasses
-import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftlab import advice, bench, spec_engine
+from draftlab import advice, bench, jsonl, spec_engine
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_write_text
 from draftlab.params import BenchParams, SpecParams, TargetParams
 from draftlab.sglang.checkpoint import ExportedDraft, load_exported
 from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
@@ -172,9 +170,8 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
-    atomic_write_text(out / "requests.jsonl", "".join(json.dumps({"mode": mode, "meta": meta}) + "\n"
-                                                      for mode, source in (("baseline", baseline), ("speculative", spec)) if source
-                                                      for meta in source["metas"]))
+    jsonl.write(out / "requests.jsonl", ({"mode": mode, "meta": meta} for mode, source in (("baseline", baseline), ("speculative", spec))
+                                         if source for meta in source["metas"]))
     key = {"backend": bench_params.backend, "num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens,
            "capture_physical_layers": physical, "target": plan.target_params.model, "sglang_version": plan.sglang_version}
     figures = {"tau": report["spec"]["tau"], "offline_tau": offline["tau"], "speedup": speedup,

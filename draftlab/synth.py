@@ -42,7 +42,8 @@ from typing import Callable
 import httpx
 
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_write_json, atomic_write_text, canonical_json
+from draftlab.fsutil import atomic_write_json, canonical_json
+from draftlab import jsonl
 from draftlab.tasks import END_THINK, THINK
 
 SPLITS = ("train", "eval")
@@ -74,14 +75,8 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not path.exists():
         raise UserError(f"{path}: not found; run the prompts stage first (dvc repro prompts)")
     rows, seen = [], set()
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row.get("id"), str) or not isinstance(row.get("messages"), list) or not row["messages"]:
+    for n, row in jsonl.read(path, "re-run the prompts stage (dvc repro -f prompts)"):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("messages"), list) or not row["messages"]:
             raise UserError(f"{path}:{n}: a prompt row needs 'id' (string) and 'messages' (non-empty list)")
         if row["messages"][-1].get("role") != "user":
             raise UserError(f"{path}:{n}: row {row['id']}: the last message must be from the user")
@@ -405,7 +400,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
                     errors.append({"id": prow["id"], "split": split, "error": err})
                 else:
                     row = make_row(prow, ans)
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    f.write(jsonl.dumps(row))
                     f.flush()  # on disk for a resume even after kill -9
                     done[prow["id"]] = row
                     stats["completion_tokens"] += ans.completion_tokens
@@ -430,8 +425,8 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
         done = done_rows[split]
         for r in done.values():
             stats["finish_reasons"][r["finish_reason"]] = stats["finish_reasons"].get(r["finish_reason"], 0) + 1
-        atomic_write_text(out / f"{split}.jsonl", "".join(json.dumps(done[r["id"]], ensure_ascii=False) + "\n" for r in rows if r["id"] in done))
-    atomic_write_text(out / "errors.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors))
+        jsonl.write(out / f"{split}.jsonl", (done[r["id"]] for r in rows if r["id"] in done))
+    jsonl.write(out / "errors.jsonl", errors)
     for split in splits:
         (out / f"{split}.jsonl.partial").unlink(missing_ok=True)
     (out / RESUME_FILE).unlink(missing_ok=True)

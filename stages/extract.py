@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from draftlab import extract
+from draftlab import extract, jsonl
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
 from draftlab.cli import run_stage_cli
@@ -40,14 +40,7 @@ from draftlab.target import chat_template_hash, load_target, resolve_device, tar
 def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         raise UserError(f"{path} not found; run the synthesize stage first (dvc repro)")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not valid JSON ({e.msg}); re-run the synthesize stage") from None
-    return rows
+    return [row for _, row in jsonl.read(path, "re-run the synthesize stage (dvc repro -f synthesize)")]
 
 
 def shard_is_done(path: Path, config_hash: str) -> bool:

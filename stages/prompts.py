@@ -5,14 +5,13 @@ Reads params section: prompts.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from draftlab import prompts
+from draftlab import jsonl, prompts
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.fsutil import atomic_write_json, atomic_write_text
+from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, dir_hash, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 
@@ -49,7 +48,7 @@ def main(out: Path, metrics: Path) -> None:
         )
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("eval", evals)):
-        atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        jsonl.write(out / f"{name}.jsonl", rows)
     counts = {"train": len(train), "eval": len(evals), "skipped_bad_rows": len(ps.bad), "duplicates": ps.duplicates}
     info = {**counts, "bad_rows": [str(b) for b in ps.bad[:MAX_LISTED]]}
     # The outputs' content hash is an input too: it makes the hash follow the data exactly.
