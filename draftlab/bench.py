@@ -27,6 +27,7 @@ from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
 from draftlab.sglang.flags import SPEC_KEYS, SpecFlags
 from draftlab.sglang.launch import launch_argv, serve
+from draftlab.target import model_path
 
 
 def read_eval_prompts(prompts: Path, n: int) -> list[dict]:
@@ -62,7 +63,7 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
         return _given(bench_params.url)
     port = port or (bench_params.port if backend == "sglang" else lifecycle.free_port())
     if backend == "sglang":
-        argv = launch_argv(target_params.model, port, draft_model=str(draft), flags=flags, baseline=not speculative,
+        argv = launch_argv(model_path(target_params.model), port, draft_model=str(draft), flags=flags, baseline=not speculative,
                            tp_size=bench_params.tp_size, dtype=bench_params.dtype, extra_args=bench_params.extra_server_args,
                            return_hidden_states=hidden)
         return _url(serve(argv, log, bench_params.startup_timeout_s), port)

@@ -54,8 +54,10 @@ class TargetParams:
 
 @dataclass(frozen=True)
 class PromptsParams:
-    source: str  # "builtin" or a path to a .jsonl / .parquet file
-    num_prompts: int  # how many prompts the built-in generator draws
+    source: str  # "builtin", "sharegpt", pkg:MODULE/PATH, or a path to a .jsonl / .parquet / ShareGPT .json file
+    num_prompts: int | None  # builtin: how many to draw; a file: a seeded subset (None = every usable prompt)
+    min_prompt_tokens: int | None  # prompts shorter than this (target tokens) are left out; None = no bound
+    max_prompt_tokens: int | None  # prompts longer than this (target tokens) are left out; None = no bound
     seed: int
     eval_fraction: float  # share of prompts (by content hash) held out for eval/bench
     on_bad_row: str = choice("error", "skip")
@@ -208,6 +210,8 @@ SHARE = (0.0, 1.0, False, False)
 
 RANGES: dict[str, tuple] = {
     "prompts.num_prompts": POSITIVE_INT,
+    "prompts.min_prompt_tokens": POSITIVE_INT,
+    "prompts.max_prompt_tokens": POSITIVE_INT,
     "prompts.eval_fraction": (0.0, 1.0, True, True),
     "synth.max_new_tokens": POSITIVE_INT,
     "synth.temperature": COUNT,

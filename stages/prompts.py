@@ -1,7 +1,12 @@
 """Stage prompts: build the prompt set and split it into train/eval by content hash.
 
     python -m stages.prompts --out data/prompts --metrics reports/prompts.json
-Reads params section: prompts.
+Reads params: the prompts section; target.model and target.revision (the tokenizer, for
+prompts.min_prompt_tokens / max_prompt_tokens).
+
+Order: read (a file's rows, ShareGPT's first human turns, or the built-in generator), drop bad
+rows (prompts.on_bad_row) and duplicates, filter by length in target tokens, take the seeded
+subset of prompts.num_prompts (a file; the built-in generator draws that many), split by content hash.
 """
 from __future__ import annotations
 
@@ -14,21 +19,29 @@ from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, dir_hash, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
+from draftlab.target import load_tokenizer
 
 MAX_LISTED = 20  # bad rows printed in full; the rest are counted
 
 
 def main(out: Path, metrics: Path) -> None:
-    params = load_params(["prompts"])
+    params = load_params(["prompts", "target"])
     pp = params.prompts
     if not 0.0 < pp.eval_fraction < 1.0:
         raise UserError(f"params.yaml: prompts.eval_fraction must be between 0 and 1, got {pp.eval_fraction}")
     if pp.source == "builtin":
+        if pp.num_prompts is None:
+            raise UserError("params.yaml: prompts.num_prompts: the built-in generator needs a number (null means "
+                            "'every prompt' for a prompt file only)")
         ps = prompts.builtin_prompts(pp.num_prompts, pp.seed)
         inputs = {"source": "builtin"}
     else:
-        ps = prompts.read_prompt_file(pp.source)
-        inputs = {"source": pp.source, "source_sha256": dir_hash(pp.source)}
+        path = prompts.resolve_source(pp.source)
+        ps = prompts.read_prompt_file(path)
+        inputs = {"source": pp.source, "source_sha256": dir_hash(path)}
+        if ps.truncated and ps.truncated["dropped_bytes"]:
+            print(f"warning: {path.name} ends inside a record: read its {ps.truncated['records']:,} complete records, "
+                  f"dropped the last {ps.truncated['dropped_bytes']:,} bytes", file=sys.stderr)
     if ps.bad:
         listed = "\n  ".join(str(b) for b in ps.bad[:MAX_LISTED])
         more = f"\n  ... and {len(ps.bad) - MAX_LISTED} more" if len(ps.bad) > MAX_LISTED else ""
@@ -38,9 +51,26 @@ def main(out: Path, metrics: Path) -> None:
                 "fix them, or set prompts.on_bad_row: skip to drop them (they are then counted in the manifest)"
             )
         print(f"warning: skipped {len(ps.bad)} bad prompt row(s):\n  {listed}{more}", file=sys.stderr)
+    if ps.skipped:
+        print("prompts: left out by the ShareGPT rule: " + ", ".join(f"{n} {why}" for why, n in sorted(ps.skipped.items())),
+              file=sys.stderr)
     if not ps.rows:
         raise UserError(f"prompts.source {pp.source}: no valid prompts")
-    train, evals = prompts.split(ps.rows, pp.eval_fraction)
+    rows, dropped = ps.rows, {"too_short": 0, "too_long": 0}
+    if pp.min_prompt_tokens is not None or pp.max_prompt_tokens is not None:
+        tokenizer = load_tokenizer(params.target.model, params.target.revision)
+        rows, dropped = prompts.filter_length(rows, tokenizer, pp.min_prompt_tokens, pp.max_prompt_tokens)
+        if not rows:
+            raise UserError(f"prompts: no prompt of {pp.source} is {pp.min_prompt_tokens}-{pp.max_prompt_tokens} target tokens "
+                            f"long ({dropped['too_short']} shorter, {dropped['too_long']} longer); widen "
+                            f"prompts.min_prompt_tokens / prompts.max_prompt_tokens")
+    usable = len(rows)
+    if pp.source != "builtin":
+        if pp.num_prompts is not None and pp.num_prompts > usable:
+            print(f"warning: prompts.num_prompts is {pp.num_prompts}, but {pp.source} has {usable} usable prompts: "
+                  f"using all {usable} (the manifest records both)", file=sys.stderr)
+        rows = prompts.seeded_subset(rows, pp.num_prompts, pp.seed)
+    train, evals = prompts.split(rows, pp.eval_fraction)
     if not train or not evals:
         raise UserError(
             f"prompts: split gave {len(train)} train and {len(evals)} eval prompts; "
@@ -49,13 +79,18 @@ def main(out: Path, metrics: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("eval", evals)):
         jsonl.write(out / f"{name}.jsonl", rows)
-    counts = {"train": len(train), "eval": len(evals), "skipped_bad_rows": len(ps.bad), "duplicates": ps.duplicates}
-    info = {**counts, "bad_rows": [str(b) for b in ps.bad[:MAX_LISTED]]}
+    counts = {"train": len(train), "eval": len(evals), "skipped_bad_rows": len(ps.bad), "duplicates": ps.duplicates,
+              "read": len(ps.rows), "usable": usable, **dropped,
+              "num_prompts_requested": pp.num_prompts, "used": len(train) + len(evals)}
+    info = {**counts, **ps.counts(), "bad_rows": [str(b) for b in ps.bad[:MAX_LISTED]]}
     # The outputs' content hash is an input too: it makes the hash follow the data exactly.
-    manifest = build_manifest("prompts", as_dict(params), {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)
+    used = as_dict(params)
+    used["target"] = {"model": params.target.model, "revision": params.target.revision}  # the keys dvc.yaml lists
+    manifest = build_manifest("prompts", used, {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)
     write_manifest(out, manifest)
     atomic_write_json(metrics, with_lineage(counts, manifest, {"source": pp.source, "eval_fraction": pp.eval_fraction}))
-    print(f"prompts: {len(train)} train, {len(evals)} eval, {len(ps.bad)} bad rows skipped, {ps.duplicates} duplicates -> {out}")
+    length = f", {dropped['too_short']} too short, {dropped['too_long']} too long" if any(dropped.values()) else ""
+    print(f"prompts: {len(train)} train, {len(evals)} eval, {len(ps.bad)} bad rows skipped, {ps.duplicates} duplicates{length} -> {out}")
 
 
 if __name__ == "__main__":

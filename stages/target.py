@@ -4,7 +4,9 @@
 Reads params keys: target.model, target.revision.
 
 A local folder is pinned by the content hash of its model files, a hub id by the commit its
-revision resolves to (offline from the local Hugging Face cache). Every stage that loads the
+revision resolves to (offline from the local Hugging Face cache). A GGUF file is pinned by its
+sha256 and dequantized once into models/target-dequantized (draftlab/gguf_target.py: DEQUANTIZED_DIR,
+the folder every stage then loads and SGLang serves); for any other target that folder holds only a note. Every stage that loads the
 target depends on the pin, not on the target's files, so another target is one params edit:
 `dvc exp run -S target.model=org/name` re-makes the pin and re-runs what loads the target.
 
@@ -21,15 +23,24 @@ from pathlib import Path
 
 from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
+from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
 from draftlab.params import load_params
-from draftlab.target_pin import pin_target
+from draftlab.target_pin import pin_local, pin_target
 
 
 def main(out: Path) -> None:
+    dequantized = DEQUANTIZED_DIR
     target = load_params(["target"]).target
     pin, how = pin_target(target.model, target.revision)
+    if pin["kind"] == "gguf":
+        materialize(gguf_file(target.model), target.model, pin["gguf_sha256"], dequantized)
+        folder = pin_local(str(dequantized), dequantized)
+        pin |= {"dequantized": dequantized.as_posix(), "content_sha256": folder["content_sha256"], "files": folder["files"]}
+    else:
+        placeholder(dequantized)
     atomic_write_json(out, pin)
-    what = {"hashed": f"content sha256 {pin.get('content_sha256', '')[:12]} over {len(pin.get('files', {}))} files",
+    what = {"hashed": f"GGUF sha256 {pin.get('gguf_sha256', '')[:12]}, dequantized to {dequantized}" if pin["kind"] == "gguf" else
+            f"content sha256 {pin.get('content_sha256', '')[:12]} over {len(pin.get('files', {}))} files",
             "given": f"commit {pin.get('commit')} (as given)", "hub": f"commit {pin.get('commit')} (resolved on the hub)",
             "cache": f"commit {pin.get('commit')} (resolved from the local Hugging Face cache)"}[how]
     print(f"target: {target.model} ({pin['kind']}): {what} -> {out}")

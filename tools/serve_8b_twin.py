@@ -419,6 +419,7 @@ def main(argv=None) -> dict:
         return {"build_s": build_s}
     from transformers import AutoTokenizer
 
+    from draftlab import jsonl
     from draftlab.sglang.client import Client
     from draftlab.sglang.flags import SpecFlags
     from draftlab.sglang.launch import launch_argv, serve
@@ -468,7 +469,7 @@ def main(argv=None) -> dict:
     save()
 
     tok = AutoTokenizer.from_pretrained(str(twin), local_files_only=True)
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    rows = [r for _, r in jsonl.read(args.prompts, "give a prompts stage's eval.jsonl")]
     prompts, conc_prompts = (render(tok, r) for r in prompt_windows(rows, args.prompt_offset, args.num_prompts,
                                                                      args.concurrency_prompts))
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": False}

@@ -53,7 +53,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftlab import lifecycle  # noqa: E402
+from draftlab import jsonl, lifecycle  # noqa: E402
 from draftlab.bench import measure, render_prompts, spec_figures, start  # noqa: E402  (the bench stage's own)
 from draftlab.errors import UserError  # noqa: E402
 from draftlab.faults import FAULTS, miswire  # noqa: E402
@@ -213,7 +213,7 @@ class Driver:
     def prompts(self, n: int | None = None) -> list[list[int]]:
         """The first `n` eval prompts as token ids (the tokenizer is loaded once per run)."""
         if self._prompts is None:
-            rows = [json.loads(x) for x in (self.work / "data/prompts/eval.jsonl").read_text().splitlines() if x.strip()]
+            rows = [r for _, r in jsonl.read(self.work / "data/prompts/eval.jsonl", "re-run the prompts stage")]
             self._prompts = render_prompts(load_tokenizer(str(self.target)), rows)
         return self._prompts[:n]
 
