@@ -1,8 +1,8 @@
-"""One typed loader for params.yaml.
+"""One typed loader for params.yaml, on strict pydantic dataclasses.
 
 Each stage loads only the sections it reads: `load_params(["target", "train"])`. Every key of a
-loaded section must be known, present and of the declared type, else the stage stops with a
-message naming the file, the key and the expected type. A typo such as `spec.num_step=5` must
+loaded section must be known, present, of the declared type and inside its range, else the stage
+stops with a message naming the file, the key and the fix. A typo such as `spec.num_step=5` must
 never be silently ignored, so unknown keys are errors with a "did you mean" hint.
 
 `dvc exp run -S key=value` writes Hydra-typed values into params.yaml (unquoted `5` is an int,
@@ -10,21 +10,23 @@ never be silently ignored, so unknown keys are errors with a "did you mean" hint
 lost (int -> float, integral float -> int, "true"/"false" -> bool, numeric string -> number) and
 reject everything else with the fix.
 
-Length: over 400 lines because every section's typed fields and every key's allowed range
-live here, next to the one loader that checks them; split, they would drift apart.
+The sections are pydantic dataclasses, not models: code and tests build them by keyword or
+position, and `dataclasses.replace` / `asdict` work on them (replace validates again).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Annotated, Literal, Sequence, Union
 
 import yaml
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
 
 from draftlab.errors import UserError
 
@@ -35,143 +37,193 @@ class ParamsError(UserError):
     pass
 
 
-def choice(*values: str, **kw) -> Any:
-    """A str field restricted to `values` (checked by the loader)."""
-    return field(metadata={"choices": values}, **kw)
+# ---------------------------------------------------------------------------------------------
+# The lossless coercions, all of them: each returns the value converted where nothing is lost,
+# else unchanged for the strict check to refuse. str needs none: a number where a string belongs
+# means Hydra parsed an unquoted value (0.5 for "0.50", 007 -> 7); converting back could silently
+# change it, so the user must quote it.
+
+
+def _number(tp):
+    def parse(value):
+        if isinstance(value, bool) or (tp is int and isinstance(value, float) and not value.is_integer()):
+            return value  # True is no number, 2.5 no int
+        try:  # int -> float, integral float -> int, numeric string ("5" from a hand edit or -S) -> tp
+            return tp(value.strip()) if isinstance(value, str) else tp(value) if isinstance(value, (int, float)) else value
+        except (ValueError, OverflowError):  # "many"; an int beyond float's range
+            return value
+    return BeforeValidator(parse)
+
+
+def _bool(value):
+    return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
+
+
+Int = Annotated[int, _number(int)]
+Float = Annotated[float, _number(float)]
+Bool = Annotated[bool, BeforeValidator(_bool)]
+FIRST_FIT = Field(union_mode="left_to_right")  # first arm that fits wins: "3" is layer 3, not a word
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
-# Sections. Field docs live in params.yaml next to the values; these classes give names and types.
+# Sections. Field docs live in params.yaml next to the values; these classes give names, types
+# and ranges, so that a value no stage can use (a batch size of 0, a negative lr) stops at load
+# with the key and the range instead of a traceback or, worse, a run that trains nothing.
+# Ranges: write the bounds as the message should show them (ge=0 prints ">= 0", gt=0.0 "> 0.0").
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class TargetParams:
     model: str  # hub id or local path of the target LLM
     revision: str | None  # hub revision (commit/tag); None for a local path
-    dtype: str = choice("float32", "bfloat16", "float16")
-    device: str = choice("auto", "cpu", "cuda")
+    dtype: Literal["float32", "bfloat16", "float16"]
+    device: Literal["auto", "cpu", "cuda"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class PromptsParams:
     source: str  # "builtin", "sharegpt", pkg:MODULE/PATH, or a path to a .jsonl / .parquet / ShareGPT .json file
-    num_prompts: int | None  # builtin: how many to draw; a file: a seeded subset (None = every usable prompt)
-    min_prompt_tokens: int | None  # prompts shorter than this (target tokens) are left out; None = no bound
-    max_prompt_tokens: int | None  # prompts longer than this (target tokens) are left out; None = no bound
-    seed: int
-    eval_fraction: float  # share of prompts (by content hash) held out for eval/bench
-    on_bad_row: str = choice("error", "skip")
+    num_prompts: Annotated[Int | None, Field(ge=1)]  # builtin: how many to draw; a file: a seeded subset (None = all usable)
+    min_prompt_tokens: Annotated[Int | None, Field(ge=1)]  # prompts shorter than this (target tokens) are left out; None = no bound
+    max_prompt_tokens: Annotated[Int | None, Field(ge=1)]  # prompts longer than this (target tokens) are left out; None = no bound
+    seed: Int
+    eval_fraction: Annotated[Float, Field(gt=0.0, lt=1.0)]  # share of prompts (by content hash) held out for eval/bench
+    on_bad_row: Literal["error", "skip"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class SynthParams:
     base_url: str  # openai backend: server URL up to /v1
     model_name: str | None  # openai backend: served model name; None = the server's first
     api_key_env: str  # NAME of the env var holding the API key (the key is never stored)
-    max_new_tokens: int  # tokens per answer
-    temperature: float  # 0 = greedy
-    top_p: float
-    seed: int  # sampling seed; each row's seed derives from it and the row id
-    batch_size: int  # hf backend: prompts per generate() call
-    concurrency: int  # openai backend: requests in flight
-    timeout_s: float  # openai backend: seconds per request attempt
-    max_retries: int  # openai backend: retries after the first attempt
-    retry_backoff_s: float  # openai backend: first retry delay, doubled each retry
-    backend: str = choice("hf", "openai")
-    reasoning: str = choice("keep", "drop")
+    max_new_tokens: Annotated[Int, Field(ge=1)]  # tokens per answer
+    temperature: Annotated[Float, Field(ge=0)]  # 0 = greedy
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)]
+    seed: Int  # sampling seed; each row's seed derives from it and the row id
+    batch_size: Annotated[Int, Field(ge=1)]  # hf backend: prompts per generate() call
+    concurrency: Annotated[Int, Field(ge=1)]  # openai backend: requests in flight
+    timeout_s: Annotated[Float, Field(gt=0.0)]  # openai backend: seconds per request attempt
+    max_retries: Annotated[Int, Field(ge=0)]  # openai backend: retries after the first attempt
+    retry_backoff_s: Annotated[Float, Field(ge=0)]  # openai backend: first retry delay (s), doubled each retry
+    backend: Literal["hf", "openai"]
+    reasoning: Literal["keep", "drop"]
 
 
-@dataclass(frozen=True)
+CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers
+
+
+@dataclass(frozen=True, config=STRICT)
 class CaptureParams:
     # decoder-layer outputs, 0-based, and optionally the word "embedding" (the embedding output);
-    # or the word "default". Checked by _check_capture_layers.
-    layers: Union[list[Union[int, str]], str]
+    # or the word "default". Whether the target and the SGLang release can serve them is
+    # draftlab.sglang.layers' question.
+    layers: Annotated[list[Annotated[Int | str, FIRST_FIT]] | str, FIRST_FIT]
+
+    @field_validator("layers")
+    @classmethod
+    def _layer_words(cls, value):
+        if isinstance(value, str):
+            if value != "default":
+                raise ValueError(f"must be a list of decoder layer numbers (0-based; the word embedding for the embedding "
+                                 f"output) or the word default, got {value!r}")
+            return value
+        for item in value:
+            if isinstance(item, str) and item not in CAPTURE_WORDS:
+                raise ValueError(f"must be list of int or str: decoder layer numbers (0-based) and the word embedding "
+                                 f"(the embedding output), e.g. [embedding, 3, 5]; {item!r} is neither")
+            if isinstance(item, int) and item < 0:
+                raise ValueError(f"lists layer {item}; layers count from 0 (the output of the first decoder layer); for "
+                                 f"the embedding output write the word embedding")
+        if value.count("embedding") > 1:
+            raise ValueError("names embedding twice")
+        return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class ExtractParams:
-    max_length: int
-    batch_size: int
-    shard_tokens: int
-    dtype: str = choice("bfloat16", "float16", "float32")
-    online_sample_sequences: int = 64  # train.features online: rows per split captured for stats and check
+    max_length: Annotated[Int, Field(ge=2)]  # tokens of prompt + answer
+    batch_size: Annotated[Int, Field(ge=1)]  # sequences per forward pass
+    shard_tokens: Annotated[Int, Field(ge=1)]  # tokens per safetensors shard
+    dtype: Literal["bfloat16", "float16", "float32"]  # storage dtype of hidden states
+    online_sample_sequences: Annotated[Int, Field(ge=1)] = 64  # train.features online: rows per split captured for stats and check
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class StandardizeParams:
-    draft_vocab_size: int
+    draft_vocab_size: Annotated[Int, Field(ge=1)]  # tokens the draft predicts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class TrainParams:
-    seed: int  # draft init and data order
-    epochs: int  # passes over the train split
-    batch_size: int  # sequences per optimizer step, all processes together
-    max_length: int  # tokens per sequence seen by the draft (longer ones are cut)
-    lr: float  # peak AdamW learning rate
-    min_lr_ratio: float  # cosine decays to lr * this
-    warmup_ratio: float  # share of optimizer steps with linear warmup
-    weight_decay: float
-    grad_clip: float  # max global grad norm; 0 = off
-    ttt_steps: int  # training-time-test unroll length (draft steps fed back)
-    ttt_decay: float  # loss weight of step i is ttt_decay**i
-    intermediate_size: int | None  # draft MLP width; None = the target's
-    checkpoint_every: int  # optimizer steps between resumable checkpoints; 0 = epoch ends only
-    device: str = choice("auto", "cpu", "cuda")
-    autocast: str = choice("auto", "bfloat16", "none")
+    seed: Int  # draft init and data order
+    epochs: Annotated[Int, Field(ge=1)]  # passes over the train split
+    batch_size: Annotated[Int, Field(ge=1)]  # sequences per optimizer step, all processes together
+    max_length: Annotated[Int, Field(ge=2)]  # tokens per sequence seen by the draft (longer ones are cut)
+    lr: Annotated[Float, Field(gt=0.0)]  # peak AdamW learning rate
+    min_lr_ratio: Annotated[Float, Field(ge=0.0, le=1.0)]  # cosine decays to lr * this
+    warmup_ratio: Annotated[Float, Field(ge=0.0, lt=1.0)]  # share of optimizer steps with linear warmup
+    weight_decay: Annotated[Float, Field(ge=0)]
+    grad_clip: Annotated[Float, Field(ge=0)]  # max global grad norm; 0 = off
+    ttt_steps: Annotated[Int, Field(ge=1)]  # training-time-test unroll length (draft steps fed back)
+    ttt_decay: Annotated[Float, Field(gt=0.0, le=1.0)]  # loss weight of step i is ttt_decay**i
+    intermediate_size: Annotated[Int | None, Field(ge=1)]  # draft MLP width; None = the target's
+    checkpoint_every: Annotated[Int, Field(ge=0)]  # optimizer steps between resumable checkpoints; 0 = epoch ends only
+    device: Literal["auto", "cpu", "cuda"]
+    autocast: Literal["auto", "bfloat16", "none"]
     # offline: read stored hidden states; online: run the target on every batch (nothing stored).
     # The default lets code that builds TrainParams directly (tests, tools) keep working; the
     # params.yaml loader still requires the key.
-    features: str = choice("offline", "online", default="offline")
+    features: Literal["offline", "online"] = "offline"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class ExportParams:
     sglang_version: str  # the layer-id rule depends on it (DESIGN.md section 4)
     formats: list[str]  # "sglang" (the only one written today)
-    dtype: str = choice("bfloat16", "float16", "float32")
+    dtype: Literal["bfloat16", "float16", "float32"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class SpecParams:
-    num_steps: int | None
-    topk: int | None
-    num_draft_tokens: int | None
-    algorithm: str = choice("EAGLE3", "EAGLE")
-    on_adjust: str = choice("error", "allow")
+    num_steps: Annotated[Int | None, Field(ge=1)]  # None (all three) = SGLang's defaults
+    topk: Annotated[Int | None, Field(ge=1)]
+    num_draft_tokens: Annotated[Int | None, Field(ge=1)]
+    algorithm: Literal["EAGLE3", "EAGLE"]
+    on_adjust: Literal["error", "allow"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class BenchParams:
-    num_prompts: int
-    max_new_tokens: int
-    ignore_eos: bool
-    warmup: int
-    concurrency: list[int]
-    side_by_side: bool  # sglang: both servers up at once, requests alternating
+    num_prompts: Annotated[Int, Field(ge=1)]
+    max_new_tokens: Annotated[Int, Field(ge=1)]
+    ignore_eos: Bool
+    warmup: Annotated[Int, Field(ge=0)]  # requests excluded from the figures
+    concurrency: Annotated[list[Annotated[Int, Field(ge=1)]], Field(min_length=1)]  # streams, one run each
+    side_by_side: Bool  # sglang: both servers up at once, requests alternating
     url: str
     server_log: str  # backend url: path of the running server's log ("" = none)
-    port: int
-    startup_timeout_s: float
-    tp_size: int
+    port: Annotated[Int, Field(ge=1, le=65535)]
+    startup_timeout_s: Annotated[Float, Field(gt=0.0)]
+    tp_size: Annotated[Int, Field(ge=1)]
     extra_server_args: list[str]
-    max_running_requests: int | None  # SGLang --max-running-requests; None = SGLang's (48 when speculating)
-    page_size: int | None  # SGLang --page-size (tokens per KV page); None = SGLang's default
+    max_running_requests: Annotated[Int | None, Field(ge=1)]  # SGLang --max-running-requests; None = SGLang's (48 when speculating)
+    page_size: Annotated[Int | None, Field(ge=1)]  # SGLang --page-size (tokens per KV page); None = SGLang's default
     attention_backend: str | None  # SGLang --attention-backend; None = SGLang picks from the GPU
-    request_timeout_s: float  # seconds one /generate request may take
-    backend: str = choice("reference", "sglang", "url")
-    dtype: str = choice("auto", "bfloat16", "float16", "float32")  # SGLang --dtype
+    request_timeout_s: Annotated[Float, Field(gt=0.0)]  # seconds one /generate request may take
+    backend: Literal["reference", "sglang", "url"]
+    dtype: Literal["auto", "bfloat16", "float16", "float32"]  # SGLang --dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class CheckParams:
-    tau_tolerance: float  # relative gap allowed between train-predicted, offline and served tau
-    fail_on_error: bool  # exit non-zero when a finding is an error
-    live_parity_samples: int  # training sequences sent through the serving capture path; 0 = no live parity
-    parity_rtol: float  # relative error ||live - stored|| / ||stored|| a captured layer may show
-    norm_tolerance: float  # live vs training mean L2 norm of a layer may differ by this share
+    tau_tolerance: Annotated[Float, Field(ge=0)]  # relative gap allowed between train-predicted, offline and served tau
+    fail_on_error: Bool  # exit non-zero when a finding is an error
+    live_parity_samples: Annotated[Int, Field(ge=0)]  # training sequences sent through the serving capture path; 0 = none
+    parity_rtol: Annotated[Float, Field(gt=0.0)]  # relative error ||live - stored|| / ||stored|| a captured layer may show
+    norm_tolerance: Annotated[Float, Field(ge=0)]  # live vs training mean L2 norm of a layer may differ by this share
     server_url: str  # "" = in-process capture; else a server started with --enable-return-hidden-states
-    request_timeout_s: float  # seconds one /generate request of the live parity may take
+    request_timeout_s: Annotated[Float, Field(gt=0.0)]  # seconds one /generate request of the live parity may take
 
 
 SECTIONS: dict[str, type] = {
@@ -190,73 +242,32 @@ SECTIONS: dict[str, type] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Allowed ranges, checked after the types, so that a value no stage can use (a batch size of 0, a
-# negative lr) stops at load with the key and the range instead of a traceback or, worse, a run
-# that trains nothing. (low, high, low excluded, high excluded); None = unbounded; a list's items
-# are checked one by one and the list must not be empty; None values (where allowed) are skipped.
-
-def _at_least(low):
-    return (low, None, False, False)
+# Messages. Pydantic finds what is wrong; these say it in the user's words, with the fix.
 
 
-def _above(low):
-    return (low, None, True, False)
+def _metadata(field: FieldInfo) -> list:
+    """Everything annotated on a field, its list items and its non-null arm included."""
+    found, todo = list(field.metadata), [field.annotation]
+    while todo:
+        tp = todo.pop()
+        todo += typing.get_args(tp)
+        found += tp.metadata if isinstance(tp, FieldInfo) else [tp]
+    return found
 
 
-POSITIVE_INT = _at_least(1)
-COUNT = _at_least(0)
-POSITIVE = _above(0.0)
-SHARE = (0.0, 1.0, False, False)
+def _bounds(field: FieldInfo) -> tuple | None:
+    """(low, high, low excluded, high excluded) of a numeric field or of its items; None = no range."""
+    c = {type(m): m for m in _metadata(field) if isinstance(m, (Ge, Gt, Le, Lt))}
+    if not c:
+        return None
+    low = c[Gt].gt if Gt in c else c[Ge].ge if Ge in c else None
+    high = c[Lt].lt if Lt in c else c[Le].le if Le in c else None
+    return low, high, Gt in c, Lt in c
 
-RANGES: dict[str, tuple] = {
-    "prompts.num_prompts": POSITIVE_INT,
-    "prompts.min_prompt_tokens": POSITIVE_INT,
-    "prompts.max_prompt_tokens": POSITIVE_INT,
-    "prompts.eval_fraction": (0.0, 1.0, True, True),
-    "synth.max_new_tokens": POSITIVE_INT,
-    "synth.temperature": COUNT,
-    "synth.top_p": (0.0, 1.0, True, False),
-    "synth.batch_size": POSITIVE_INT,
-    "synth.concurrency": POSITIVE_INT,
-    "synth.timeout_s": POSITIVE,
-    "synth.max_retries": COUNT,
-    "synth.retry_backoff_s": COUNT,
-    "extract.max_length": _at_least(2),
-    "extract.batch_size": POSITIVE_INT,
-    "extract.shard_tokens": POSITIVE_INT,
-    "extract.online_sample_sequences": POSITIVE_INT,
-    "standardize.draft_vocab_size": POSITIVE_INT,
-    "train.epochs": POSITIVE_INT,
-    "train.batch_size": POSITIVE_INT,
-    "train.max_length": _at_least(2),
-    "train.lr": POSITIVE,
-    "train.min_lr_ratio": SHARE,
-    "train.warmup_ratio": (0.0, 1.0, False, True),
-    "train.weight_decay": COUNT,
-    "train.grad_clip": COUNT,
-    "train.ttt_steps": POSITIVE_INT,
-    "train.ttt_decay": (0.0, 1.0, True, False),
-    "train.intermediate_size": POSITIVE_INT,
-    "train.checkpoint_every": COUNT,
-    "spec.num_steps": POSITIVE_INT,
-    "spec.topk": POSITIVE_INT,
-    "spec.num_draft_tokens": POSITIVE_INT,
-    "bench.num_prompts": POSITIVE_INT,
-    "bench.max_new_tokens": POSITIVE_INT,
-    "bench.warmup": COUNT,
-    "bench.concurrency": POSITIVE_INT,
-    "bench.port": (1, 65535, False, False),
-    "bench.startup_timeout_s": POSITIVE,
-    "bench.tp_size": POSITIVE_INT,
-    "bench.max_running_requests": POSITIVE_INT,
-    "bench.page_size": POSITIVE_INT,
-    "bench.request_timeout_s": POSITIVE,
-    "check.tau_tolerance": COUNT,
-    "check.live_parity_samples": COUNT,
-    "check.parity_rtol": POSITIVE,
-    "check.norm_tolerance": COUNT,
-    "check.request_timeout_s": POSITIVE,
-}
+
+# "section.key" -> its bounds, read off the fields (what the range tests walk).
+RANGES = {f"{name}.{key}": b for name, cls in SECTIONS.items()
+          for key, field in cls.__pydantic_fields__.items() if (b := _bounds(field))}
 
 
 def _range_text(low, high, low_open, high_open) -> str:
@@ -265,143 +276,68 @@ def _range_text(low, high, low_open, high_open) -> str:
     return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
-def _check_range(path: str, key: str, value) -> None:
-    for v in value if isinstance(value, list) else [value]:
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ParamsError(f"{path}: key {key} must be a finite number, got {value!r}")
-    if key not in RANGES or value is None:
-        return
-    low, high, low_open, high_open = RANGES[key]
-    items = value if isinstance(value, list) else [value]
-    if isinstance(value, list) and not value:
-        raise ParamsError(f"{path}: key {key} must list at least one value ({_range_text(*RANGES[key])}), got []")
-    for v in items:
-        if (v < low or (low_open and v == low)) or (high is not None and (v > high or (high_open and v == high))):
-            raise ParamsError(f"{path}: key {key} must be {_range_text(*RANGES[key])}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers
-
-
-def _check_capture_layers(path: str, key: str, value) -> None:
-    """capture.layers: "default", or a list of decoder layer numbers (>= 0) and the word embedding.
-    Whether the target and the SGLang release can serve them is draftlab.sglang.layers' question."""
-    if isinstance(value, str):
-        if value != "default":
-            raise ParamsError(f"{path}: key {key} must be a list of decoder layer numbers (0-based; the word embedding for "
-                              f"the embedding output) or the word default, got {value!r}")
-        return
-    for item in value:
-        if isinstance(item, str) and item not in CAPTURE_WORDS:
-            raise ParamsError(f"{path}: key {key} must be list of int or str: decoder layer numbers (0-based) and the word "
-                              f"embedding (the embedding output), e.g. [embedding, 3, 5]; {item!r} is neither")
-        if isinstance(item, int) and item < 0:
-            raise ParamsError(f"{path}: key {key} lists layer {item}; layers count from 0 (the output of the first decoder "
-                              f"layer); for the embedding output write the word embedding")
-    if value.count("embedding") > 1:
-        raise ParamsError(f"{path}: key {key} names embedding twice")
-
-
-CHECKS = {"capture.layers": _check_capture_layers}  # checks of one key beyond its type and range
+def _coerced(field: FieldInfo, value):
+    """`value` after the lossless coercions (a quoted "0" is shown as 0), item by item for a list."""
+    parse = next((m.func for m in _metadata(field) if isinstance(m, BeforeValidator)), lambda v: v)
+    return [parse(v) for v in value] if isinstance(value, list) else parse(value)
 
 
 def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return _type_name(args[0])
     if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
     if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "int", float: "float", str: "str", bool: "bool"}.get(tp, str(tp))
+        return f"list of {_type_name(args[0])}"
+    return "str" if origin is Literal else tp.__name__
 
 
-class _Mismatch(Exception):
-    pass
+BOUND_ERRORS = ("finite_number", "too_short", "greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
-def _coerce(value, tp):
-    """Return `value` as type `tp`, coercing only losslessly; raise _Mismatch otherwise."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        for arg in typing.get_args(tp):  # first arm that fits wins: order arms strictest first
-            try:
-                return _coerce(value, arg)
-            except _Mismatch:
-                pass
-        raise _Mismatch
-    if tp is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Mismatch
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise _Mismatch
-    if tp in (int, float):
-        if isinstance(value, bool):
-            raise _Mismatch
-        if isinstance(value, str):  # "5" from a hand edit or -S: parsed as the field's type
-            try:
-                return tp(value.strip())
-            except ValueError:
-                raise _Mismatch
-        if tp is int and isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, int) or (tp is float and isinstance(value, float)):
-            return tp(value)
-        raise _Mismatch
-    if tp is str:
-        # A number here means Hydra parsed an unquoted value (0.5 for "0.5", 007 -> 7): converting
-        # back could silently change it, so the user must quote it.
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    raise TypeError(f"unsupported field type {tp}")
+def _problem(key: str, field: FieldInfo, value, errors: list[dict]) -> str:
+    """What is wrong with `key`, from pydantic's errors about it, in the words of the message. A
+    wrong type anywhere in the value is named before a value out of range ([0, None]: None)."""
+    error = next((e for e in errors if e["type"] not in BOUND_ERRORS), errors[0])
+    kind = error["type"]
+    if kind == "value_error":  # a field's own rule (capture.layers)
+        return str(error["ctx"]["error"])
+    if kind == "literal_error" and isinstance(value, str):
+        return f"must be one of {', '.join(typing.get_args(field.annotation))}, got {value!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {_coerced(field, value)!r}"
+    if kind == "too_short":
+        return f"must list at least one value ({_range_text(*_bounds(field))}), got []"
+    if kind in BOUND_ERRORS:
+        return f"must be {_range_text(*_bounds(field))}, got {_coerced(field, value)!r}"
+    expected = _type_name(field.annotation)
+    fix = f"; quote it, e.g. -S '{key}=\"{value}\"'" if expected == "str" and isinstance(value, (int, float)) else ""
+    return f"must be {expected}, got {value!r} ({type(value).__name__}){fix}"
 
 
 def _load_section(name: str, raw, path: str):
     cls = SECTIONS[name]
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: section '{name}' must be a mapping of keys, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = cls.__pydantic_fields__
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f", did you mean {name}.{close[0]}?" if close else f" (known keys: {', '.join(fields)})"
             raise ParamsError(f"{path}: unknown key {name}.{key}{hint}")
-    values = {}
-    for fname, f in fields.items():
-        if fname not in raw:
-            raise ParamsError(f"{path}: missing key {name}.{fname} (expected {_type_name(hints[fname])})")
-        value = raw[fname]
-        try:
-            value = _coerce(value, hints[fname])
-        except _Mismatch:
-            fix = ""
-            if hints[fname] is str and isinstance(value, (int, float)):
-                fix = f"; quote it, e.g. -S '{name}.{fname}=\"{value}\"'"
-            raise ParamsError(
-                f"{path}: key {name}.{fname} must be {_type_name(hints[fname])}, "
-                f"got {value!r} ({type(value).__name__}){fix}"
-            ) from None
-        choices = f.metadata.get("choices")
-        if choices and value not in choices:
-            raise ParamsError(f"{path}: key {name}.{fname} must be one of {', '.join(choices)}, got {value!r}")
-        _check_range(path, f"{name}.{fname}", value)
-        if f"{name}.{fname}" in CHECKS:
-            CHECKS[f"{name}.{fname}"](path, f"{name}.{fname}", value)
-        values[fname] = value
-    return cls(**values)
+    errors = {}
+    try:
+        section = cls(**raw)
+    except ValidationError as e:
+        for error in e.errors():
+            errors.setdefault(error["loc"][0], []).append(error)
+    for key, field in fields.items():  # the first wrong key in field order is the one named
+        if key not in raw:  # a default in the class is for code, not for params.yaml
+            raise ParamsError(f"{path}: missing key {name}.{key} (expected {_type_name(field.annotation)})")
+        if key in errors:
+            raise ParamsError(f"{path}: key {name}.{key} {_problem(f'{name}.{key}', field, raw[key], errors[key])}")
+    return section
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -1,4 +1,5 @@
 """The params contract: unknown, missing, mistyped and out-of-range keys stop a stage with a clear message."""
+import json
 import re
 from pathlib import Path
 
@@ -129,3 +130,34 @@ def test_every_range_refuses_its_first_value_outside_and_accepts_the_default(tmp
         outside = [outside]
     with pytest.raises(ParamsError, match=re.escape(key)):
         load_params([section], _write(tmp_path, section, name, outside))
+
+
+def _typed(value):
+    """`value` with every leaf paired with its type name: 1 == 1.0 == True in Python, not in a hash."""
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    return type(value).__name__, value
+
+
+def test_the_default_run_hashes_the_same_configuration():
+    """Manifests hash as_dict: the repo's params.yaml must give the same keys, values and types as
+    the fixture, written by the dataclass loader this one replaced. Adding or renaming a key on
+    purpose changes the configuration hash of every stage that reads it: update the fixture with it."""
+    from draftlab.fsutil import canonical_json
+    from draftlab.params import as_dict
+
+    want = json.loads(Path("tests/fixtures/params_as_dict.json").read_text())
+    got = as_dict(load_params(list(SECTIONS), REPO_PARAMS))
+    assert _typed(got) == _typed(want)
+    assert canonical_json(got) == canonical_json(want)
+
+
+@pytest.mark.parametrize("section,key,default", [("train", "features", "offline"), ("extract", "online_sample_sequences", 64)])
+def test_a_key_with_a_default_for_code_is_still_required_in_the_file(tmp_path, base, section, key, default):
+    built = SECTIONS[section](**{k: v for k, v in base[section].items() if k != key})  # code may leave it out
+    assert getattr(built, key) == default
+    del base[section][key]
+    with pytest.raises(ParamsError, match=rf"missing key {section}\.{key} \(expected (str|int)\)"):
+        load_params([section], write(tmp_path, base))
