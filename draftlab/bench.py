@@ -11,7 +11,7 @@ Figures (DESIGN.md section 9, formulas in draftlab.metrics):
   served tau            = sum completion tokens / sum spec_verify_ct over the measured requests
   a_i                   = P(draft i accepted | drafts 1..i-1 accepted), pooled over requests
   speedup               = median tokens/s with speculation / median tokens/s of the baseline
-The offline run, the costs and the advice are in draftlab.advice.
+The offline run and the costs are in draftlab.cost_timing, the advice in draftlab.advice.
 """
 from __future__ import annotations
 

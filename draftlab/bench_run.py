@@ -8,7 +8,7 @@ then the same draft offline, the costs, the advice, and the report (reports/benc
 (draftlab.sglang.flags; with spec.on_adjust: error a request SGLang would silently change stops
 there), and the prompts as token ids. `run` starts the servers (draftlab.bench.start), measures
 them (draftlab.bench.measure), stops them, and only then loads the target's weights for the
-offline run (draftlab.advice), so that a GPU holds one copy of the target at a time.
+offline run (draftlab.cost_timing), so that a GPU holds one copy of the target at a time.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab import advice, bench, spec_engine
+from draftlab import advice, bench, cost_timing, served_fits, spec_engine
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 from draftlab.params import BenchParams, SpecParams, TargetParams
@@ -109,14 +109,14 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
         done = [(t, sec) for t, sec in done if t]
         tokens, seconds = [t for t, _ in done], [sec for _, sec in done]
-        costs.update(advice.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
-                     or advice.fit_requests(tokens, seconds) or {})
-        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (advice.round_scale)
+        costs.update(served_fits.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
+                     or served_fits.fit_requests(tokens, seconds) or {})
+        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (served_fits.round_scale)
             ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
-            served = advice.served_round(done, [r for r in ran if r[0] and r[1]])
+            served = served_fits.served_round(done, [r for r in ran if r[0] and r[1]])
             if served:
                 costs["served_round_s"] = served["round_s"]
-                costs["round_scale"] = advice.round_scale(costs, served["round_s"])
+                costs["round_scale"] = served_fits.round_scale(costs, served["round_s"])
 
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
     acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
@@ -126,10 +126,10 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     configs = advice.CHAINS + trees + ([ran_config] if ran_config not in advice.CHAINS + trees else [])
     if plan.bench_params.backend == "reference" and speedup:
         # The in-process engine serves: its timings, all from one interleaved loop, give the shape
-        # across configurations; the served pair gives the scale (advice.speedup_scale). Served and
+        # across configurations; the served pair gives the scale (served_fits.speedup_scale). Served and
         # in-process figures taken minutes apart on a shared CPU differed by up to 2x in absolute
         # speed, which an additive server overhead turned into a 20% error.
-        costs["speedup_scale"] = advice.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
+        costs["speedup_scale"] = served_fits.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
     advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
     measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
                  "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
@@ -222,7 +222,7 @@ def _ms(v):
 def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]]:
     """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
     in-process, fed the layers SGLang would feed it, then what each part of a round costs
-    (draftlab.advice), the round loop's own share calibrated on the offline run's rounds."""
+    (draftlab.cost_timing), the round loop's own share calibrated on the offline run's rounds."""
     info, warmup = plan.target, plan.bench_params.warmup
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
@@ -231,8 +231,8 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
-    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (advice.round_scale)
-    offline = advice.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
+    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (served_fits.round_scale)
+    offline = cost_timing.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
                                  eos, plan.bench_params.ignore_eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
@@ -243,12 +243,12 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     # output cut there): a round's draft steps and verify attend over the whole cache.
     first = plan.prompt_ids[warmup]
     context = offline["outputs"][0][:len(first) + int(offline["tokens_per_request"] / 2)]
-    costs = advice.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
+    costs = cost_timing.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
     costs["trees"] = bool(trees)
     batches = [n for n in plan.bench_params.concurrency if n > 1]
     if batches:  # the target's matmuls over n * w tokens: how a verify grows with requests in flight (advice.batch_growth)
         widths = {w for *_, w in configs}
-        costs["gemm_s"] = advice.measure_gemm_s(target, sorted(widths | {n * w for n in batches for w in widths}))
+        costs["gemm_s"] = cost_timing.measure_gemm_s(target, sorted(widths | {n * w for n in batches for w in widths}))
     costs["fit_s"] = advice.fit_costs(costs)  # the model's terms, fitted over every configuration timed
     # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
     # configuration that ran. It may be negative: where the lines through every configuration's
@@ -259,7 +259,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     costs["loop_s"] = round_s - parts["round"]
     costs["tokens_per_request"] = offline["tokens_per_request"]
     costs["baseline_run_step_s"] = offline.pop("baseline_step_s") or costs["baseline_step_s"]
-    ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
+    ranks = cost_timing.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
     return offline, costs, physical, ranks
 
 
