@@ -146,6 +146,8 @@ class BenchParams:
     ignore_eos: bool
     warmup: int
     concurrency: list[int]
+    concurrency_repeats: int  # ABBA pairs of whole batches (one per server) at each concurrency > 1
+    sweep: list[str]  # more configurations STEPS-TOPK-DRAFT_TOKENS and/or "advised", after spec.*'s; checked by check_sweep
     side_by_side: bool  # sglang: both servers up at once, requests alternating
     url: str
     server_log: str  # backend url: path of the running server's log ("" = none)
@@ -241,6 +243,7 @@ RANGES: dict[str, tuple] = {
     "bench.max_new_tokens": POSITIVE_INT,
     "bench.warmup": COUNT,
     "bench.concurrency": POSITIVE_INT,
+    "bench.concurrency_repeats": POSITIVE_INT,
     "bench.port": (1, 65535, False, False),
     "bench.startup_timeout_s": POSITIVE,
     "bench.tp_size": POSITIVE_INT,
@@ -301,7 +304,48 @@ def _check_capture_layers(path: str, key: str, value) -> None:
         raise ParamsError(f"{path}: key {key} names embedding twice")
 
 
-CHECKS = {"capture.layers": _check_capture_layers}  # checks of one key beyond its type and range
+ADVISED = "advised"  # the word bench.sweep may list: the configuration the advice recommends
+
+
+def parse_configuration(text: str) -> tuple[int, int, int]:
+    """'5-1-6' -> (num_steps, topk, num_draft_tokens); ValueError saying what to write instead.
+
+    A chain (topk 1) verifies num_steps + 1 tokens (SGLang silently changes any other count); a tree
+    verifies at most num_steps * topk + 1 (the root and the tokens its steps keep)."""
+    try:
+        steps, topk, tokens = (int(x) for x in str(text).split("-"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a configuration: write STEPS-TOPK-DRAFT_TOKENS, e.g. 5-1-6 (a chain) or "
+                         f"6-8-32 (a tree), or the word {ADVISED}") from None
+    if min(steps, topk, tokens) < 1:
+        raise ValueError(f"{text!r}: every number must be >= 1, e.g. 5-1-6")
+    if topk == 1 and tokens != steps + 1:
+        raise ValueError(f"{text!r}: a chain (topk 1) verifies steps + 1 = {steps + 1} tokens (SGLang would change "
+                         f"{tokens} silently); write {steps}-1-{steps + 1}")
+    if tokens > steps * topk + 1:
+        raise ValueError(f"{text!r}: {tokens} draft tokens exceed the tree's steps x topk + 1 = {steps * topk + 1}; "
+                         f"write {steps}-{topk}-{steps * topk + 1} or fewer tokens")
+    return steps, topk, tokens
+
+
+def check_sweep(path: str, key: str, value: list[str]) -> None:
+    """bench.sweep: configurations STEPS-TOPK-DRAFT_TOKENS and the word advised, none twice."""
+    seen = {}
+    for item in value:
+        if item == ADVISED:
+            config = ADVISED
+        else:
+            try:
+                config = parse_configuration(item)
+            except ValueError as e:
+                raise ParamsError(f"{path}: key {key}: {e}") from None
+        if config in seen:
+            raise ParamsError(f"{path}: key {key} lists {seen[config]!r} and {item!r}: the same configuration twice; "
+                              "list each once")
+        seen[config] = item
+
+
+CHECKS = {"capture.layers": _check_capture_layers, "bench.sweep": check_sweep}  # checks of one key beyond its type and range
 
 
 def _type_name(tp) -> str:
