@@ -71,7 +71,6 @@ def write_configuration_plots(out: Path, report: dict) -> None:
                   color="black", marker="|", s=200, label="predicted", zorder=3)
     ax[0].axvline(1.0, color="grey", lw=0.8)
     ax[0].set(title="speedup by configuration (bs=1, paired)", xlabel="speedup over the baseline")
-    ax[0].legend(fontsize=8)
     for r in rows:
         ns = [1] + [p["concurrency"] for p in r["concurrency"]]
         line, = ax[1].plot(ns, [r["speedup"]] + [p["speedup"] for p in r["concurrency"]], marker="o", label=r["configuration"])
@@ -85,7 +84,7 @@ def write_configuration_plots(out: Path, report: dict) -> None:
     ax[1].axhline(1.0, color="grey", lw=0.8)
     ax[1].set(title="speedup by concurrency (dashed: predicted)", xlabel="requests in flight", ylabel="speedup")
     ax[2].set(title="tokens/s by concurrency", xlabel="requests in flight", ylabel="tokens/s (bs=1: per request)")
-    for a in ax[1:]:
+    for a in ax if rows else []:  # nothing measured against a baseline (bench.backend url): empty panels
         a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "configurations.png", dpi=110)

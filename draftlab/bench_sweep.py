@@ -1,7 +1,8 @@
 """The bench stage's configuration sweep (bench.sweep): one baseline server kept up, each speculative
 configuration started beside it in turn, measured paired against it, and stopped.
 
-    configurations, choices = bench_sweep.plan_configurations(spec_resolution, bench_params.sweep, resolve_one, on_adjust, candidates)
+    configurations, choices = bench_sweep.plan_configurations(spec_resolution, bench_params.sweep, resolve_one,
+                                                              on_adjust, candidates)
     pairings = bench_sweep.measure(plan, out, advise_first)      # spec.*'s first, then bench.sweep's in order
     rows = bench_sweep.rows(pairings, bs1_predictions, predictions_by_concurrency)
 
@@ -66,7 +67,8 @@ class Pairing:
     error: str | None = None
 
 
-def plan_configurations(spec_resolution: Resolution, items: list[str], resolve_one, on_adjust: str, candidates) -> tuple[list[Configuration], dict]:
+def plan_configurations(spec_resolution: Resolution, items: list[str], resolve_one, on_adjust: str,
+                        candidates) -> tuple[list[Configuration], dict]:
     """(configurations in the order they are measured, {key: Resolution or why it is refused} for
     `advised`): spec.*'s first, then bench.sweep's. resolve_one(key) -> Resolution of that
     configuration with every other flag as spec.* and bench.* give it; every listed one must pass
@@ -86,7 +88,7 @@ def plan_configurations(spec_resolution: Resolution, items: list[str], resolve_o
             res.enforce(on_adjust)
         except UserError as e:
             raise UserError(f"bench.sweep lists {item}: {e}") from None
-        by_key[key] = Configuration(item, [LISTED], res)
+        by_key[key] = Configuration(name_of(key), [LISTED], res)
         out.append(by_key[key])
     choices = {}
     if any(c.name == ADVISED for c in out):
