@@ -1,9 +1,9 @@
-"""The offline isolation run, the measured costs of a speculative round, and the advice drawn from them.
+"""The cost model of a speculative round, and the advice drawn from it: numbers in, numbers out.
 
-The bench stage's second opinion on a served draft: the same exported draft decoded in-process
-(draftlab.spec_engine, no server); what each part of a speculative round costs on this machine,
-timed by running the engine's own step functions; and from those and the measured acceptance the
-predicted tau and speedup of chains and trees, with "don't speculate" when none pays.
+From what each part of a round costs (timed by draftlab.cost_timing, or fitted on a server's own
+rounds by draftlab.served_fits) and the measured acceptance: the predicted tau and speedup of
+chains and trees, and the recommendation, "don't speculate" when none pays. Nothing here runs a
+model.
 
 The cost model counts the round as the engine runs it (spec_engine.generate). For a configuration
 of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tokens (seconds):
@@ -24,16 +24,16 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
 o: the server's own work per engine step: with the served baseline's requests fitted as
-P + T * b_server (`probed_requests`: P from prompt-only requests, b_server the median of the
-rest per token; `fit_requests` without them), b = b_server, P = its fixed part (prefill, HTTP) and
+P + T * b_server (`served_fits.probed_requests`: P from prompt-only requests, b_server the median of the
+rest per token; `served_fits.fit_requests` without them), b = b_server, P = its fixed part (prefill, HTTP) and
 o = b_server - the in-process decode step over the same prompts, paid once per round by a
 speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
 prefill and o = 0;
 The bench's reference server runs this very engine, and there the prediction is the in-process
-speedup at the served pair's scale (`speedup_scale`, `in_process_speedup`):
+speedup at the served pair's scale (`served_fits.speedup_scale`, `in_process_speedup`):
     speedup(c) = sigma * (P + T * e) / (P + P_d + (T / tau_c) * (round(c) - L)),
     sigma = the served speedup of the configuration that ran / that formula for it at its served tau,
-with e, P, P_d the decode step and prefills timed in `measure_costs`' loop. Every timing in the
+with e, P, P_d the decode step and prefills timed in `cost_timing.measure_costs`' loop. Every timing in the
 formula comes from one interleaved loop, so a change in the machine's speed hits them alike: on a
 shared 2-core CPU the served pair, the offline run and that loop, taken a minute apart, differed by
 up to 2x in absolute speed, which the additive form (o, L from other minutes) turned into errors of
@@ -41,13 +41,13 @@ up to 20%. The configuration that ran is then predicted exactly; the test of the
 predicts the others (`tools/advice_sweep.py`).
 With a server that runs another engine (SGLang), o is replaced by a scale: every round costs
 kappa * round, kappa = the served round of the configuration that ran (measured from its paired
-requests, `served_round`) / the offline run's round of it (`round_scale`).
+requests, `served_fits.served_round`) / the offline run's round of it (`served_fits.round_scale`).
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
 
 DV is timed as a round runs it, the draft's forwards and the target's verify one after the other
-over a cache of a prompt plus half an answer (`measure_costs`): the sum of the parts timed apart
+over a cache of a prompt plus half an answer (`cost_timing.measure_costs`): the sum of the parts timed apart
 missed how a round's cost grows with depth (the verify's cost is a step function of its width on a
 CPU, 3.4 ms at 2-3 tokens, 4.0 at 4-6, 4.7 at 7-9 for the default target, which a line through noisy
 timings flattened). The parts below stay: they show where a round's time goes, and they predict a
@@ -70,29 +70,21 @@ With n requests in flight a verify runs the target over n * w tokens. Where that
 round scaled from bs=1 does not know it. The batch growth (`batch_growth`) adds, to a round scaled
 from the configuration that ran (width w0), what the target's dense matmuls cost over n * w tokens
 beyond n * w0, less the same difference at bs=1 (which the scale already holds): G(n) * [T] timed on
-this device by `measure_gemm_s`, unscaled, because a matmul of that size costs the same under a
+this device by `cost_timing.measure_gemm_s`, unscaled, because a matmul of that size costs the same under a
 server's CUDA graphs as in-process.
 """
 from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import numpy as np
-import torch
 
 from draftlab import spec_engine
-from draftlab.draft import KVCache
-from draftlab.extract import AuxCapture
-from draftlab.metrics import chain_tau, conditional_acceptance, pooled_tau
+from draftlab.metrics import chain_tau
 
 CHAINS = [(n, 1, n + 1) for n in range(1, 9)]  # (num_steps, topk, num_draft_tokens)
 TREES = [(3, 2, 6), (4, 2, 8), (5, 4, 8), (6, 8, 32)]
-
-
-# ---------------------------------------------------------------------------------------------
-# The model (pure: numbers in, numbers out)
 
 
 def tree_tau(rank_acceptance: list[list[float]], num_steps: int, topk: int, num_draft_tokens: int) -> float:
@@ -151,7 +143,7 @@ def _lookup(table, key: float) -> float:
             return y0 + (y1 - y0) * (key - x0) / (x1 - x0)
 
 
-def _nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
+def nonnegative_lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
     """Least squares y ~ sum_j c_j * columns[j] with every c_j >= 0 (a cost term is never negative):
     solved unconstrained, then the most negative coefficient is pinned at 0 and the rest solved
     again, until none is negative. Columns that are all zero get 0."""
@@ -172,7 +164,7 @@ def fit_line(points: dict) -> tuple[float, float]:
     xs, ys = [float(x) for x in points], [float(v) for v in points.values()]
     if len(set(xs)) < 2:
         return (statistics.fmean(ys), 0.0) if ys else (0.0, 0.0)
-    a, b = _nonnegative_lstsq([[1.0] * len(xs), xs], ys)
+    a, b = nonnegative_lstsq([[1.0] * len(xs), xs], ys)
     return a, b
 
 
@@ -182,7 +174,7 @@ def fit_draft(draft_s: dict) -> tuple[float, dict]:
     A topk timed at num_steps 1 only has no d_k (the lookup takes it from the neighbouring widths)."""
     pts = [(int(key.split("-")[0]) - 1, int(key.split("-")[1]), float(t)) for key, t in draft_s.items()]
     widths = sorted({k for x, k, _ in pts if x > 0})
-    coef = _nonnegative_lstsq([[1.0] * len(pts)] + [[x if kk == k else 0.0 for x, kk, _ in pts] for k in widths],
+    coef = nonnegative_lstsq([[1.0] * len(pts)] + [[x if kk == k else 0.0 for x, kk, _ in pts] for k in widths],
                               [t for *_, t in pts])
     return coef[0], dict(zip(widths, coef[1:]))
 
@@ -251,33 +243,8 @@ def server_costs(costs: dict) -> tuple[float, float, float]:
     return step, costs.get("server_request_s", costs.get("prefill_s", 0.0)), max(0.0, step - here)
 
 
-def probed_requests(tokens: list[int], seconds: list[float], prompt_only_s: list[float]) -> dict | None:
-    """A server's per-request cost and decode step from its requests and from prompt-only requests
-    (max_new_tokens 1) to it: P1 = the median prompt-only request (prefill, HTTP, the first token),
-    step = the median over requests of (seconds - P1) / (tokens - 1); returned in the P + T * step
-    form of `fit_requests` (server_request_s = P1 - step). Medians, not a line fitted through every
-    request: on a shared 2-core CPU a burst of load on a few requests moved the fitted fixed part
-    from 0.1 ms to 475 ms between two runs of one configuration, and with it the prediction by 20%."""
-    p1 = statistics.median(prompt_only_s) if prompt_only_s else None
-    steps = [(sec - p1) / (t - 1) for t, sec in zip(tokens, seconds) if p1 is not None and t > 1]
-    if not steps:
-        return None
-    step = max(0.0, statistics.median(steps))
-    return {"server_request_s": max(0.0, p1 - step), "server_step_s": step}
-
-
-def fit_requests(tokens: list[int], seconds: list[float]) -> dict | None:
-    """Per-request seconds = fixed + tokens * step, fitted over a server's measured requests (both
-    >= 0): its decode step (s/token) and what a request costs besides (prefill, HTTP). None when the
-    requests are too few or too alike in length to separate the two."""
-    if len(tokens) < 3 or max(tokens) - min(tokens) < 8:
-        return None
-    fixed, step = _nonnegative_lstsq([[1.0] * len(tokens), [float(t) for t in tokens]], list(seconds))
-    return {"server_request_s": fixed, "server_step_s": step}
-
-
 def in_process_speedup(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
-    """The in-process engine's speedup by the timings of `measure_costs` alone, all taken in one
+    """The in-process engine's speedup by the timings of `cost_timing.measure_costs` alone, all taken in one
     interleaved loop: (P + T * e) / (P + P_d + (T / tau) * round), e the decode step and P, P_d the
     prefills timed there, round = `round_cost` less its loop term (calibrated on another run)."""
     parts = round_cost(costs, num_steps, topk, num_draft_tokens, tau)
@@ -287,14 +254,6 @@ def in_process_speedup(costs: dict, tau: float, num_steps: int, topk: int, num_d
         return tau * step / r
     prefill, draft_prefill = costs.get("prefill_s", 0.0), costs.get("draft_prefill_s", 0.0)
     return (prefill + T * step) / (prefill + draft_prefill + (T / tau) * r)
-
-
-def speedup_scale(costs: dict, measured_speedup: float, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
-    """sigma = the served speedup of the configuration that ran / its in-process speedup at its served
-    tau (`in_process_speedup`). With costs["speedup_scale"] = sigma, `predict` gives every candidate
-    sigma * its in-process speedup: the shape across configurations from one interleaved loop, the
-    server's share (HTTP, scheduling, its own step) as one ratio measured on the served pair."""
-    return measured_speedup / in_process_speedup(costs, tau, num_steps, topk, num_draft_tokens)
 
 
 def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
@@ -315,19 +274,7 @@ def predict(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens
     return (prefill + T * base) / (prefill + draft_prefill + (T / tau) * r)
 
 
-def round_scale(costs: dict, served_round_s: float) -> float:
-    """kappa = a served round of the configuration that ran / the offline run's round of it
-    (costs["offline_round_s"], which the fitted model plus loop_s reproduces at that configuration).
-
-    For a server that is not the in-process engine (SGLang: CUDA graphs, its own kernels and
-    scheduler), o = server step - in-process step says nothing: on an H200 an 8B target's eager
-    in-process step took 25 ms where SGLang's took 4.5 ms. There the model keeps the shape of the
-    in-process round (how drafting, verify and extend grow with steps, topk and width) and takes
-    its scale from the one served round measured: round_served(cfg) = kappa * round(cfg)."""
-    return served_round_s / costs["offline_round_s"]
-
-
-def _interpolate(table: dict, x: float) -> float:
+def interpolate(table: dict, x: float) -> float:
     """table {x: y} (keys may be strings, as read back from JSON) at x, piecewise linear; past the ends,
     the end segment's line (a single point: that value)."""
     pts = sorted((float(k), float(v)) for k, v in table.items())
@@ -346,7 +293,7 @@ def batch_growth(costs: dict, num_draft_tokens: int) -> float:
     n, w0, table = costs.get("batch") or 1, costs.get("ref_width"), costs.get("gemm_s")
     if n <= 1 or not w0 or not table:
         return 0.0
-    f = lambda t: _interpolate(table, t)  # noqa: E731
+    f = lambda t: interpolate(table, t)  # noqa: E731
     return f(n * num_draft_tokens) - f(n * w0) - (f(num_draft_tokens) - f(w0))
 
 
@@ -472,353 +419,3 @@ def predicted_vs_measured(candidates: list[dict], measured: list[dict]) -> list[
                     "predicted_speedup": row["predicted_speedup"], "measured_speedup": m.get("measured_speedup"),
                     "speedup_error": err})
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# A serving engine's own rounds (SGLang): the model fitted on what the server measured
-#
-# An in-process round is not a served one: SGLang replays CUDA graphs of the draft and the verify
-# and overlaps its scheduling with them, where the engine above launches eager kernels from Python.
-# A served round is measured without any server instrumentation: the speculative server's requests
-# over the same prompts as the baseline's take P + rounds * R seconds (rounds = spec_verify_ct), with
-# P the per-request cost fitted on the baseline's requests (prefill, HTTP; `fit_requests`). Over the
-# configurations served, R is fitted as
-#
-#     round(s, k, w) = R0 + d * s + v * w      (seconds; non-negative least squares)
-#
-# R0: what every round pays (the target's weights read once by the verify, the draft's extend, the
-# server's own work), d: one draft step (a graph replay of the draft layer and its head), v: one more
-# token in the verify forward. Memory-bound at bs=1, so topk enters only through w.
-
-
-def served_round(base: list[tuple[int, float]], spec: list[tuple[int, int, float]]) -> dict | None:
-    """One configuration's measured round from paired requests over the same prompts.
-
-    base: (completion tokens, seconds) per baseline request; spec: (completion tokens, verify
-    rounds, seconds) per speculative request. Returns step_s (the baseline's decode step), request_s
-    (its fixed cost per request), round_s (R), served_tau and tokens_per_request, or None when the
-    baseline's requests cannot separate the step from the fixed cost (`fit_requests`)."""
-    fit = fit_requests([t for t, _ in base], [s for _, s in base])
-    rounds = sum(r for _, r, _ in spec)
-    if fit is None or not rounds:
-        return None
-    request_s = fit["server_request_s"]
-    return {"step_s": fit["server_step_s"], "request_s": request_s,
-            "round_s": (sum(s for *_, s in spec) - len(spec) * request_s) / rounds,
-            "served_tau": sum(t for t, _, _ in spec) / rounds,
-            "tokens_per_request": statistics.fmean(t for t, _ in base)}
-
-
-def fit_served_rounds(rounds: dict) -> dict:
-    """{(num_steps, topk, num_draft_tokens): round seconds} -> the round model's terms in fit_costs'
-    form (round_cost, predict and advise take it): R0 + d * s + v * w (see above)."""
-    cfgs = list(rounds)
-    r0, d, v = _nonnegative_lstsq([[1.0] * len(cfgs), [float(c[0]) for c in cfgs], [float(c[2]) for c in cfgs]],
-                                  [float(rounds[c]) for c in cfgs])
-    return {"draft_fixed": r0 + d, "draft_per_step": {1: d}, "verify_fixed": 0.0, "verify_per_token": v,
-            "tree_verify_fixed": 0.0, "tree_verify_per_token": v, "extend_fixed": 0.0, "extend_per_row": 0.0}
-
-
-def served_costs(rounds: dict, step_s: float, request_s: float, tokens_per_request: float) -> dict:
-    """A costs dict for predict/advise from served rounds and the served baseline (no in-process terms)."""
-    return {"fit_s": fit_served_rounds(rounds), "baseline_step_s": step_s, "prefill_s": request_s,
-            "tokens_per_request": tokens_per_request}
-
-
-def known_taus(candidates: list[dict], served: dict) -> list[dict]:
-    """candidates with the tau the served configurations show: a served configuration's own served
-    tau; an unserved chain no deeper than the deepest chain measured (by acceptance or served), the
-    chain taus measured interpolated by depth; both no longer extrapolated. Every other row as it is.
-    served: {(s, k, w): served tau}."""
-    chains = {c["num_steps"]: c["predicted_tau"] for c in candidates if c["topk"] == 1 and not c.get("extrapolated")}
-    chains.update({k[0]: t for k, t in served.items() if k[1] == 1})
-    out = []
-    for c in candidates:
-        key = (c["num_steps"], c["topk"], c["num_draft_tokens"])
-        if key in served:
-            c = {**c, "predicted_tau": served[key], "extrapolated": False, "tau_from": "served"}
-        elif c["topk"] == 1 and chains and c["num_steps"] <= max(chains):
-            c = {**c, "predicted_tau": chains.get(c["num_steps"]) or _interpolate(chains, c["num_steps"]), "extrapolated": False}
-        out.append(c)
-    return out
-
-
-def advise_served(candidates: list[dict], measured: dict) -> dict:
-    """The advice from a server's own rounds.
-
-    candidates: rows with num_steps, topk, num_draft_tokens and predicted_tau (the bench stage's
-    advice: tau from the measured acceptance); measured: {(s, k, w): served_round(...)} for the
-    configurations served. Returns `recommend` over the candidates with the speedups predicted by
-    the round model fitted on every measured configuration and the taus served (`known_taus`), the
-    fitted terms (ms), and per measured configuration the prediction made without it (leave one
-    out, its round and its served tau both unseen: the model's error on a configuration it has not
-    seen)."""
-    measured = {tuple(k): v for k, v in measured.items() if v}
-    served = {k: m["served_tau"] for k, m in measured.items() if m.get("served_tau")}
-    if not measured:
-        return {**recommend([]), "fit_ms": None, "held_out": []}
-    step_s = statistics.median(m["step_s"] for m in measured.values())
-    request_s = statistics.median(m["request_s"] for m in measured.values())
-    tokens = statistics.fmean(m["tokens_per_request"] for m in measured.values())
-
-    def predicted(costs, row):
-        key = (row["num_steps"], row["topk"], row["num_draft_tokens"])
-        return predict(costs, row["predicted_tau"], *key), round_cost(costs, *key, row["predicted_tau"])["round"]
-
-    rounds = {k: m["round_s"] for k, m in measured.items()}
-    costs = served_costs(rounds, step_s, request_s, tokens)  # fitted once for every candidate
-    rows = []
-    for c in known_taus(candidates, served):
-        speedup, round_s = predicted(costs, c)
-        rows.append({**{k: c[k] for k in ("num_steps", "topk", "num_draft_tokens", "predicted_tau")},
-                     "predicted_speedup": speedup, "round_ms": 1e3 * round_s, "extrapolated": c.get("extrapolated", False)})
-    held_out = []
-    for key in measured:
-        unseen = known_taus(candidates, {k: t for k, t in served.items() if k != key})
-        row = next((c for c in unseen if (c["num_steps"], c["topk"], c["num_draft_tokens"]) == key), None)
-        rest = {k: r for k, r in rounds.items() if k != key}
-        if row is None or len(rest) < 3:
-            continue
-        speedup, round_s = predicted(served_costs(rest, step_s, request_s, tokens), row)
-        held_out.append({"num_steps": key[0], "topk": key[1], "num_draft_tokens": key[2], "predicted_speedup": speedup,
-                         "predicted_tau": row["predicted_tau"], "extrapolated": row.get("extrapolated", False),
-                         "predicted_round_ms": 1e3 * round_s, "measured_round_ms": 1e3 * rounds[key]})
-    fit = costs["fit_s"]
-    d = fit["draft_per_step"][1]
-    return {**recommend(rows), "held_out": held_out,
-            "fit_ms": {"round_fixed": 1e3 * (fit["draft_fixed"] - d), "per_draft_step": 1e3 * d,
-                       "per_verify_token": 1e3 * fit["verify_per_token"], "baseline_step": 1e3 * step_s,
-                       "request_fixed": 1e3 * request_s, "tokens_per_request": tokens}}
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring: the offline run and the costs, with the engine's own functions
-
-
-def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
-                eos: set[int], ignore_eos: bool, with_baseline: bool = True) -> dict:
-    """Every prompt decoded in-process by spec_engine with the served flags: pooled tau, a_i, speed,
-    seconds per round (prefills excluded) and the outputs (for the rank shares). with_baseline: also
-    decode each prompt without speculation, for the in-process decode step (baseline_step_s, None
-    without); a server of another engine is scaled on its own rounds instead (`round_scale`), and an
-    eager 8B baseline costs a minute."""
-    results, baselines = [], []
-    for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
-        results.append(spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
-                                            num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
-                                            eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
-        if with_baseline:
-            baselines.append(spec_engine.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
-    base_steps = sum(len(b.output_ids) - 1 for b in baselines)
-    proposed = [sum(x) for x in zip(*(r.proposed for r in results))]
-    accepted = [sum(x) for x in zip(*(r.accepted for r in results))]
-    tokens = sum(len(r.output_ids) for r in results)
-    verify_ct = sum(r.spec_verify_ct for r in results)
-    return {
-        "tau": pooled_tau([len(r.output_ids) for r in results], [r.spec_verify_ct for r in results]),
-        "acceptance": conditional_acceptance(accepted, proposed),
-        "tokens_per_s": tokens / sum(r.total_s for r in results),
-        "tokens_per_request": tokens / len(results),
-        # the in-process decode step over the same prompts (prefill excluded), s/token
-        "baseline_step_s": sum(b.total_s - b.prefill_s for b in baselines) / base_steps if base_steps else None,
-        "draft_s": sum(r.draft_s for r in results),
-        "verify_s": sum(r.verify_s for r in results),
-        "verify_ct": verify_ct,
-        "decode_s": sum(r.total_s - r.prefill_s for r in results),  # the draft prefill included (subtracted by the caller)
-        "requests": len(results),
-        "outputs": [p + r.output_ids for p, r in zip(prompts, results)],
-    }
-
-
-def _rollback(cache, n: int) -> None:
-    """The target's cache back to its first n positions (the prompt)."""
-    drop = cache.get_seq_length() - n
-    if drop > 0:
-        cache.crop(-drop)
-
-
-def _interleaved_medians(timers: dict, repeats: int) -> dict:
-    """{name: median seconds} of `timers` ({name: fn() -> seconds it took}), run round-robin: one
-    pass over every timer per repeat, after one warm-up pass. A drift in the machine's load then
-    shifts every term alike, rather than all the timings of one configuration (timed one after the
-    other, a slow minute made the longer chains look slower per step than the short ones)."""
-    for fn in timers.values():
-        fn()
-    times = {name: [] for name in timers}
-    for _ in range(repeats):
-        for name, fn in timers.items():
-            times[name].append(fn())
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _timed(fn, device):
-    """fn as a timer: the seconds one call takes, the device synchronized."""
-    def run():
-        t0 = time.perf_counter()
-        fn()
-        spec_engine._sync(device)
-        return time.perf_counter() - t0
-    return run
-
-
-@torch.inference_mode()
-def measure_costs(target, draft, prompt: list[int], physical: list[int], configs=None, repeats: int = 15,
-                  prompt_len: int | None = None) -> dict:
-    """The raw timings of the round model's terms (seconds), on `prompt`, by the engine's own functions:
-    baseline_step_s, prefill_s, draft_prefill_s, draft_s {"num_steps-topk": s}, verify_s and
-    tree_verify_s {width: s}, extend_s {rows: s}, and draft_verify_s {"num_steps-topk-num_draft_tokens": s}:
-    the drafting, verify, acceptance and KV keep of one round of each configuration, timed whole.
-    `fit_costs` turns the parts into the model's lines; `round_cost` takes a configuration's whole
-    timing where there is one.
-
-    `prompt` is the state the rounds are timed in: give a prompt plus about half an answer (the
-    bench passes its offline run's first output cut there), and prompt_len, the prompt's own length
-    (the prefills are timed over it). Rounds run over a cache that grows
-    from the prompt to the prompt plus the answer, and every draft step and verify attends over
-    it: timed over the prompt alone, the deeper chains' rounds came out short of the offline run's by
-    about 4% of a baseline decode step per draft step (2-core CPU, the default target and draft).
-
-    Each timing is the median of `repeats`, the terms interleaved (`_interleaved_medians`); a term is
-    timed from the state the engine would be in (the prompt prefilled in the target's and the
-    draft's caches), and every cache is rolled back after it, so that the next timing starts from
-    the same state. The baseline step is one decode step of the target (baseline_generate's body),
-    timed among the rest.
-    """
-    configs = configs or CHAINS + TREES
-    device = target.device
-    prompt_len = prompt_len or len(prompt)
-    n = len(prompt)
-    spec_engine.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
-
-    with AuxCapture(target, physical) as aux, spec_engine.attention_kernels(device):
-        def prefilled(tokens):  # (ids, target cache, first token, draft cache, root state, seconds, draft seconds)
-            ids = torch.tensor([tokens], device=device)
-            cache = spec_engine.new_cache(target)
-            t0 = time.perf_counter()
-            x = int(spec_engine.target_forward(target, ids, cache, logits_to_keep=1)[0, -1].argmax())
-            prefill = time.perf_counter() - t0
-            dcache = KVCache()
-            t0 = time.perf_counter()
-            root = draft.step(torch.cat([ids[:, 1:], torch.tensor([[x]], device=device)], 1), draft.project(aux.take()),
-                              torch.arange(len(tokens), device=device)[None], dcache)[:, -1:]
-            spec_engine._sync(device)
-            return ids, cache, x, dcache, root, prefill, time.perf_counter() - t0
-
-        first = prefilled(prompt[:prompt_len])  # a request's prefills: the prompt alone
-        prefill, draft_prefill = first[-2:]
-        ids, cache, x, dcache, root, *_ = first if prompt_len == n else prefilled(prompt)  # the state rounds are timed in
-        d0 = len(dcache)
-
-        def decode_step():  # the baseline's step (baseline_generate's body), timed among the rest
-            logits = spec_engine.target_forward(target, torch.tensor([[x]], device=device), cache, logits_to_keep=1)
-            spec_engine.pick(logits[0, -1], True, 0.0, -1, 1.0, None)
-            _rollback(cache, n)
-
-        timers, trees = {("decode", 1): _timed(decode_step, device)}, {}
-        for s, k, ndt in configs:
-            if k == 1:
-                fn = lambda s=s: spec_engine.draft_chain(draft, dcache, root, x, n, s)  # noqa: E731
-            else:
-                fn = lambda s=s, k=k, ndt=ndt: spec_engine.draft_tree(draft, dcache, root, x, n, s, k, ndt)  # noqa: E731
-                trees[ndt] = fn()
-            timers[("draft", f"{s}-{k}")] = _timed(fn, device)
-
-        def verify(tree):
-            logits = spec_engine.verify_tree(target, cache, tree, n)
-            spec_engine.accept_path(tree, logits, True, 0.0, -1, 1.0, None)
-            _rollback(cache, n)
-
-        chain_widths = sorted({ndt for s, k, ndt in configs if k == 1} | {2})
-        chain = lambda w: spec_engine.Tree([x] + prompt[:w - 1], list(range(-1, w - 1)), list(range(w)))  # noqa: E731
-        for w in chain_widths:
-            timers[("verify", w)] = _timed(lambda w=w: verify(chain(w)), device)
-        for w, t in trees.items():
-            timers[("tree_verify", w)] = _timed(lambda t=t: verify(t), device)
-
-        def extend(r):  # the draft over r accepted rows, fed by the verify forward's aux states (not timed)
-            def run():
-                spec_engine.verify_tree(target, cache, chain(max(r, 2)), n)
-                spec_engine._sync(device)
-                t0 = time.perf_counter()
-                draft.step(torch.tensor([prompt[:r]], device=device), draft.project(aux.take()[:, :r]),
-                           torch.arange(n, n + r, device=device)[None], dcache)
-                spec_engine._sync(device)
-                took = time.perf_counter() - t0
-                dcache.crop(d0)
-                _rollback(cache, n)
-                return took
-            return run
-
-        for r in range(1, max(chain_widths) + 1):
-            timers[("extend", r)] = extend(r)
-
-        def whole(s, k, ndt):  # drafting, verify, acceptance and the KV keep of one round, as generate runs them
-            def run():
-                t0 = time.perf_counter()
-                if k == 1:
-                    tree = spec_engine.draft_chain(draft, dcache, root, x, n, s)
-                else:
-                    tree = spec_engine.draft_tree(draft, dcache, root, x, n, s, k, ndt)
-                logits = spec_engine.verify_tree(target, cache, tree, n)
-                path, _ = spec_engine.accept_path(tree, logits, True, 0.0, -1, 1.0, None)
-                spec_engine.keep_kv(cache, n, path)
-                spec_engine._sync(device)
-                took = time.perf_counter() - t0
-                _rollback(cache, n)
-                return took
-            return run
-
-        for s, k, ndt in configs:
-            timers[("draft_verify", f"{s}-{k}-{ndt}")] = whole(s, k, ndt)
-        med = _interleaved_medians(timers, repeats)
-    baseline_step = med.pop(("decode", 1))
-
-    def by(term):
-        return {key: t for (name, key), t in med.items() if name == term}
-
-    return {"baseline_step_s": baseline_step, "prefill_s": prefill, "draft_prefill_s": draft_prefill,
-            "draft_s": by("draft"), "verify_s": by("verify"), "tree_verify_s": by("tree_verify"), "extend_s": by("extend"),
-            "draft_verify_s": by("draft_verify")}
-
-
-@torch.inference_mode()
-def measure_gemm_s(target, token_counts, repeats: int = 5) -> dict[int, float]:
-    """{T: seconds} of every dense matmul of the target (each nn.Linear, lm_head included) over T token
-    rows, timed as plain matmuls on the target's device and dtype, the counts interleaved, the median
-    of `repeats`: what the target's forward costs in its linear layers at T tokens, memory-bound for a
-    small T (the weights are read once) and compute-bound for a large one (`batch_growth`). A
-    mixture-of-experts layer is counted as if every expert ran: an upper bound."""
-    weights = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)]
-    device, dtype = weights[0].device, weights[0].dtype
-    rows = {int(t): {w.shape[1]: torch.randn(int(t), w.shape[1], device=device, dtype=dtype) for w in weights}
-            for t in token_counts}
-
-    def timer(t):
-        def run():
-            xs = rows[t]
-            for w in weights:
-                torch.matmul(xs[w.shape[1]], w.t())
-        return _timed(run, device)
-
-    return _interleaved_medians({t: timer(t) for t in rows}, repeats)
-
-
-@torch.inference_mode()
-def measure_rank_shares(target, draft, sequences: list[list[int]], prompt_lens: list[int], physical: list[int], k: int = 8) -> list[float]:
-    """Share of answer positions where the target's next token is the draft's rank-r proposal, r < k
-    (the draft at depth 1, fed the target's own states, as after a draft extend)."""
-    device = target.device
-    counts, total = [0] * k, 0
-    for seq, p in zip(sequences, prompt_lens):
-        ids = torch.tensor([seq], device=device)
-        with AuxCapture(target, physical) as aux:
-            target(input_ids=ids, use_cache=False)
-            state = draft.step(ids[:, 1:], draft.project(aux.take()[:, :-1]), torch.arange(len(seq) - 1, device=device)[None], KVCache())
-        top = draft.to_target(draft.logits(state[0]).topk(k, -1).indices)  # row t predicts token t + 2
-        truth = ids[0, 2:]
-        rows = top[p - 1:len(seq) - 2]  # the answer tokens a draft proposes (the first comes from the target's prefill)
-        hits = rows == truth[p - 1:, None]
-        total += rows.shape[0]
-        for r, c in enumerate(hits.sum(0).tolist()):
-            counts[r] += c
-    return [c / total for c in counts] if total else []

@@ -11,7 +11,7 @@ Figures (DESIGN.md section 9, formulas in draftlab.metrics):
   served tau            = sum completion tokens / sum spec_verify_ct over the measured requests
   a_i                   = P(draft i accepted | drafts 1..i-1 accepted), pooled over requests
   speedup               = median tokens/s with speculation / median tokens/s of the baseline
-The offline run, the costs and the advice are in draftlab.advice.
+The offline run and the costs are in draftlab.cost_timing, the advice in draftlab.advice.
 """
 from __future__ import annotations
 
@@ -100,28 +100,34 @@ class _url:
         return self.cm.__exit__(*exc)
 
 
-def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int) -> dict[str, dict]:
+def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int,
+            abba: bool = False) -> dict[str, dict]:
     """Figures per server. With several servers up, requests alternate prompt by prompt, so a
-    change in the machine's load hits both modes alike and their ratio stays fair."""
+    change in the machine's load hits both modes alike and their ratio stays fair; abba: the order
+    flips every other prompt (A B, B A, ...), so that neither server always goes first."""
     clients = {mode: Client(url, bench_params.request_timeout_s) for mode, url in urls.items()}
+
+    def order(i):
+        return list(clients.items()) if not abba or i % 2 == 0 else list(reversed(clients.items()))
+
     try:
         for client in clients.values():
             run_requests(client, prompts[:warmup], sampling)  # compile/caches warm; not counted
         records = {mode: [] for mode in clients}
         wall = dict.fromkeys(clients, 0.0)
-        for prompt in prompts[warmup:]:
-            for mode, client in clients.items():
+        for i, prompt in enumerate(prompts[warmup:]):
+            for mode, client in order(i):
                 recs, seconds = run_requests(client, [prompt], sampling)
                 records[mode] += recs
                 wall[mode] += seconds
         # Prompt-only requests (max_new_tokens 1), alternating too: each server's own per-request cost
         # (prefill, HTTP, the first token), which the advice takes apart from its decode step.
         prompt_only = {mode: [] for mode in clients}
-        for prompt in prompts[warmup:]:
-            for mode, client in clients.items():
+        for i, prompt in enumerate(prompts[warmup:]):
+            for mode, client in order(i):
                 recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1})
                 prompt_only[mode].append(seconds)
-        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency)
+        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency, bench_params.concurrency_repeats)
         out = {}
         for mode, client in clients.items():
             sweep = sweeps[mode]
@@ -130,7 +136,8 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
             out[mode] = {"speed": speed(records[mode], wall[mode]), "spec": spec_figures(metas), "sweep": sweep,
                          "server_accept_length": server_accept_length(info),
                          "server_flags": flags_from_server_info(info), "metas": [m.raw for m in metas],
-                         "request_seconds": [r["seconds"] for r in records[mode]], "prompt_only_seconds": prompt_only[mode]}
+                         "request_seconds": [r["seconds"] for r in records[mode]], "prompt_only_seconds": prompt_only[mode],
+                         "texts": [r["text"] for r in records[mode]]}
         return out
     finally:
         for client in clients.values():
@@ -141,7 +148,8 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
                       repeats: int = 2) -> dict[str, list[dict]]:
     """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
     several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
-    the machine's load hits every mode alike; each mode's figures pool its batches.
+    the machine's load hits every mode alike; each mode's figures pool its batches, and "batches"
+    keeps each batch's own (the i-th of every mode make the i-th repeat), tau where it speculated.
 
     Each mode first gets one whole batch at n that is not counted: on an H200, SGLang's first
     speculative batch at a new concurrency took up to twice as long as the next (kernels compiled
@@ -150,13 +158,18 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
     for n in (n for n in levels if n > 1):
         for client in clients.values():
             run_requests(client, prompts, sampling, n)  # warm-up at this concurrency: not counted
-        got = {mode: ([], 0.0) for mode in clients}
+        got = {mode: [] for mode in clients}  # (records, seconds) of each batch
         for rep in range(repeats if len(clients) > 1 else 1):
             for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
-                recs, seconds = run_requests(clients[mode], prompts, sampling, n)
-                got[mode] = (got[mode][0] + recs, got[mode][1] + seconds)
-        for mode, (recs, seconds) in got.items():
-            out[mode].append({"concurrency": n, **speed(recs, seconds)})
+                got[mode].append(run_requests(clients[mode], prompts, sampling, n))
+        for mode, batches in got.items():
+            recs = [r for b, _ in batches for r in b]
+            row = {"concurrency": n, **speed(recs, sum(sec for _, sec in batches)),
+                   "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec} for b, sec in batches]}
+            spec = [r["meta"] for r in recs if r["meta"].speculative]
+            if spec:
+                row["tau"] = pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])
+            out[mode].append(row)
         # Prompt-only requests at n in flight: the server's time per admitted request when it only
         # admits (advice.costs_by_concurrency takes the prefills out of the step and the round with it).
         for mode, client in clients.items():
@@ -170,8 +183,8 @@ def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concu
 
     def one(ids):
         t0 = time.perf_counter()
-        _, meta = client.generate(ids, sampling)
-        return {"seconds": time.perf_counter() - t0, "meta": meta}
+        text, meta = client.generate(ids, sampling)
+        return {"seconds": time.perf_counter() - t0, "meta": meta, "text": text}
 
     t0 = time.perf_counter()
     if concurrency <= 1:

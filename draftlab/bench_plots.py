@@ -35,3 +35,57 @@ def write_plots(out: Path, report: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
     plt.close(fig)
+
+
+def write_configuration_plots(out: Path, report: dict) -> None:
+    """configurations.csv (bs=1 speedup and tau of each configuration measured, with the advice's
+    prediction), concurrency.csv (speedup and both servers' tokens/s at every concurrency measured,
+    one row per configuration and concurrency) and configurations.png, from bench.json's
+    `configurations` (spec.*'s first, then bench.sweep's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["configurations"] if r.get("speedup") is not None]
+
+    def num(v):
+        return "" if v is None else f"{v:.4f}"
+
+    def nan(values):  # a point the advice did not predict: a gap in the line
+        return [float("nan") if v is None else v for v in values]
+
+    atomic_write_text(out / "configurations.csv", "configuration,speedup,predicted_speedup,tau,predicted_tau\n" + "".join(
+        f"{r['configuration']},{num(r['speedup'])},{num(r['predicted_speedup'])},{num(r['tau'])},{num(r['predicted_tau'])}\n" for r in rows))
+    # concurrency 1: the bs=1 pairing (speedup of per-request medians, single-stream tokens/s); n > 1: whole batches
+    points = [(r, 1, r["speedup"], r["predicted_speedup"], r["baseline_tokens_per_s"], r["tokens_per_s"]) for r in rows]
+    points += [(r, p["concurrency"], p["speedup"], p["predicted_speedup"], p["baseline_tokens_per_s"], p["tokens_per_s"])
+               for r in rows for p in r["concurrency"]]
+    points.sort(key=lambda x: (x[0]["configuration"], x[1]))
+    atomic_write_text(out / "concurrency.csv", "configuration,concurrency,speedup,predicted_speedup,baseline_tokens_per_s,tokens_per_s\n"
+                      + "".join(f"{r['configuration']},{n},{num(s)},{num(ps)},{num(b)},{num(t)}\n" for r, n, s, ps, b, t in points))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    names = [r["configuration"] for r in rows]
+    ax[0].barh(names, [r["speedup"] for r in rows], label="measured")
+    ax[0].scatter(nan([r["predicted_speedup"] for r in rows]), names,
+                  color="black", marker="|", s=200, label="predicted", zorder=3)
+    ax[0].axvline(1.0, color="grey", lw=0.8)
+    ax[0].set(title="speedup by configuration (bs=1, paired)", xlabel="speedup over the baseline")
+    for r in rows:
+        ns = [1] + [p["concurrency"] for p in r["concurrency"]]
+        line, = ax[1].plot(ns, [r["speedup"]] + [p["speedup"] for p in r["concurrency"]], marker="o", label=r["configuration"])
+        ax[1].plot(ns, nan([r["predicted_speedup"]] + [p["predicted_speedup"] for p in r["concurrency"]]), ls="--", color=line.get_color())
+        ax[2].plot(ns, [r["tokens_per_s"]] + [p["tokens_per_s"] for p in r["concurrency"]], marker="o", color=line.get_color(),
+                   label=r["configuration"])
+    if rows:  # the baseline of the first pairing (every pairing measures the same baseline server)
+        ax[2].plot([1] + [p["concurrency"] for p in rows[0]["concurrency"]],
+                   [rows[0]["baseline_tokens_per_s"]] + [p["baseline_tokens_per_s"] for p in rows[0]["concurrency"]],
+                   marker="s", color="black", label="baseline")
+    ax[1].axhline(1.0, color="grey", lw=0.8)
+    ax[1].set(title="speedup by concurrency (dashed: predicted)", xlabel="requests in flight", ylabel="speedup")
+    ax[2].set(title="tokens/s by concurrency", xlabel="requests in flight", ylabel="tokens/s (bs=1: per request)")
+    for a in ax if rows else []:  # nothing measured against a baseline (bench.backend url): empty panels
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "configurations.png", dpi=110)
+    plt.close(fig)

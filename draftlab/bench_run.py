@@ -4,22 +4,26 @@ then the same draft offline, the costs, the advice, and the report (reports/benc
     plan = bench_run.prepare(target_params, spec_params, bench_params, sglang_version, read_exported(draft_dir), prompts_dir)
     result = bench_run.run(plan, out)      # result.report, result.figures, result.key
 
-`prepare` settles everything before a server starts: the flags SGLang would really run
-(draftlab.sglang.flags; with spec.on_adjust: error a request SGLang would silently change stops
-there), and the prompts as token ids. `run` starts the servers (draftlab.bench.start), measures
-them (draftlab.bench.measure), stops them, and only then loads the target's weights for the
-offline run (draftlab.advice), so that a GPU holds one copy of the target at a time.
+`prepare` settles everything before a server starts: the flags SGLang would really run for
+spec.* and for every configuration of bench.sweep (draftlab.sglang.flags; with spec.on_adjust:
+error a request SGLang would silently change stops there), and the prompts as token ids. `run`
+starts the servers (draftlab.bench.start), measures them (draftlab.bench.measure), stops them, and
+only then loads the target's weights for the offline run (draftlab.cost_timing), so that a GPU
+holds one copy of the target at a time. With bench.sweep the offline run comes first instead, its
+copy of the target freed before any server starts, so that the advice is known while the baseline
+stays up for every configuration (draftlab.bench_sweep).
 """
 from __future__ import annotations
 
 import dataclasses
+import gc
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftlab import advice, bench, jsonl, spec_engine
+from draftlab import advice, bench, bench_sweep, cost_timing, jsonl, served_fits, spec_engine
 from draftlab.errors import UserError
 from draftlab.params import BenchParams, SpecParams, TargetParams
 from draftlab.sglang.checkpoint import ExportedDraft, load_exported
@@ -45,11 +49,28 @@ class BenchPlan:
     target: dict  # draftlab.target.target_info of the target's config
     resolution: Resolution
     prompt_ids: list[list[int]]  # bench.warmup prompts first, then the measured ones
+    configurations: list = dataclasses.field(default_factory=list)  # bench_sweep.Configuration: spec.*'s, then bench.sweep's
+    advised_choices: dict = dataclasses.field(default_factory=dict)  # bench.sweep `advised`: {key: Resolution or why refused}
 
     @property
     def flags(self) -> SpecFlags:
         """The flags the speculative server runs."""
         return self.resolution.effective
+
+    @property
+    def sweep(self) -> bool:
+        """Whether bench.sweep asks for more configurations than spec.*'s."""
+        return bool(self.bench_params.sweep)
+
+    def candidates(self, trees: bool = True) -> list[tuple[int, int, int]]:
+        """The configurations the advice predicts: chains of 1..8, the trees (unless `trees` is off),
+        the one that ran and those bench.sweep lists."""
+        out = advice.CHAINS + (advice.TREES if trees else [])
+        ran = (self.flags.num_steps, self.flags.topk, self.flags.num_draft_tokens)
+        for key in [ran] + [c.key for c in self.configurations[1:] if c.resolution is not None]:
+            if key not in out:
+                out.append(key)
+        return out
 
     @property
     def sampling(self) -> dict:
@@ -73,10 +94,21 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     tokenizer = load_tokenizer(target_params.model, target_params.revision)
     info = target_info(load_config(target_params), target_params)
     requested = requested_from_params(spec_params, bench_params)
-    res = resolve(requested, info["architecture"], sglang_version, draft_architecture=(draft.config.get("architectures") or [None])[0],
-                  draft_context_length=draft.config.get("max_position_embeddings"),
-                  target_context_length=info["max_position_embeddings"], max_concurrency=max(bench_params.concurrency),
-                  extra_server_args=bench_params.extra_server_args)
+
+    def resolve_flags(flags: SpecFlags) -> Resolution:
+        return resolve(flags, info["architecture"], sglang_version, draft_architecture=(draft.config.get("architectures") or [None])[0],
+                       draft_context_length=draft.config.get("max_position_embeddings"),
+                       target_context_length=info["max_position_embeddings"], max_concurrency=max(bench_params.concurrency),
+                       extra_server_args=bench_params.extra_server_args)
+
+    res = resolve_flags(requested)
+    if bench_params.sweep and bench_params.backend == "url":
+        raise UserError("bench.sweep needs servers the bench starts itself; with bench.backend: url only the server at "
+                        "bench.url is measured. Set bench.backend: sglang (with bench.side_by_side: true) or reference to "
+                        "sweep, or bench.sweep: [] and one experiment per configuration (dvc exp run -S spec.num_steps=...)")
+    if bench_params.sweep and bench_params.backend == "sglang" and not bench_params.side_by_side:
+        raise UserError("bench.sweep keeps one baseline server up beside each speculative one: set bench.side_by_side: true "
+                        "(and give each server --mem-fraction-static 0.4 or less in bench.extra_server_args), or bench.sweep: []")
     if bench_params.backend == "url":
         # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
         for f in res.errors + res.adjustments:
@@ -89,60 +121,50 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     flags = res.effective
     if bench_params.backend == "reference" and (flags.algorithm != "EAGLE3" or flags.topk is None):
         raise UserError(f"the reference backend runs EAGLE3 with explicit num_steps/topk; got {dataclasses.asdict(flags)}")
+    configurations, choices = bench_sweep.plan_configurations(
+        res, bench_params.sweep, lambda key: resolve_flags(dataclasses.replace(requested, num_steps=key[0], topk=key[1], num_draft_tokens=key[2])),
+        spec_params.on_adjust, advice.CHAINS + advice.TREES)
     rows = bench.read_eval_prompts(prompts, bench_params.num_prompts + bench_params.warmup)
     if len(rows) <= bench_params.warmup:
         raise UserError(f"{prompts / 'eval.jsonl'} has {len(rows)} prompts, not more than bench.warmup={bench_params.warmup}")
     return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
-                     bench.render_prompts(tokenizer, rows))
+                     bench.render_prompts(tokenizer, rows), configurations, choices)
 
 
 def run(plan: BenchPlan, out: Path) -> BenchResult:
-    """Serve and measure, then the offline run and the advice; writes the server logs and
+    """Serve and measure, then the offline run and the advice (with bench.sweep: the offline run
+    first, then every configuration beside one baseline); writes the server logs and
     requests.jsonl under `out` and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
-    baseline, spec, log = measure_served(plan, out)
-    server_log = read_log(log) if log.exists() else None
-    offline, costs, physical, ranks = measure_offline(plan)
-    if baseline:  # the served baseline's own step and per-request cost (advice.server_costs)
-        done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
-        done = [(t, sec) for t, sec in done if t]
-        tokens, seconds = [t for t, _ in done], [sec for _, sec in done]
-        costs.update(advice.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
-                     or advice.fit_requests(tokens, seconds) or {})
-        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (advice.round_scale)
-            ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
-            served = advice.served_round(done, [r for r in ran if r[0] and r[1]])
-            if served:
-                costs["served_round_s"] = served["round_s"]
-                costs["round_scale"] = advice.round_scale(costs, served["round_s"])
+    if plan.sweep:
+        # The advice must be known while the baseline stays up (`advised`), and a GPU must hold one
+        # copy of the target at a time (SGLang sizes its KV pool from the memory free at start-up):
+        # the in-process run first, its copy of the target freed before any server starts.
+        offline, costs, physical, ranks = measure_offline(plan)
+        release_memory(plan.device)
+        got = {}
 
+        def advise_first(first: bench_sweep.Pairing):
+            got["advice"] = advise(plan, first.baseline, first.spec, offline, costs, ranks)
+            pick = got["advice"]["advised"]["recommended"]
+            return (pick["num_steps"], pick["topk"], pick["num_draft_tokens"]) if pick else None
+
+        pairings = bench_sweep.measure(plan, out, advise_first)
+        adv = got["advice"]
+    else:
+        baseline, spec, log = measure_served(plan, out)
+        offline, costs, physical, ranks = measure_offline(plan)
+        pairings = [bench_sweep.Pairing(plan.configurations[0], baseline, spec, log)]
+        adv = advise(plan, baseline, spec, offline, costs, ranks)
+    baseline, spec, log = pairings[0].baseline, pairings[0].spec, pairings[0].log
+    server_log = read_log(log) if log.exists() else None
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
-    acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
-    speedup = spec["speed"]["median"] / baseline["speed"]["median"] if baseline else None
-    ran_config = (flags.num_steps, flags.topk, flags.num_draft_tokens)
-    trees = advice.TREES if costs.get("trees", True) else []  # none timed on a sliding-window target
-    configs = advice.CHAINS + trees + ([ran_config] if ran_config not in advice.CHAINS + trees else [])
-    if plan.bench_params.backend == "reference" and speedup:
-        # The in-process engine serves: its timings, all from one interleaved loop, give the shape
-        # across configurations; the served pair gives the scale (advice.speedup_scale). Served and
-        # in-process figures taken minutes apart on a shared CPU differed by up to 2x in absolute
-        # speed, which an additive server overhead turned into a 20% error.
-        costs["speedup_scale"] = advice.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
-    advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
-    measured = [{"num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens, "where": "served",
-                 "measured_tau": spec["spec"]["tau"], "measured_speedup": speedup}]
+    advised, speedup = adv["advised"], adv["speedup"]
+    rows = bench_sweep.rows(pairings, {_key(r): r for r in advised["candidates"]},
+                            {n: {_key(r): r for r in a["candidates"]} for n, a in adv["per"]["by_concurrency"].items()} if adv["per"] else None)
+    measured = [{**{k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}, "where": "served", "measured_tau": r["tau"],
+                 "measured_speedup": r["speedup"]} for r in rows if not r.get("error")]
     compared = advice.predicted_vs_measured(advised["candidates"], measured)
-    by_concurrency = None
-    if baseline and spec["sweep"]:  # the advice at each concurrency measured, and where speculation stops paying
-        request_s = {r["concurrency"]: r["prompt_only_s_per_request"] for r in baseline["sweep"] if r.get("prompt_only_s_per_request")}
-        tokens = sum(r["completion_tokens"] for r in baseline["sweep"]) / max(1, sum(r["requests"] for r in baseline["sweep"]))
-        per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"],
-                                                                                   flags.num_draft_tokens, request_s or None, tokens),
-                                           configs, depth1_ranks=ranks)
-        by_concurrency = {"crossover_concurrency": per["crossover_concurrency"],
-                          "recommendation": {str(n): a["recommendation"] for n, a in per["by_concurrency"].items()},
-                          "predicted_speedup": {str(n): {advice.config_name(r): r["predicted_speedup"] for r in a["candidates"]}
-                                                for n, a in per["by_concurrency"].items()}}
     res = plan.resolution
     report = {
         "backend": bench_params.backend,
@@ -166,18 +188,89 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         # "ran": the served configuration's row as a dict, so that `dvc exp show` (which leaves lists
         # out) tabulates predicted against measured per experiment
         "advice": {**advised, "predicted_vs_measured": compared, "ran": compared[0] if compared else None,
-                   "by_concurrency": by_concurrency},
+                   "by_concurrency": adv["by_concurrency"],
+                   "predicted_vs_measured_by_concurrency": bench_sweep.predicted_vs_measured_by_concurrency(rows),
+                   "served_fit": served_fit(pairings, advised["candidates"])},
+        # spec.*'s configuration first, then bench.sweep's (draftlab.bench_sweep.rows)
+        "configurations": rows,
+        "best_configuration": bench_sweep.best(rows, advised),
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
-    jsonl.write(out / "requests.jsonl", ({"mode": mode, "meta": meta} for mode, source in (("baseline", baseline), ("speculative", spec))
-                                         if source for meta in source["metas"]))
+    jsonl.write(out / "requests.jsonl", ({"configuration": p.configuration.name, "mode": mode, "meta": meta} for p in pairings
+                                         for mode, source in (("baseline", p.baseline), ("speculative", p.spec)) if source
+                                         for meta in source["metas"]))
     key = {"backend": bench_params.backend, "num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens,
            "capture_physical_layers": physical, "target": plan.target_params.model, "sglang_version": plan.sglang_version}
     figures = {"tau": report["spec"]["tau"], "offline_tau": offline["tau"], "speedup": speedup,
                "tokens_per_s": spec["speed"]["median"], "baseline_tokens_per_s": baseline["speed"]["median"] if baseline else None,
                "accept_rate": report["spec"]["accept_rate"]}
     return BenchResult(report, figures, key)
+
+
+def _key(row: dict) -> tuple[int, int, int]:
+    return row["num_steps"], row["topk"], row["num_draft_tokens"]
+
+
+def advise(plan: BenchPlan, baseline: dict | None, spec: dict, offline: dict, costs: dict, ranks: list[float]) -> dict:
+    """The advice from spec.*'s pairing: costs (updated in place with the served baseline's step and
+    per-request cost, and the scale of the served figures), the bs=1 advice over plan.candidates,
+    and, with requests in flight, the advice per concurrency (`per`, and its summary `by_concurrency`)."""
+    flags = plan.flags
+    if baseline:  # the served baseline's own step and per-request cost (advice.server_costs)
+        done = [(m.get("completion_tokens"), sec) for m, sec in zip(baseline["metas"], baseline["request_seconds"])]
+        done = [(t, sec) for t, sec in done if t]
+        tokens, seconds = [t for t, _ in done], [sec for _, sec in done]
+        costs.update(served_fits.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
+                     or served_fits.fit_requests(tokens, seconds) or {})
+        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (served_fits.round_scale)
+            ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
+            served = served_fits.served_round(done, [r for r in ran if r[0] and r[1]])
+            if served:
+                costs["served_round_s"] = served["round_s"]
+                costs["round_scale"] = served_fits.round_scale(costs, served["round_s"])
+
+    acceptance = spec["spec"]["acceptance"] or offline["acceptance"]
+    speedup = spec["speed"]["median"] / baseline["speed"]["median"] if baseline else None
+    ran_config = (flags.num_steps, flags.topk, flags.num_draft_tokens)
+    configs = plan.candidates(trees=costs.get("trees", True))  # no trees timed on a sliding-window target
+    if plan.bench_params.backend == "reference" and speedup:
+        # The in-process engine serves: its timings, all from one interleaved loop, give the shape
+        # across configurations; the served pair gives the scale (served_fits.speedup_scale). Served and
+        # in-process figures taken minutes apart on a shared CPU differed by up to 2x in absolute
+        # speed, which an additive server overhead turned into a 20% error.
+        costs["speedup_scale"] = served_fits.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
+    advised = advice.advise(acceptance, costs, configs, depth1_ranks=ranks)
+    per = by_concurrency = None
+    if baseline and spec["sweep"]:  # the advice at each concurrency measured, and where speculation stops paying
+        request_s = {r["concurrency"]: r["prompt_only_s_per_request"] for r in baseline["sweep"] if r.get("prompt_only_s_per_request")}
+        tokens = sum(r["completion_tokens"] for r in baseline["sweep"]) / max(1, sum(r["requests"] for r in baseline["sweep"]))
+        per = advice.advise_by_concurrency(acceptance, advice.costs_by_concurrency(costs, baseline["sweep"], spec["sweep"], spec["spec"]["tau"],
+                                                                                   flags.num_draft_tokens, request_s or None, tokens),
+                                           configs, depth1_ranks=ranks)
+        by_concurrency = {"crossover_concurrency": per["crossover_concurrency"],
+                          "recommendation": {str(n): a["recommendation"] for n, a in per["by_concurrency"].items()},
+                          "predicted_speedup": {str(n): {advice.config_name(r): r["predicted_speedup"] for r in a["candidates"]}
+                                                for n, a in per["by_concurrency"].items()}}
+    return {"advised": advised, "speedup": speedup, "per": per, "by_concurrency": by_concurrency}
+
+
+def served_fit(pairings: list, candidates: list[dict]) -> dict | None:
+    """With three or more configurations served beside the baseline: the advice from the server's own
+    rounds alone (served_fits.advise_served: round = R0 + d * s + v * w over the rounds measured, each
+    configuration also predicted with itself left out). None with fewer."""
+    rounds = {p.configuration.key: served_fits.served_round(*bench_sweep.served_requests(p)) for p in pairings if p.spec and p.baseline}
+    rounds = {k: r for k, r in rounds.items() if r}
+    if len(rounds) < 3:
+        return None
+    return served_fits.advise_served(candidates, rounds)
+
+
+def release_memory(device: str) -> None:
+    """Give back what the in-process target held, so that a server started next finds it free."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]:
@@ -219,7 +312,7 @@ def _ms(v):
 def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]]:
     """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
     in-process, fed the layers SGLang would feed it, then what each part of a round costs
-    (draftlab.advice), the round loop's own share calibrated on the offline run's rounds."""
+    (draftlab.cost_timing), the round loop's own share calibrated on the offline run's rounds."""
     info, warmup = plan.target, plan.bench_params.warmup
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
@@ -228,24 +321,24 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
-    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (advice.round_scale)
-    offline = advice.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
+    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (served_fits.round_scale)
+    offline = cost_timing.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
                                  eos, plan.bench_params.ignore_eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
     # A sliding-window target (gpt-oss) verifies chains only in-process (spec_engine.verify_tree)
-    trees = [] if spec_engine._sliding(target) else advice.TREES
-    configs = advice.CHAINS + trees + ([ran] if ran not in advice.CHAINS + trees else [])
+    trees = not spec_engine._sliding(target)
+    configs = plan.candidates(trees)
     # Rounds are timed over a cache of the first prompt plus half a typical answer (its own offline
     # output cut there): a round's draft steps and verify attend over the whole cache.
     first = plan.prompt_ids[warmup]
     context = offline["outputs"][0][:len(first) + int(offline["tokens_per_request"] / 2)]
-    costs = advice.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
-    costs["trees"] = bool(trees)
+    costs = cost_timing.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
+    costs["trees"] = trees
     batches = [n for n in plan.bench_params.concurrency if n > 1]
     if batches:  # the target's matmuls over n * w tokens: how a verify grows with requests in flight (advice.batch_growth)
         widths = {w for *_, w in configs}
-        costs["gemm_s"] = advice.measure_gemm_s(target, sorted(widths | {n * w for n in batches for w in widths}))
+        costs["gemm_s"] = cost_timing.measure_gemm_s(target, sorted(widths | {n * w for n in batches for w in widths}))
     costs["fit_s"] = advice.fit_costs(costs)  # the model's terms, fitted over every configuration timed
     # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
     # configuration that ran. It may be negative: where the lines through every configuration's
@@ -256,13 +349,14 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     costs["loop_s"] = round_s - parts["round"]
     costs["tokens_per_request"] = offline["tokens_per_request"]
     costs["baseline_run_step_s"] = offline.pop("baseline_step_s") or costs["baseline_step_s"]
-    ranks = advice.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
+    ranks = cost_timing.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
     return offline, costs, physical, ranks
 
 
 def summary(report: dict) -> str:
     """One line: served and offline tau, speed against the baseline, the advice (the recommended
-    configuration, or "don't speculate") and the prediction for the configuration that ran."""
+    configuration, or "don't speculate") and the prediction for the configuration that ran; with
+    bench.sweep, the best configuration measured and the advice's."""
     speedup, baseline, advised = report["speedup"], report["baseline"], report["advice"]
     speedup_text = f"{speedup:.2f}x" if speedup else "n/a"
     ran = advised.get("ran")
@@ -276,6 +370,13 @@ def summary(report: dict) -> str:
         cross = per["crossover_concurrency"]
         ran_text += (f"; speculation pays at every concurrency measured (up to {max(int(n) for n in per['recommendation'])})"
                      if cross is None else f"; from concurrency {cross} on: {advice.DONT_SPECULATE}")
+    best = report.get("best_configuration") or {}
+    if best.get("configurations_measured", 0) > 1:
+        ran_text += (f"; best of {best['configurations_measured']} configurations measured: {best['measured']} "
+                     f"({best['measured_speedup']:.2f}x), the advice's: {best['advised']}"
+                     + (f" (measured {best['advised_measured_speedup']:.2f}x)" if best.get("advised_measured_speedup") else ""))
+    if best.get("configurations_failed"):
+        ran_text += f"; failed: {', '.join(best['configurations_failed'])} (their errors: bench.json configurations)"
     return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
             f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
             f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "

@@ -73,6 +73,47 @@ STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 # Ranges: write the bounds as the message should show them (ge=0 prints ">= 0", gt=0.0 "> 0.0").
 
 
+ADVISED = "advised"  # the word bench.sweep may list: the configuration the advice recommends
+
+
+def parse_configuration(text: str) -> tuple[int, int, int]:
+    """'5-1-6' -> (num_steps, topk, num_draft_tokens); ValueError saying what to write instead.
+
+    A chain (topk 1) verifies num_steps + 1 tokens (SGLang silently changes any other count); a tree
+    verifies at most num_steps * topk + 1 (the root and the tokens its steps keep)."""
+    try:
+        steps, topk, tokens = (int(x) for x in str(text).split("-"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a configuration: write STEPS-TOPK-DRAFT_TOKENS, e.g. 5-1-6 (a chain) or "
+                         f"6-8-32 (a tree), or the word {ADVISED}") from None
+    if min(steps, topk, tokens) < 1:
+        raise ValueError(f"{text!r}: every number must be >= 1, e.g. 5-1-6")
+    if topk == 1 and tokens != steps + 1:
+        raise ValueError(f"{text!r}: a chain (topk 1) verifies steps + 1 = {steps + 1} tokens (SGLang would change "
+                         f"{tokens} silently); write {steps}-1-{steps + 1}")
+    if tokens > steps * topk + 1:
+        raise ValueError(f"{text!r}: {tokens} draft tokens exceed the tree's steps x topk + 1 = {steps * topk + 1}; "
+                         f"write {steps}-{topk}-{steps * topk + 1} or fewer tokens")
+    return steps, topk, tokens
+
+
+def check_sweep(value: list[str]) -> None:
+    """bench.sweep: configurations STEPS-TOPK-DRAFT_TOKENS and the word advised, none twice;
+    ValueError with the rest of the message after "key bench.sweep"."""
+    seen = {}
+    for item in value:
+        if item == ADVISED:
+            config = ADVISED
+        else:
+            try:
+                config = parse_configuration(item)
+            except ValueError as e:
+                raise ValueError(f": {e}") from None
+        if config in seen:
+            raise ValueError(f"lists {seen[config]!r} and {item!r}: the same configuration twice; list each once")
+        seen[config] = item
+
+
 @dataclass(frozen=True, config=STRICT)
 class TargetParams:
     model: str  # hub id or local path of the target LLM
@@ -200,6 +241,8 @@ class BenchParams:
     ignore_eos: Bool
     warmup: Annotated[Int, Field(ge=0)]  # requests excluded from the figures
     concurrency: Annotated[list[Annotated[Int, Field(ge=1)]], Field(min_length=1)]  # streams, one run each
+    concurrency_repeats: Annotated[Int, Field(ge=1)]  # ABBA pairs of whole batches (one per server) at each concurrency > 1
+    sweep: list[str]  # more configurations STEPS-TOPK-DRAFT_TOKENS and/or "advised", after spec.*'s (check_sweep)
     side_by_side: Bool  # sglang: both servers up at once, requests alternating
     url: str
     server_log: str  # backend url: path of the running server's log ("" = none)
@@ -213,6 +256,12 @@ class BenchParams:
     request_timeout_s: Annotated[Float, Field(gt=0.0)]  # seconds one /generate request may take
     backend: Literal["reference", "sglang", "url"]
     dtype: Literal["auto", "bfloat16", "float16", "float32"]  # SGLang --dtype
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep(cls, value):
+        check_sweep(value)
+        return value
 
 
 @dataclass(frozen=True, config=STRICT)

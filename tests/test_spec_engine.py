@@ -335,13 +335,13 @@ def test_a_sliding_window_target_past_its_window_decodes_its_own_greedy_output_a
 def test_the_offline_run_decodes_each_prompt_both_ways_unless_a_served_engine_is_scaled_instead():
     """For a server of another engine the advice scales on its served rounds, so the in-process
     baseline decode (a minute of eager 8B) is left out; the speculative figures are the same."""
-    from draftlab import advice
+    from draftlab import cost_timing
     from draftlab.sglang.flags import SpecFlags
 
     target = make_micro_model("llama", num_layers=4, seed=11)
     draft = random_draft(target, seed=3)
     flags = SpecFlags(algorithm="EAGLE3", num_steps=3, topk=1, num_draft_tokens=4)
-    both = advice.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True)
-    spec_only = advice.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True, with_baseline=False)
+    both = cost_timing.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True)
+    spec_only = cost_timing.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True, with_baseline=False)
     assert both["baseline_step_s"] > 0 and spec_only["baseline_step_s"] is None
     assert spec_only["tau"] == both["tau"] and spec_only["outputs"] == both["outputs"]

@@ -16,7 +16,7 @@ root. In order, each step skipped when its output exists (re-run the same comman
               export, and the bench stage (SGLang, side by side, concurrency 1/4/8/16)
  4. sweep     tools/serve_8b_twin.py with the trained draft: bs=1 paired speedup per
               configuration, paired concurrency for those named in --concurrency-configs; then the
-              advice fitted on the measured rounds (draftlab.advice.advise_served) and its pick
+              advice fitted on the measured rounds (draftlab.served_fits.advise_served) and its pick
  5. parity    the check stage with live parity against an EAGLE3 server with
               --enable-return-hidden-states (tools/sglang_run.py --phases parity)
 

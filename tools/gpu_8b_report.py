@@ -16,9 +16,9 @@ total / total of the other, the same prompts, paired (the bench stage's own `spe
 of per-request medians; both are in results.json). Advice, each against every point:
   as run      what the bench stage of the run printed
   scaled      the in-process round model scaled to the served round of the configuration the bench
-              stage ran (advice.round_scale), at the tau predicted from its acceptance, and at the
+              stage ran (served_fits.round_scale), at the tau predicted from its acceptance, and at the
               tau each configuration served (the cost model alone)
-  served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (advice.advise_served),
+  served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (served_fits.advise_served),
               in sample and with the configuration left out
 and the recommendations: the bench stage's and the sweep's as run, and by the advice as it is now
 (advice.recommend: no depth past the acceptance measured), the sweep's after its first three
@@ -63,7 +63,7 @@ def costs_in_seconds(costs_ms: dict) -> dict:
 
 def scaled_costs(bench: dict) -> dict:
     """The bench stage's in-process costs (seconds), scaled to the served round of the configuration it
-    ran (advice.round_scale): its model for a server that is not the reference engine."""
+    ran (served_fits.round_scale): its model for a server that is not the reference engine."""
     costs = costs_in_seconds(bench["costs"])
     return {**costs, "round_scale": (bench_point(bench)["round_ms"] / 1e3) / costs["offline_round_s"]}
 
@@ -83,7 +83,7 @@ def bench_point(bench: dict) -> dict:
 
 
 def sweep_point(entry: dict, rounds: dict | None) -> dict:
-    """A sweep configuration's bs=1 point; rounds: its advice.served_round (serve_8b_twin.measured_rounds)."""
+    """A sweep configuration's bs=1 point; rounds: its served_fits.served_round (serve_8b_twin.measured_rounds)."""
     return {"config": name(key(entry)), "source": "sweep", "served_tau": entry["served_tau"], "speedup": entry["speedup"],
             "baseline_tokens_per_s": entry["baseline"]["tokens_per_s"], "spec_tokens_per_s": entry["spec"]["tokens_per_s"],
             "per_prompt_speedup": entry.get("per_prompt_speedup"), "greedy_identical": entry["greedy_identical"],

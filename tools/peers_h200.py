@@ -579,14 +579,14 @@ def watched_step(run: Run, step: str, trainer: str, argv: list[str], cwd: Path) 
 
 def offline_main(argv=None) -> int:
     """`peers_h200.py offline-run --draft D --out J`, in the pipeline work dir: the bench stage's
-    offline run (draftlab.advice.offline_run, the flags and prompts of its params) on any draft."""
+    offline run (draftlab.cost_timing.offline_run, the flags and prompts of its params) on any draft."""
     ap = argparse.ArgumentParser(prog="peers_h200.py offline-run")
     ap.add_argument("--draft", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     import dataclasses
 
-    from draftlab import advice, bench_run
+    from draftlab import bench_run, cost_timing
     from draftlab.params import load_params
     from draftlab.sglang.checkpoint import load_exported, read_exported
     from draftlab.target import load_target
@@ -600,8 +600,8 @@ def offline_main(argv=None) -> int:
     physical = plan.draft.served_physical(plan.target["architecture"], plan.target["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     bp = plan.bench_params
-    res = advice.offline_run(target, draft, plan.prompt_ids[bp.warmup:], plan.flags, physical, bp.max_new_tokens, eos,
-                             bp.ignore_eos, with_baseline=False)
+    res = cost_timing.offline_run(target, draft, plan.prompt_ids[bp.warmup:], plan.flags, physical, bp.max_new_tokens, eos,
+                                  bp.ignore_eos, with_baseline=False)
     res.pop("outputs", None)
     res.pop("baseline_step_s", None)
     Path(a.out).write_text(json.dumps({"flags": dataclasses.asdict(plan.flags), "physical_layers": physical, **res}, indent=1))

@@ -122,7 +122,7 @@ def parse_args(argv=None):
     ap.add_argument("--startup-timeout-s", type=float, default=600)
     ap.add_argument("--advise-from", default=None,
                     help="the bench stage's bench.json: after --configs, the advice is fitted on the rounds measured "
-                         "(draftlab.advice.advise_served) and the configuration it picks is measured too")
+                         "(draftlab.served_fits.advise_served) and the configuration it picks is measured too")
     ap.add_argument("--advise-after", type=int, default=3,
                     help="with --advise-from: how many of --configs are measured before the advice picks (the rest after its pick)")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -204,8 +204,8 @@ def split_for_advice(configs: list, todo: list, advise_after: int | None) -> tup
 
 
 def measured_rounds(configs: dict) -> dict:
-    """{(steps, topk, tokens): advice.served_round} of every configuration whose paired requests were kept."""
-    from draftlab.advice import served_round
+    """{(steps, topk, tokens): served_fits.served_round} of every configuration whose paired requests were kept."""
+    from draftlab.served_fits import served_round
 
     out = {}
     for entry in configs.values():
@@ -221,9 +221,9 @@ def measured_rounds(configs: dict) -> dict:
 
 
 def served_advice(results: dict, bench: dict) -> dict:
-    """advice.advise_served over the bench stage's candidates (their tau from the measured
+    """served_fits.advise_served over the bench stage's candidates (their tau from the measured
     acceptance), with every served configuration's predicted and measured speedup side by side."""
-    from draftlab.advice import advise_served
+    from draftlab.served_fits import advise_served
 
     rounds = measured_rounds(results["configs"])
     out = advise_served(bench["advice"]["candidates"], rounds)
