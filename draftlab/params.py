@@ -385,7 +385,8 @@ def _load_section(name: str, raw, path: str):
         if key not in raw:  # a default in the class is for code, not for params.yaml
             raise ParamsError(f"{path}: missing key {name}.{key} (expected {_type_name(field.annotation)})")
         if key in errors:
-            raise ParamsError(f"{path}: key {name}.{key} {_problem(f'{name}.{key}', field, raw[key], errors[key])}")
+            problem = _problem(f"{name}.{key}", field, raw[key], errors[key])
+            raise ParamsError(f"{path}: key {name}.{key}{'' if problem.startswith(':') else ' '}{problem}")
     return section
 
 
