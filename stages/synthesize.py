@@ -18,7 +18,7 @@ from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import chat_template_hash, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
+from draftlab.target import chat_template_hash, load_config, load_target, load_tokenizer, resolve_device, target_fingerprint, tokenizer_hash
 
 
 def make_backend(target_params, synth_params):
@@ -26,13 +26,8 @@ def make_backend(target_params, synth_params):
         device = resolve_device(target_params.device)
         model, tok = load_target(target_params, device)
         return synth.HFBackend(model, tok, synth_params, device)
-    from transformers import AutoConfig
-
     tok = load_tokenizer(target_params.model, target_params.revision)  # the target's own tokenizer: context check, hashes, think layout
-    try:
-        cfg = AutoConfig.from_pretrained(target_params.model, revision=target_params.revision).get_text_config()
-    except OSError as e:
-        raise UserError(f"target.model {target_params.model!r}: cannot load its config ({e})") from None
+    cfg = load_config(target_params).get_text_config()
     context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
     return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None)
 

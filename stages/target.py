@@ -14,6 +14,10 @@ is deliberately not `always_changed`: that would run it on every `dvc repro` and
 `dvc status` from ever being clean ("nothing changed runs nothing" would no longer hold). The
 price: files of a local target edited in place, or a hub branch that moved, are not seen until
 `dvc repro --force target` (then a plain `dvc repro` re-runs what the new pin changes).
+
+A local folder that transformers cannot load as a target is refused before anything is pinned
+(draftlab.target_check.check_loadable: its files, config.json, the tokenizer and chat template,
+the weights' names and shapes from the safetensors headers), so that no later stage trips on it.
 """
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ from pathlib import Path
 from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
 from draftlab.params import load_params
+from draftlab.target_check import check_loadable
 from draftlab.target_pin import pin_target
 
 
 def main(out: Path) -> None:
     target = load_params(["target"]).target
+    check_loadable(target.model, target.revision)  # no pin of a folder the stages cannot load
     pin, how = pin_target(target.model, target.revision)
     atomic_write_json(out, pin)
     what = {"hashed": f"content sha256 {pin.get('content_sha256', '')[:12]} over {len(pin.get('files', {}))} files",
