@@ -206,9 +206,15 @@ class ListBackend:
             done(r, synth.Answer(f"answer to {r['id']}", "stop", 3), None)
 
 
+def answer_row(prompt, ans):
+    """An output row in the shape the synthesize stage writes (what load_partial accepts on resume)."""
+    return {"id": prompt["id"], "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
+            "finish_reason": ans.finish_reason, "completion_tokens": ans.completion_tokens}
+
+
 def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
     splits = {"train": [row(f"q{i}") for i in range(6)], "eval": [row("e0"), row("e1")]}
-    make = lambda p, a: {"id": p["id"], "content": a.content, "finish_reason": a.finish_reason}
+    make = answer_row
     first = ListBackend(stop_after=4)
     with pytest.raises(KeyboardInterrupt):
         synth.synthesize(splits, first, tmp_path, "key-1", make)
