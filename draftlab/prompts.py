@@ -34,6 +34,8 @@ class PromptSet:
     rows: list[dict]
     bad: list[BadRow] = field(default_factory=list)
     duplicates: int = 0
+    families: dict[str, int] | None = None  # built-in prompts: how many of each task family
+    ran_out: list[str] = field(default_factory=list)  # built-in families whose distinct prompts ran out (the others filled in)
 
 
 def prompt_id(messages: list[dict]) -> str:
@@ -129,10 +131,10 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
     """Problems from the embedded target's task families, disjoint from its training corpus."""
     from draftlab import tasks
 
-    out = PromptSet(rows=[])
+    out = PromptSet(rows=[], families={})
     seen = set()
     try:
-        problems = tasks.generate(n, seed=seed, split="heldout")
+        problems = tasks.generate(n, seed=seed, split="heldout", ran_out=out.ran_out)
     except ValueError as e:
         raise UserError(f"params.yaml: prompts.num_prompts {n}: {e}; lower prompts.num_prompts, or give a prompt "
                         "file as prompts.source for a larger set") from None
@@ -144,6 +146,7 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
             continue
         seen.add(pid)
         out.rows.append({"id": pid, "messages": msgs, "source": "builtin", "family": prob.family, "answer": prob.answer})
+        out.families[prob.family] = out.families.get(prob.family, 0) + 1
     return out
 
 
