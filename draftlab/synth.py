@@ -358,6 +358,8 @@ def load_partial(path: Path) -> dict[str, dict]:
     rows: dict[str, dict] = {}
     if not path.exists():
         return rows
+    if not path.is_file():
+        raise UserError(f"{path} is not a file, so the answers of this split cannot be kept there; move or delete it")
     data = path.read_bytes()
     fix = f"delete that line, or delete {path} to answer this split over (the other split's answers are kept)"
     good_end, pos, n = 0, 0, 0
@@ -390,6 +392,9 @@ def prepare_resume(out: Path, key: str) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     marker = out / RESUME_FILE
     partials = [out / f"{s}.jsonl.partial" for s in SPLITS]
+    for p in partials:
+        if p.exists() and not p.is_file():  # not ours to remove: it may hold anything
+            raise UserError(f"{p} is not a file, so the answers of this split cannot be kept there; move or delete it")
     try:
         same = json.loads(marker.read_text())["key"] == key
     except (OSError, ValueError, KeyError, TypeError):  # absent, damaged or of another shape: start over

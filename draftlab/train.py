@@ -256,7 +256,8 @@ def fit(
     if tp.batch_size % world:
         raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")
     if len(train_ds) < tp.batch_size:
-        raise UserError(f"train split has {len(train_ds)} sequences, fewer than train.batch_size {tp.batch_size}")
+        raise UserError(f"params.yaml: train.batch_size {tp.batch_size} is more than the {len(train_ds)} sequences of the train "
+                        f"split; set train.batch_size to {len(train_ds)} or less, or synthesize more prompts")
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
@@ -270,6 +271,8 @@ def fit(
     step, epoch0, batch0, history = 0, 0, 0, []
     running = [0.0, 0]  # train loss sum and steps of the current epoch (checkpointed: resume must not change it)
     resume_path = Path(resume_path)
+    if resume_path.exists() and not resume_path.is_file():  # not ours to discard: it may hold anything
+        raise UserError(f"{resume_path} is not a file, so no checkpoint can be written there; move or delete it")
     if resume_path.exists():
         fresh = {k: v.clone() for k, v in draft.state_dict().items()}
         try:

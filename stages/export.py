@@ -31,11 +31,11 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
         if fmt not in FORMATS:
             raise UserError(f"params.yaml: export.formats: {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     features_manifest = read_verified(features)  # every shard standardize recorded, complete
-    train_manifest = read_manifest(ckpt)
     target = (features_manifest.get("info") or {}).get("target")
     if not isinstance(target, dict) or not target:
         raise UserError(f"{features}/manifest.json lacks info.target; re-run the standardize stage")
     check_manifest_target(features, target)
+    train_manifest = read_manifest(ckpt)
     trained_on = (train_manifest.get("inputs") or {}).get("features")
     if trained_on and trained_on != features_manifest["config_hash"]:
         raise UserError(f"{ckpt} was trained on other features (config {trained_on[:12]}) than {features} holds "

@@ -53,7 +53,7 @@ def check_shard(path: Path, t: dict, meta: dict, physical: list[int], target: di
         header = json.loads(meta.get("physical_layers", "null"))
     except json.JSONDecodeError:
         header = None
-    if (header is not None and sorted(header) != physical) or any(i not in held for i in physical):
+    if (header is not None and sorted(header) != physical) or held != physical:
         raise UserError(f"{manifest} says physical layers {physical} (info.target.physical_layers), but {path} holds "
                         f"the states of layers {held}" + (f" (its header: physical_layers {header})" if header is not None else "")
                         + f"; {fix}")

@@ -61,6 +61,8 @@ def parity_main(argv=None) -> int:
     torch.set_num_threads(1)
     features_manifest = read_verified(args.features)  # the shards standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target") or {}
+    if not isinstance(target, dict) or not target.get("model"):
+        raise UserError(f"{args.features / 'manifest.json'} names no target (info.target.model); re-run the standardize stage")
     seqs, meta = stored_sequences(args.features, args.samples)
     model = None
     if args.target or not args.url:
