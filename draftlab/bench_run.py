@@ -127,8 +127,46 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     rows = bench.read_eval_prompts(prompts, bench_params.num_prompts + bench_params.warmup)
     if len(rows) <= bench_params.warmup:
         raise UserError(f"{prompts / 'eval.jsonl'} has {len(rows)} prompts, not more than bench.warmup={bench_params.warmup}")
+    check_sizes(bench_params, rows, prompts)
+    prompt_ids = bench.render_prompts(tokenizer, rows)
+    for c in configurations:  # each configuration's server reserves its own draft slots
+        if c.resolution is not None:
+            check_context(prompt_ids, rows, bench_params, c.resolution.effective, info["max_position_embeddings"], prompts)
     return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
-                     bench.render_prompts(tokenizer, rows), configurations, choices)
+                     prompt_ids, configurations, choices)
+
+
+def check_sizes(bench_params: BenchParams, rows: list[dict], prompts: Path) -> None:
+    """Refuse a bench larger than the prompts it can use: every figure would be of fewer requests
+    than bench.json's settings say (no silent clamp)."""
+    want, warmup = bench_params.num_prompts + bench_params.warmup, bench_params.warmup
+    if len(rows) < want:
+        raise UserError(f"params.yaml: bench.num_prompts {bench_params.num_prompts} + bench.warmup {warmup} asks for {want} "
+                        f"eval prompts, but {prompts / 'eval.jsonl'} has {len(rows)}; set bench.num_prompts to "
+                        f"{len(rows) - warmup} or less, or draw more prompts (prompts.num_prompts, prompts.eval_fraction)")
+    top = max(bench_params.concurrency)
+    if top > bench_params.num_prompts:
+        raise UserError(f"params.yaml: bench.concurrency {top} asks for more requests in flight than bench.num_prompts "
+                        f"{bench_params.num_prompts} sends; at most {bench_params.num_prompts} would be: raise bench.num_prompts "
+                        f"to {top} or more, or drop concurrency {top}")
+
+
+def check_context(prompt_ids: list[list[int]], rows: list[dict], bench_params: BenchParams, flags: SpecFlags,
+                  context: int | None, prompts: Path) -> None:
+    """Every request fits the target's context as SGLang 0.5.14 validates it (TokenizerManager.
+    _validate_one_request): the prompt, bench.max_new_tokens and, on a speculative server, the
+    reserved draft slots max(topk * num_steps, num_draft_tokens); else SGLang answers 400."""
+    if not context:
+        return
+    reserved = max((flags.topk or 0) * (flags.num_steps or 0), flags.num_draft_tokens or 0)
+    bad = [(r["id"], len(ids)) for r, ids in zip(rows, prompt_ids) if len(ids) + reserved + bench_params.max_new_tokens > context]
+    if bad:
+        listed = ", ".join(f"{i} ({n} tokens)" for i, n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        room = context - reserved - max(n for _, n in bad)
+        fix = f"lower bench.max_new_tokens to at most {room}, or shorten those prompts" if room >= 1 else "shorten those prompts"
+        raise UserError(f"{len(bad)} bench prompt(s) of {prompts / 'eval.jsonl'} do not fit the target's context of {context} "
+                        f"tokens with bench.max_new_tokens {bench_params.max_new_tokens} and the {reserved} draft tokens a "
+                        f"speculative server reserves: {listed}; {fix}")
 
 
 def run(plan: BenchPlan, out: Path) -> BenchResult:

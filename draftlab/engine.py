@@ -47,10 +47,15 @@ class Completion:
     meta: dict = field(default_factory=dict)  # extra meta_info (speculative counters)
 
 
+class ContextLengthError(ValueError):
+    """A request the context cannot hold; the message is SGLang 0.5.14's (TokenizerManager._validate_one_request)."""
+
+
 class Engine:
     """Plain autoregressive decoding of a transformers causal LM with a KV cache."""
 
     physical: list[int] | None = None  # the target layers a speculative engine feeds its draft
+    reserved_tokens = 0  # context slots a request must leave free beside its own (SGLang: the draft tokens of EAGLE)
 
     def __init__(self, model, tokenizer, device: str, context_length: int | None = None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -108,10 +113,21 @@ class Engine:
         return int(getattr(self.text_config, "vocab_size", None) or self.model.get_input_embeddings().num_embeddings)
 
     def _check_length(self, input_ids: list[int]) -> None:
-        if len(input_ids) >= self.context_length:
-            raise ValueError(
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
-            )
+        n = len(input_ids) + self.reserved_tokens  # SGLang counts the reserved draft slots as input
+        if n >= self.context_length:
+            raise ContextLengthError(f"The input ({n} tokens) is longer than the model's context length ({self.context_length} tokens).")
+
+    def check_total(self, n_input: int, max_new_tokens: int) -> None:
+        """SGLang 0.5.14's check of an explicit max_new_tokens (a 400): the input, the reserved
+        draft slots and max_new_tokens must fit the context. An absent max_new_tokens is not checked
+        there (generation then stops at the context), nor here."""
+        n = n_input + self.reserved_tokens
+        if max_new_tokens + n > self.context_length:
+            raise ContextLengthError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens. "
+                f"You requested a total of {max_new_tokens + n} tokens: {n} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input messages "
+                f"or the completion to fit within the limit.")
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         generator = torch.Generator(device=self.device)
@@ -158,6 +174,8 @@ class SpecEngine(Engine):
                             f"{len(self.physical)} (physical {self.physical}) for eagle_config ids {exported.layer_ids}")
         self.flags = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": num_steps,
                       "speculative_eagle_topk": topk, "speculative_num_draft_tokens": num_draft_tokens}
+        # SGLang's TokenizerManager.num_reserved_tokens for EAGLE: the drafts sit in the output's slots
+        self.reserved_tokens = max(topk * num_steps, num_draft_tokens)
         self.totals = {"completion_tokens": 0, "verify_ct": 0}
 
     def info(self) -> dict:

@@ -128,6 +128,21 @@ def physical_layers_of(features: str | Path, split: str = "train") -> list[int]:
     return list(physical)
 
 
+def check_manifest_target(features: str | Path, target: dict) -> None:
+    """The features manifest's info.target agrees with what the shards' headers record (hidden size,
+    layers, vocabulary, architecture); else a UserError naming both sides (a hand-edited manifest,
+    or shards of another run)."""
+    features = Path(features)
+    paths = sorted((features / "train").glob("shard-*.safetensors"))
+    if not paths:
+        raise UserError(f"{features / 'train'}: no feature shards (shard-*.safetensors); run the standardize stage")
+    meta = read_metadata(paths[0])
+    for key in ("architecture", "num_layers", "hidden_size", "vocab_size"):
+        if key in meta and meta[key] != target.get(key):
+            raise UserError(f"{features / 'manifest.json'} says {key} {target.get(key)!r} (info.target), but {paths[0]} records "
+                            f"{meta[key]!r}; re-run standardize (dvc repro -f standardize), or restore the manifest")
+
+
 def read_metadata(path: str | Path) -> dict:
     with safe_open(str(path), framework="pt") as f:
         raw = f.metadata() or {}

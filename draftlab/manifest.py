@@ -232,10 +232,27 @@ def read_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / MANIFEST
     if not path.exists():
         raise UserError(f"{path}: manifest not found; run the stage that writes {out_dir} first (dvc repro)")
+    fix = f"re-run the stage that writes {out_dir} (dvc repro)"
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: corrupt manifest ({e}); re-run the stage that writes it") from None
+        manifest = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise UserError(f"{path}: corrupt manifest ({e}); {fix}") from None
+    problem = manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{path}: {problem}; {fix}")
+    return manifest
+
+
+def manifest_problem(manifest) -> str | None:
+    """Why a parsed manifest.json is not one a stage wrote (hand-edited into another shape), or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not a manifest object"
+    if not isinstance(manifest.get("config_hash"), str):
+        return f"no config_hash string (got {manifest.get('config_hash')!r})"
+    for key in ("info", "inputs", "params"):
+        if key in manifest and manifest[key] is not None and not isinstance(manifest[key], dict):
+            return f"{key} is a JSON {type(manifest[key]).__name__}, not an object"
+    return None
 
 
 def with_lineage(metrics: dict, manifest: dict, key_settings: dict) -> dict:

@@ -42,6 +42,8 @@ class PromptSet:
     rows: list[dict]
     bad: list[BadRow] = field(default_factory=list)
     duplicates: int = 0
+    families: dict[str, int] | None = None  # built-in prompts: how many of each task family
+    ran_out: list[str] = field(default_factory=list)  # built-in families whose distinct prompts ran out (the others filled in)
     skipped: Counter = field(default_factory=Counter)  # ShareGPT records left out by the rule, by reason
     roles: Counter = field(default_factory=Counter)  # ShareGPT `from` values seen
     truncated: dict | None = None  # a ShareGPT .json file cut inside a record: what was read and dropped
@@ -178,10 +180,10 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
     """Problems from the embedded target's task families, disjoint from its training corpus."""
     from draftlab import tasks
 
-    out = PromptSet(rows=[])
+    out = PromptSet(rows=[], families={})
     seen = set()
     try:
-        problems = tasks.generate(n, seed=seed, split="heldout")
+        problems = tasks.generate(n, seed=seed, split="heldout", ran_out=out.ran_out)
     except ValueError as e:
         raise UserError(f"params.yaml: prompts.num_prompts {n}: {e}; lower prompts.num_prompts, or give a prompt "
                         "file as prompts.source for a larger set") from None
@@ -193,6 +195,7 @@ def builtin_prompts(n: int, seed: int) -> PromptSet:
             continue
         seen.add(pid)
         out.rows.append({"id": pid, "messages": msgs, "source": "builtin", "family": prob.family, "answer": prob.answer})
+        out.families[prob.family] = out.families.get(prob.family, 0) + 1
     return out
 
 

@@ -19,6 +19,17 @@ completion with finish_reason {"type": "length", "length": 0} (the engine is not
 negative value is a 400 "max_new_tokens must be at least 0, got N."; null or absent means the
 default (128 for /generate, the context for chat).
 
+Context length, as SGLang 0.5.14 validates it (TokenizerManager._validate_one_request): a prompt
+that, with the draft tokens a speculative server reserves (max(topk * num_steps, num_draft_tokens)),
+does not leave room for one token is a 400 "The input (N tokens) is longer than the model's context
+length (C tokens)."; an explicit max_new_tokens (chat: max_tokens) that takes input + reserved +
+max_new_tokens past the context is a 400 "Requested token count exceeds the model's maximum context
+length of C tokens. ...". Without max_new_tokens nothing is checked beyond the prompt, and
+generation stops at the context.
+
+Request size: a body over --max-request-bytes (32 MiB by default) is a 413 before it is read
+whole: at once when its Content-Length says so, else as soon as that much has arrived.
+
 It is a reference, not a production server: requests are served one at a time (a lock). This
 module is the HTTP side only: request parsing and validation, the reasoning parser, the CLI.
 Decoding is draftlab.engine's: everything here calls only `engine.generate(input_ids,
@@ -39,6 +50,7 @@ import uuid
 from draftlab.engine import (
     DEFAULT_MAX_NEW_TOKENS,
     Completion,
+    ContextLengthError,
     Engine,
     SamplingParams,
     SpecEngine,
@@ -47,6 +59,7 @@ from draftlab.engine import (
 from draftlab.errors import UserError
 
 VERSION = "draftlab-reference"
+MAX_REQUEST_BYTES = 32 << 20  # --max-request-bytes: 32 MiB holds a 128k-token prompt as input_ids ~40 times over
 
 # SGLang's reasoning parsers for <think> models: (start, end, force_reasoning). force_reasoning
 # means the text is reasoning until </think> even without a <think> (the DeepSeek-R1 template
@@ -76,6 +89,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="draftlab reference server")
+    app.add_middleware(BodyLimit, max_bytes=server_args.get("max_request_bytes") or MAX_REQUEST_BYTES)
     lock = threading.Lock()  # one request at a time: sync endpoints run in a thread pool
 
     def run(input_ids: list[int], sampling: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
@@ -149,6 +163,10 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             if body.get("stream") not in (None, False):
                 raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
             prompts, batch = _prompts(body, engine)
+            explicit = _object(body.get("sampling_params"), "sampling_params").get("max_new_tokens")
+            if explicit is not None:  # SGLang checks input + max_new_tokens only when the request gives it
+                for p in prompts:
+                    engine.check_total(len(p), sampling.max_new_tokens)
             rids = _rids(body.get("rid"), len(prompts), batch)
             hidden = _bool(body.get("return_hidden_states"), "return_hidden_states", False)
             if hidden and not server_args.get("enable_return_hidden_states"):
@@ -180,6 +198,10 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
                 "stop_token_ids": body.get("stop_token_ids"),
                 "ignore_eos": body.get("ignore_eos"),
             }, names={"max_new_tokens": max_key, "sampling_seed": "seed"})
+            limit = server_args.get("context_length")
+            if max_tokens and limit and max_tokens > limit:  # SGLang's OpenAIServingChat._validate_request, its words
+                raise ContextLengthError(f"max_completion_tokens is too large: {max_tokens}.This model supports at most "
+                                         f"{limit} completion tokens.")
             if max_tokens is None:
                 sampling.max_new_tokens = engine.info()["context_length"]
             try:
@@ -187,7 +209,11 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             except Exception as e:  # a template's own rejection (jinja2 raise_exception, a key it needs)
                 raise ValueError(f"messages: the chat template rejected them: {type(e).__name__}: {e}") from e
             engine.check_request(list(input_ids), "the templated prompt")
+            if max_tokens is not None:
+                engine.check_total(len(input_ids), max_tokens)
             out = run(input_ids, sampling, None)
+        except ContextLengthError as e:  # SGLang's own message, as it answers it
+            return bad_request(str(e), openai=True)
         except (KeyError, ValueError, TypeError) as e:
             return bad_request(f"{type(e).__name__}: {e}", openai=True)
         meta = out["meta_info"]
@@ -211,6 +237,61 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
         }
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is a 413 before it is read whole. A
+    Content-Length over the limit is refused before one byte of the body is read; a body without
+    one (chunked) as soon as what has arrived passes the limit. Only the refused request's
+    connection is closed (uvicorn does, its body unread); the server goes on."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_bytes:
+            return await self.refuse(scope, send, f"{int(length)} bytes")
+        seen, started, refused = 0, False, False
+
+        async def limited_receive():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes and not started:
+                    # Answer now; the app sees a client gone (fastapi's body reader would turn an
+                    # exception raised here into its own 400) and what it answers is dropped.
+                    refused = True
+                    await self.refuse(scope, send, f"{seen} bytes received so far")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            if refused:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, limited_receive, watched_send)
+
+    async def refuse(self, scope, send, size: str) -> None:
+        from fastapi.responses import JSONResponse
+
+        message = (f"the request body ({size}) is larger than this server's limit of {self.max_bytes} bytes "
+                   f"(--max-request-bytes)")
+        openai = scope.get("path", "").startswith("/v1/")
+        body = {"object": "error", "message": message, "type": "BadRequestError", "code": 413} if openai else {"error": {"message": message}}
+        await JSONResponse(body, status_code=413, headers={"connection": "close"})(scope, _no_body, send)
+
+
+async def _no_body():
+    return {"type": "http.disconnect"}
 
 
 # Request validation: each raises ValueError with a message that names the field and what it
@@ -446,6 +527,8 @@ def parse_args(argv=None):
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     ap.add_argument("--sglang-version", default="0.5.14", help="whose layer-capture rule to apply to the draft's eagle_config")
     ap.add_argument("--enable-return-hidden-states", action="store_true")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help="largest request body served; a larger one is a 413 before it is read (default 32 MiB)")
     return ap.parse_args(argv)
 
 

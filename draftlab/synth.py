@@ -330,24 +330,55 @@ def resume_key(target: dict, synth: dict, inputs: dict) -> str:
     return hashlib.sha256(canonical_json({"target": target, "synth": content, "inputs": inputs}).encode()).hexdigest()
 
 
+def row_problem(row) -> str | None:
+    """Why a line of a partial file is not an answer row as synthesize writes it (make_row), or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an answer row (an object with id, messages, finish_reason, completion_tokens)"
+    if not isinstance(row.get("id"), str) or not row["id"]:
+        return "no 'id' (a non-empty string)"
+    msgs = row.get("messages")
+    if not (isinstance(msgs, list) and len(msgs) >= 2 and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                                and isinstance(m.get("content"), str) for m in msgs)):
+        return f"row {row['id']}: 'messages' must be a list of {{role, content}} objects, the prompt then the answer"
+    if msgs[-1]["role"] != "assistant":
+        return f"row {row['id']}: the last message must be the assistant's answer, got role {msgs[-1]['role']!r}"
+    if row.get("finish_reason") not in ("stop", "length"):
+        return f"row {row['id']}: 'finish_reason' must be \"stop\" or \"length\", got {row.get('finish_reason')!r}"
+    tokens = row.get("completion_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return f"row {row['id']}: 'completion_tokens' must be an integer >= 0, got {tokens!r}"
+    return None
+
+
 def load_partial(path: Path) -> dict[str, dict]:
-    """Rows of a partial file by id; a torn last line (killed mid-write) is cut off the file."""
+    """Rows of a partial file by id; a torn last line (killed mid-write) is cut off the file. Any
+    other line that is not an answer row (not JSON, not UTF-8, valid JSON of another shape) is a
+    UserError naming file:line: the file is resume state, and a row that was not written by
+    synthesize must not reach the final files."""
     rows: dict[str, dict] = {}
     if not path.exists():
         return rows
+    if not path.is_file():
+        raise UserError(f"{path} is not a file, so the answers of this split cannot be kept there; move or delete it")
     data = path.read_bytes()
-    good_end, pos = 0, 0
+    fix = f"delete that line, or delete {path} to answer this split over (the other split's answers are kept)"
+    good_end, pos, n = 0, 0, 0
     while pos < len(data):
         nl = data.find(b"\n", pos)
         if nl < 0:
             break  # no newline: the write was interrupted
+        n += 1
         line = data[pos:nl]
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             if data.find(b"\n", nl + 1) >= 0:  # a bad line with complete lines after it: not a torn tail
-                raise UserError(f"{path}: corrupt line at byte {pos}; delete the file to start this split over") from None
+                what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not valid JSON"
+                raise UserError(f"{path}:{n}: {what}; {fix}") from None
             break
+        problem = row_problem(row)
+        if problem:
+            raise UserError(f"{path}:{n}: {problem}; {fix}")
         rows.setdefault(row["id"], row)  # first copy wins (duplicates cannot be written, but never keep two)
         good_end = pos = nl + 1
     if good_end < len(data):
@@ -361,9 +392,12 @@ def prepare_resume(out: Path, key: str) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     marker = out / RESUME_FILE
     partials = [out / f"{s}.jsonl.partial" for s in SPLITS]
+    for p in partials:
+        if p.exists() and not p.is_file():  # not ours to remove: it may hold anything
+            raise UserError(f"{p} is not a file, so the answers of this split cannot be kept there; move or delete it")
     try:
         same = json.loads(marker.read_text())["key"] == key
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):  # absent, damaged or of another shape: start over
         same = False
     if not same:
         for p in partials:
@@ -389,6 +423,10 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
         done = load_partial(partial)
         wanted = {r["id"] for r in rows}
         done = {i: r for i, r in done.items() if i in wanted}
+        for prow in rows:  # the id is the prompt's content hash: a kept answer must follow that very prompt
+            if prow["id"] in done and done[prow["id"]]["messages"][:-1] != prow["messages"]:
+                raise UserError(f"{partial}: row {prow['id']} holds other prompt messages than that prompt's row in "
+                                f"{split}.jsonl of the prompts; delete that line, or delete {partial} to answer this split over")
         todo = [r for r in rows if r["id"] not in done]
         counts = {"input": len(rows), "resumed": len(done), "ok": 0, "errors": 0}
         bar = progress(split, len(rows), len(done)) if progress else None

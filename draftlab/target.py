@@ -10,6 +10,7 @@ from draftlab.errors import UserError
 from draftlab.gguf_target import dequantized_dir, gguf_file
 from draftlab.parallel import resolve_device
 from draftlab.manifest import dir_hash, sha256_text
+from draftlab.target_check import check_config, check_weights, loading
 
 
 def model_path(model: str) -> str:
@@ -33,12 +34,12 @@ def _source(model: str, revision: str | None) -> dict:
 def load_tokenizer(model: str, revision: str | None = None):
     from transformers import AutoTokenizer
 
-    try:
+    with loading(model, "the tokenizer", "tokenizer"):
         tok = AutoTokenizer.from_pretrained(**_source(model, revision))
-    except OSError as e:
-        raise UserError(f"target.model {model!r}: cannot load the tokenizer ({e})") from None
     if tok.chat_template is None:
         raise UserError(f"target.model {model!r}: tokenizer has no chat template; a chat (instruct) model is required")
+    with loading(model, "its chat template (rendering one user turn)", "tokenizer"):
+        tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True, tokenize=False)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -52,10 +53,12 @@ def load_target(target_params, device: str | None = None):
 
     device = device or resolve_device(target_params.device)
     dtype = torch_dtype(target_params.dtype, "target.dtype")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(**_source(target_params.model, target_params.revision), dtype=dtype)
-    except OSError as e:
-        raise UserError(f"target.model {target_params.model!r}: cannot load the model ({e})") from None
+    load_config(target_params)  # config.json checked first: its faults named before transformers trips on them
+    with loading(target_params.model, "the model", "model"):
+        # The loading info names a tensor the checkpoint lacks (left random) or of another shape.
+        model, info = AutoModelForCausalLM.from_pretrained(**_source(target_params.model, target_params.revision), dtype=dtype,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    check_weights(info, target_params.model)
     model.to(device).eval()
     return model, load_tokenizer(target_params.model, target_params.revision)
 
@@ -88,10 +91,10 @@ def load_config(target_params):
     """The target's transformers config alone: no weights read (for target_info before a server starts)."""
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(**_source(target_params.model, target_params.revision))
-    except OSError as e:
-        raise UserError(f"target.model {target_params.model!r}: cannot load its config ({e})") from None
+    with loading(target_params.model, "its config"):
+        cfg = AutoConfig.from_pretrained(**_source(target_params.model, target_params.revision))
+    check_config(cfg, target_params.model)
+    return cfg
 
 
 def target_info(model, target_params) -> dict:

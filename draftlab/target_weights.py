@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftlab.errors import UserError
+from draftlab.target_check import loading
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -52,8 +53,14 @@ def _find(names, suffix: str) -> str | None:
 
 
 def load_target_head(model: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [vocab, H], lm_head [vocab, H]) of the target, in the checkpoint's dtype."""
+    """(embedding [vocab, H], lm_head [vocab, H]) of the target, in the checkpoint's dtype; any
+    failure to read them (a damaged file or index) is one UserError naming the folder (target_check)."""
     model_dir = resolve_model_dir(model, revision)
+    with loading(model, "its embedding and lm_head", "model"):
+        return _head(model_dir)
+
+
+def _head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     files = _tensor_files(model_dir)
     embed_name = _find(files, "embed_tokens.weight")
     head_name = _find(files, "lm_head.weight")

@@ -408,13 +408,13 @@ def solve(prompt: str) -> Problem | None:
     return None
 
 
-def generate(n: int, seed: int, split: str, families=FAMILIES) -> list[Problem]:
+def generate(n: int, seed: int, split: str, families=FAMILIES, ran_out: list | None = None) -> list[Problem]:
     """n problems of `split`, families in turn; same (n, seed, split) -> same list.
 
     Held-out problems are all distinct (they are evaluation prompts); train problems may repeat.
     A family whose distinct held-out prompts run out leaves the rotation and the others go on
-    (the first problems do not change with n); when every family has run out, ValueError says
-    how many there were.
+    (the first problems do not change with n; `ran_out`, when given, gets the name of each such
+    family); when every family has run out, ValueError says how many there were.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -432,6 +432,8 @@ def generate(n: int, seed: int, split: str, families=FAMILIES) -> list[Problem]:
                 break
         else:  # this family has no new prompt left: the others take its turns
             active.remove(family)
+            if ran_out is not None:
+                ran_out.append(family)
             continue
         seen.add(prompt)
         out.append(Problem(family, prompt, *solve_fn(prompt)))

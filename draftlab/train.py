@@ -209,6 +209,29 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     return summarize(stats.cpu(), ttt.decay)
 
 
+def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, steps_per_epoch: int):
+    """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
+    state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
+    Raises for a file that is not such a checkpoint (damaged, another format, out-of-range
+    positions): fit() then starts over with a warning, as with a foreign one."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(ckpt, dict) or "run_key" not in ckpt:
+        raise ValueError(f"not a training checkpoint (a {type(ckpt).__name__} without run_key)")
+    if ckpt["run_key"] != run_key:
+        return None
+    step, epoch, batch, history, running = (ckpt.get(k) for k in ("step", "epoch", "batch", "history", "running"))
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch, batch))
+    if not ints or epoch > epochs or batch > steps_per_epoch or step > epochs * steps_per_epoch:
+        raise ValueError(f"position step={step!r} epoch={epoch!r} batch={batch!r} outside this run's {epochs} epochs "
+                         f"of {steps_per_epoch} steps")
+    if not (isinstance(history, list) and all(isinstance(h, dict) for h in history) and isinstance(running, list)
+            and len(running) == 2 and all(isinstance(x, (int, float)) for x in running)):
+        raise ValueError("history or running loss of the wrong shape")
+    draft.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    return step, epoch, batch, history, running
+
+
 def fit(
     draft: Eagle3Draft,
     head: torch.Tensor,
@@ -233,7 +256,8 @@ def fit(
     if tp.batch_size % world:
         raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")
     if len(train_ds) < tp.batch_size:
-        raise UserError(f"train split has {len(train_ds)} sequences, fewer than train.batch_size {tp.batch_size}")
+        raise UserError(f"params.yaml: train.batch_size {tp.batch_size} is more than the {len(train_ds)} sequences of the train "
+                        f"split; set train.batch_size to {len(train_ds)} or less, or synthesize more prompts")
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
@@ -247,16 +271,20 @@ def fit(
     step, epoch0, batch0, history = 0, 0, 0, []
     running = [0.0, 0]  # train loss sum and steps of the current epoch (checkpointed: resume must not change it)
     resume_path = Path(resume_path)
+    if resume_path.exists() and not resume_path.is_file():  # not ours to discard: it may hold anything
+        raise UserError(f"{resume_path} is not a file, so no checkpoint can be written there; move or delete it")
     if resume_path.exists():
+        fresh = {k: v.clone() for k, v in draft.state_dict().items()}
         try:
-            ckpt = torch.load(resume_path, map_location=device, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - unreadable (older format, damaged): start over
-            print(f"ignoring unreadable checkpoint {resume_path} ({type(e).__name__})")
-            ckpt = {"run_key": None}
-        if ckpt["run_key"] == run_key:
-            draft.load_state_dict(ckpt["model"])
-            opt.load_state_dict(ckpt["optim"])
-            step, epoch0, batch0, history, running = ckpt["step"], ckpt["epoch"], ckpt["batch"], ckpt["history"], ckpt["running"]
+            state = restore(resume_path, run_key, draft, opt, device, tp.epochs, steps_per_epoch)
+        except Exception as e:  # noqa: BLE001 - unreadable or not this run's (older format, damaged, edited): start over
+            draft.load_state_dict(fresh)  # a checkpoint that failed halfway may have loaded some tensors
+            opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
+            state = None
+            if rank == 0:
+                print(f"warning: ignoring the checkpoint {resume_path}, training from the start: {e}", flush=True)
+        if state is not None:
+            step, epoch0, batch0, history, running = state
             if rank == 0:
                 print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})")
 
@@ -342,11 +370,19 @@ def load_draft(out_dir: str | Path, embed: torch.Tensor | None = None) -> Eagle3
     import json
 
     out_dir = Path(out_dir)
+    fix = "re-run the train stage (dvc repro -f train)"
     if not (out_dir / WEIGHTS).exists():
         raise UserError(f"{out_dir}: no {WEIGHTS}; run the train stage first (dvc repro train)")
-    cfg = DraftConfig(**json.loads((out_dir / CONFIG).read_text()))
+    try:
+        cfg = DraftConfig(**json.loads((out_dir / CONFIG).read_bytes()))
+    except (OSError, ValueError, TypeError, RecursionError) as e:  # missing, not JSON, not an object, unknown or missing keys
+        raise UserError(f"{out_dir / CONFIG}: not a draft config as the train stage writes it ({type(e).__name__}: {e}); {fix}") from None
     draft = Eagle3Draft(cfg)
-    draft.load_state_dict(load_file(str(out_dir / WEIGHTS)))
+    try:
+        draft.load_state_dict(load_file(str(out_dir / WEIGHTS)))
+    except Exception as e:  # noqa: BLE001 - a damaged file (SafetensorError) or weights of another config (RuntimeError)
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"{out_dir / WEIGHTS} does not load into the draft {out_dir / CONFIG} describes ({first}); {fix}") from None
     if embed is not None:
         draft.set_embedding(embed.float())
     return draft

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.features import physical_layers_of
+from draftlab.features import check_manifest_target, physical_layers_of
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
@@ -31,10 +31,11 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
         if fmt not in FORMATS:
             raise UserError(f"params.yaml: export.formats: {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     features_manifest = read_verified(features)  # every shard standardize recorded, complete
-    train_manifest = read_manifest(ckpt)
-    target = features_manifest.get("info", {}).get("target")
-    if not target:
+    target = (features_manifest.get("info") or {}).get("target")
+    if not isinstance(target, dict) or not target:
         raise UserError(f"{features}/manifest.json lacks info.target; re-run the standardize stage")
+    check_manifest_target(features, target)
+    train_manifest = read_manifest(ckpt)
     trained_on = (train_manifest.get("inputs") or {}).get("features")
     if trained_on and trained_on != features_manifest["config_hash"]:
         raise UserError(f"{ckpt} was trained on other features (config {trained_on[:12]}) than {features} holds "
@@ -55,7 +56,7 @@ def main(ckpt: Path, features: Path, out: Path, report: Path) -> None:
                 "architecture": target["architecture"], "capture_layers": user_layers_from_physical(physical),
                 "physical_layers": physical, "sglang_version": export_params.sglang_version,
                 "draft_vocab_size": config["draft_vocab_size"], "dtype": export_params.dtype,
-                "ttt_steps": train_manifest["params"]["train"]["ttt_steps"]}
+                "ttt_steps": ((train_manifest.get("params") or {}).get("train") or {}).get("ttt_steps")}
     figures = {"eagle_aux_hidden_state_layer_ids": layer_ids, "max_position_embeddings": config["max_position_embeddings"],
                "bytes": manifest["info"]["bytes"]}
     if release:

@@ -147,6 +147,9 @@ def main(synth: Path, out: Path) -> None:
         counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths)}
         if mode == "online":
             counts[split] |= {"sample_rows": sum(len(s) for s in plan), "sample_tokens": sum(lengths[i] for s in plan for i in s)}
+            if len(rows) < extract_params.online_sample_sequences and rank == 0:  # said, and recorded in counts: no silent clamp
+                print(f"extract: warning: extract.online_sample_sequences {extract_params.online_sample_sequences} is more than "
+                      f"the {len(rows)} rows of {split}: the sample is all {len(rows)} of them")
         mine = [(s, idx) for s, idx in enumerate(plan) if s % world == rank]
         bar = tqdm(mine, desc=f"extract {split}" + (f" (rank {rank} of {world})" if world > 1 else ""), unit="shard", position=rank)
         for s, idx in bar:
@@ -182,8 +185,9 @@ def main(synth: Path, out: Path) -> None:
         else:
             print(f"extract: all {what}shards already present for config {config_hash[:12]} -> {out}")
         if mode == "online":
+            sampled = ", ".join(f"{c['sample_rows']} of {c['rows']} {split}" for split, c in counts.items())
             print(f"extract: train.features online: tokens of every row in {out}/<split>/{extract.TOKENS_FILE}, "
-                  f"hidden states of the first {extract_params.online_sample_sequences} rows per split only")
+                  f"hidden states of a sample only (the first rows: {sampled})")
     parallel.finish(world)
 
 if __name__ == "__main__":

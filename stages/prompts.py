@@ -83,6 +83,13 @@ def main(out: Path, metrics: Path) -> None:
               "read": len(ps.rows), "usable": usable, **dropped,
               "num_prompts_requested": pp.num_prompts, "used": len(train) + len(evals)}
     info = {**counts, **ps.counts(), "bad_rows": [str(b) for b in ps.bad[:MAX_LISTED]]}
+    if ps.families is not None:  # built-in: the mix drawn, and the families that ran out (the others filled in for them)
+        info |= {"families": ps.families, "families_ran_out": ps.ran_out}
+        counts["families_ran_out"] = ps.ran_out
+        for family in ps.ran_out:
+            print(f"warning: prompts.num_prompts {pp.num_prompts}: the built-in family {family!r} has only "
+                  f"{ps.families.get(family, 0)} distinct held-out prompts; the other families filled in for it "
+                  f"(the mix is in {out / 'manifest.json'}, info.families)", file=sys.stderr)
     # The outputs' content hash is an input too: it makes the hash follow the data exactly.
     used = as_dict(params)
     used["target"] = {"model": params.target.model, "revision": params.target.revision}  # the keys dvc.yaml lists

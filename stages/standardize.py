@@ -38,7 +38,32 @@ from draftlab.params import as_dict, load_params
 
 def load_shard(path: Path) -> tuple[dict, dict]:
     with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def check_shard(path: Path, t: dict, meta: dict, physical: list[int], target: dict, manifest: Path) -> None:
+    """The shard holds what the extract manifest says (its physical layers, hidden size and
+    vocabulary); else a UserError naming both sides: a hand-edited manifest, or a shard of another run."""
+    fix = f"re-run extract (dvc repro -f extract), or restore {manifest}"
+    lacking = [k for k in ("input_ids", "loss_mask", "final_hidden", "seq_offsets") if k not in t]
+    if lacking:
+        raise UserError(f"{path}: no {', '.join(lacking)} tensor(s): not a shard extract writes; {fix}")
+    held = sorted(int(k.split(".", 1)[1]) for k in t if k.startswith("hidden.") and k.split(".", 1)[1].isdigit())
+    try:
+        header = json.loads(meta.get("physical_layers", "null"))
+    except json.JSONDecodeError:
+        header = None
+    if (header is not None and sorted(header) != physical) or held != physical:
+        raise UserError(f"{manifest} says physical layers {physical} (info.target.physical_layers), but {path} holds "
+                        f"the states of layers {held}" + (f" (its header: physical_layers {header})" if header is not None else "")
+                        + f"; {fix}")
+    H, V = target.get("hidden_size"), target.get("vocab_size")
+    width = t["final_hidden"].shape[-1] if t["final_hidden"].ndim == 2 else None
+    if width != H:
+        raise UserError(f"{manifest} says hidden_size {H} (info.target), but {path} holds states {width} wide; {fix}")
+    top = int(t["input_ids"].max()) if len(t["input_ids"]) else -1
+    if not isinstance(V, int) or top >= V:
+        raise UserError(f"{manifest} says vocab_size {V} (info.target), but {path} holds token id {top}; {fix}")
 
 
 def copy_tokens(hidden: Path, out: Path, split: str, config_hash: str, shard_meta: dict, upstream_hash: str) -> dict:
@@ -57,8 +82,14 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
     params = load_params(["standardize"])
     n_vocab = params.standardize.draft_vocab_size
     upstream = read_verified(hidden)  # every shard extract recorded, complete, before any compute
-    target = {k: v for k, v in upstream["info"]["target"].items() if k != "physical_layers"}
-    physical = sorted(upstream["info"]["target"]["physical_layers"])
+    recorded = (upstream.get("info") or {}).get("target")
+    layers = recorded.get("physical_layers") if isinstance(recorded, dict) else None
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+            and isinstance(recorded.get("vocab_size"), int) and isinstance(recorded.get("hidden_size"), int)):
+        raise UserError(f"{hidden / 'manifest.json'}: info.target lacks physical_layers (a list of layer indices), hidden_size "
+                        f"or vocab_size; re-run extract (dvc repro -f extract)")
+    target = {k: v for k, v in recorded.items() if k != "physical_layers"}
+    physical = sorted(layers)
     # online (train.features): the shards are a sample for the stats; vocab and counts come from
     # the tokens record of every row.
     online = upstream["info"].get("mode", "offline") == "online"
@@ -88,6 +119,7 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             t, meta = load_shard(path)
             if meta.get("config_hash") != upstream["config_hash"]:
                 raise UserError(f"{path}: written by another extract run than {hidden}/manifest.json; re-run extract")
+            check_shard(path, t, meta, physical, target, hidden / "manifest.json")
             aux = torch.cat([t[layer_key(i)] for i in physical], dim=-1)  # ascending physical order
             arrays = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux,
                       "final_hidden": t["final_hidden"], "seq_offsets": t["seq_offsets"]}

@@ -16,6 +16,10 @@ is deliberately not `always_changed`: that would run it on every `dvc repro` and
 `dvc status` from ever being clean ("nothing changed runs nothing" would no longer hold). The
 price: files of a local target edited in place, or a hub branch that moved, are not seen until
 `dvc repro --force target` (then a plain `dvc repro` re-runs what the new pin changes).
+
+A local folder that transformers cannot load as a target is refused before anything is pinned
+(draftlab.target_check.check_loadable: its files, config.json, the tokenizer and chat template,
+the weights' names and shapes from the safetensors headers), so that no later stage trips on it.
 """
 from __future__ import annotations
 
@@ -25,15 +29,19 @@ from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
 from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
 from draftlab.params import load_params
+from draftlab.target_check import check_loadable
 from draftlab.target_pin import pin_local, pin_target
 
 
 def main(out: Path) -> None:
     dequantized = DEQUANTIZED_DIR
     target = load_params(["target"]).target
+    if gguf_file(target.model) is None:
+        check_loadable(target.model, target.revision)  # no pin of a folder the stages cannot load
     pin, how = pin_target(target.model, target.revision)
     if pin["kind"] == "gguf":
         materialize(gguf_file(target.model), target.model, pin["gguf_sha256"], dequantized)
+        check_loadable(str(dequantized))  # what every stage will load
         folder = pin_local(str(dequantized), dequantized)
         pin |= {"dequantized": dequantized.as_posix(), "content_sha256": folder["content_sha256"], "files": folder["files"]}
     else:

@@ -23,7 +23,7 @@ from draftlab import train
 from draftlab.cli import run_stage_cli
 from draftlab.draft import DraftConfig
 from draftlab.errors import UserError
-from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.features import FeatureDataset, check_manifest_target, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
 from draftlab.online import OnlineFeatures, OnlineTarget
@@ -92,9 +92,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
     target_params, train_params = params.target, params.train
     features_manifest = read_verified(features)  # every shard standardize recorded, complete
-    target = features_manifest.get("info", {}).get("target")
-    if not target:
+    target = (features_manifest.get("info") or {}).get("target")
+    if not isinstance(target, dict) or not target:
         raise UserError(f"{features}/manifest.json has no info.target; re-run the standardize stage")
+    check_manifest_target(features, target)
     if target.get("model") != target_params.model:
         raise UserError(f"{features} was extracted from target {target.get('model')!r} but target.model is "
                         f"{target_params.model!r}; run dvc repro")

@@ -10,9 +10,10 @@ from draftlab.draft import KVCache
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import ExportedDraft, export_sglang, load_exported, read_exported
 from draftlab.sglang.layers import release_warning
-from tiny_features import K, V, VD, make_draft
+from tiny_features import H, K, V, VD, make_draft
 
-TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None}
+TARGET = {"architecture": "LlamaForCausalLM", "num_layers": 8, "max_position_embeddings": 4096, "model": "t", "revision": None,
+          "hidden_size": H, "vocab_size": V}  # as standardize records it (the export checks it against the shards)
 
 
 def trained_draft():

@@ -1,4 +1,5 @@
 """The reference server speaks SGLang's HTTP API and decodes exactly like transformers."""
+import json
 import os
 import threading
 
@@ -312,3 +313,87 @@ def test_null_sampling_values_mean_the_default_and_valid_edges_are_served(client
     out = post(c, "/generate", body)
     assert out.status_code == 200, out.text
     assert [o["meta_info"]["id"] for o in out.json()] == ["a", out.json()[1]["meta_info"]["id"]] and len(out.json()) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The context length as SGLang 0.5.14 validates it (TokenizerManager._validate_one_request), and
+# the request-size limit.
+
+SGLANG_TOTAL = ("Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a total of "
+                "{total} tokens: {n} tokens from the input messages and {new} tokens for the completion. Please reduce the "
+                "number of tokens in the input messages or the completion to fit within the limit.")
+
+
+def app_client(server_args: dict, context: int = MICRO_CONTEXT):
+    from fastapi.testclient import TestClient
+
+    from draftlab.server import build_app
+
+    _, engine = micro_client(context)
+    return TestClient(build_app(engine, "micro", {"model_path": "micro", **server_args})), engine
+
+
+def test_input_plus_max_new_tokens_past_the_context_is_sglangs_400(client):
+    c, _ = client
+    r = post(c, "/generate", {"input_ids": [10] * 60, "sampling_params": {"max_new_tokens": 10}})
+    assert r.status_code == 400 and error_message(r) == SGLANG_TOTAL.format(ctx=64, total=70, n=60, new=10)
+    assert post(c, "/generate", {"input_ids": [10] * 60, "sampling_params": {"max_new_tokens": 4}}).status_code == 200  # 64: fits
+    out = post(c, "/generate", {"input_ids": [10] * 60, "sampling_params": {"ignore_eos": True}})  # no max_new_tokens: not checked
+    assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4  # stops at the context, as SGLang
+    body = {"messages": [{"role": "user", "content": "x" * 50}], "max_tokens": 40}
+    r = post(c, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 64 tokens.")  # SGLang's words, no type prefix
+    assert post(c, "/v1/chat/completions", {**body, "max_tokens": None}).status_code == 200
+
+
+def test_a_speculative_servers_reserved_draft_slots_count_as_input():
+    """SGLang reserves max(topk * num_steps, num_draft_tokens) slots of an EAGLE request and counts them as input."""
+    c, engine = app_client({})
+    engine.reserved_tokens = 6  # what SpecEngine sets for a 5-1-6 chain
+    r = post(c, "/generate", {"input_ids": [10] * 58, "sampling_params": {"max_new_tokens": 1}})
+    assert error_message(r) == "The input (64 tokens) is longer than the model's context length (64 tokens)."
+    r = post(c, "/generate", {"input_ids": [10] * 50, "sampling_params": {"max_new_tokens": 9}})
+    assert error_message(r) == SGLANG_TOTAL.format(ctx=64, total=65, n=56, new=9)
+
+
+def test_chat_max_tokens_above_context_length_flag_is_sglangs_400():
+    c, _ = app_client({"context_length": 32})
+    r = post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40})
+    assert r.status_code == 400
+    assert r.json()["message"] == "max_completion_tokens is too large: 40.This model supports at most 32 completion tokens."
+
+
+def test_a_body_over_the_limit_is_a_413_in_the_endpoints_shape():
+    c, _ = app_client({"max_request_bytes": 1000})
+    small = {"input_ids": [10, 11], "sampling_params": {"max_new_tokens": 1}}
+    assert post(c, "/generate", small).status_code == 200
+    big = json.dumps({"input_ids": [10] * 500})  # ~2 kB
+    r = post(c, "/generate", big)
+    assert r.status_code == 413 and "larger than this server's limit of 1000 bytes (--max-request-bytes)" in r.json()["error"]["message"]
+    chunks = (big[i:i + 100].encode() for i in range(0, len(big), 100))  # no Content-Length: counted as it arrives
+    r = c.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["object"] == "error" and "received so far" in r.json()["message"]
+    assert post(c, "/generate", small).status_code == 200
+
+
+def test_a_huge_body_is_refused_before_it_is_read(served):
+    """A 10 GB Content-Length: the 413 comes at once, no byte of the body sent; the server goes on."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = served[0]
+    u = urlsplit(url)
+    t0 = time.perf_counter()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            reply += data
+    assert time.perf_counter() - t0 < 1.0
+    assert reply.startswith(b"HTTP/1.1 413") and b"10000000000 bytes" in reply
+    assert httpx.get(url + "/health").status_code == 200

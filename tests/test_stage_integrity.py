@@ -109,6 +109,67 @@ def test_train_and_export_name_a_features_shard_gone_or_changed(project):
     assert not any((project / d).exists() for d in ("ckpt", "reports", "draft", "export.json"))
 
 
+def edit_manifest(out: Path, edit) -> None:
+    path = out / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit, both_sides", [
+    (lambda t: t.update(physical_layers=[2, 3]), r"says physical layers \[2, 3\].*shard-00000.safetensors holds the states of layers \[2, 5\]"),
+    (lambda t: t.update(physical_layers=[2]), r"says physical layers \[2\].*holds the states of layers \[2, 5\]"),
+    (lambda t: t.update(hidden_size=8), r"says hidden_size 8 \(info.target\), but .*shard-00000.safetensors holds states 4 wide"),
+    (lambda t: t.update(vocab_size=20), r"says vocab_size 20 \(info.target\), but .*shard-00000.safetensors holds token id \d+"),
+    (lambda t: t.pop("physical_layers"), r"info.target lacks physical_layers"),
+])
+def test_standardize_names_both_sides_of_a_manifest_that_disagrees_with_its_shards(project, edit, both_sides):
+    """A hand-edited extract manifest gave KeyError: 'hidden.3'; now the manifest's claim and what the shard holds."""
+    hidden = make_hidden(project)
+    edit_manifest(hidden, lambda m: edit(m["info"]["target"]))
+    with pytest.raises(UserError, match=both_sides + r".*dvc repro -f extract"):
+        standardize(project, hidden)
+    assert not (project / "standardize.json").exists()
+
+
+def test_standardize_names_a_shard_whose_header_lists_other_layers(project):
+    """The manifest may name a subset of the layers a shard holds (its keys are there): the shard's
+    own header says which it was written with."""
+    hidden = make_hidden(project)
+    shard = hidden / "train/shard-00000.safetensors"
+    from safetensors import safe_open
+    with safe_open(str(shard), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file({**tensors, layer_key(7): tensors[layer_key(5)].clone()}, str(shard), metadata={**meta, "physical_layers": "[2, 5, 7]"})
+    edit_manifest(hidden, lambda m: m["info"].update(files=output_files(hidden)))
+    with pytest.raises(UserError, match=r"says physical layers \[2, 5\].*its header: physical_layers \[2, 5, 7\]"):
+        standardize(project, hidden)
+
+
+@pytest.mark.parametrize("content, why", [("[1, 2]", "a JSON list, not a manifest object"), ("{}", "no config_hash string"),
+                                          ('{"config_hash": "x", "info": []}', "info is a JSON list, not an object"),
+                                          ("\ufeff{", "corrupt manifest")])
+def test_a_manifest_of_another_shape_is_named(project, content, why):
+    hidden = make_hidden(project)
+    (hidden / "manifest.json").write_text(content)
+    with pytest.raises(UserError, match=why + r".*re-run the stage that writes"):
+        standardize(project, hidden)
+
+
+def test_train_and_export_name_both_sides_of_a_features_manifest_edit(project):
+    from stages.export import main as export
+    from stages.train import main as train
+
+    standardize(project, make_hidden(project))
+    feat = project / "features"
+    edit_manifest(feat, lambda m: m["info"]["target"].update(hidden_size=8))
+    for run in (lambda: train(feat, project / "ckpt", project / "reports", project / "resume"),
+                lambda: export(project / "ckpt", feat, project / "draft", project / "export.json")):
+        with pytest.raises(UserError, match=r"features/manifest.json says hidden_size 8 \(info.target\), but .*shard-00000"
+                                            r".safetensors records 4"):
+            run()
+
+
 def write_synth(root: Path, files: bool) -> Path:
     synth = root / "synth"
     synth.mkdir()

@@ -206,9 +206,15 @@ class ListBackend:
             done(r, synth.Answer(f"answer to {r['id']}", "stop", 3), None)
 
 
+def answer_row(prompt, ans):
+    """An output row in the shape the synthesize stage writes (what load_partial accepts on resume)."""
+    return {"id": prompt["id"], "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
+            "finish_reason": ans.finish_reason, "completion_tokens": ans.completion_tokens}
+
+
 def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
     splits = {"train": [row(f"q{i}") for i in range(6)], "eval": [row("e0"), row("e1")]}
-    make = lambda p, a: {"id": p["id"], "content": a.content, "finish_reason": a.finish_reason}
+    make = answer_row
     first = ListBackend(stop_after=4)
     with pytest.raises(KeyboardInterrupt):
         synth.synthesize(splits, first, tmp_path, "key-1", make)
@@ -351,3 +357,52 @@ def test_think_layout_comes_from_the_chat_template():
     assert synth.rebuild_content(None, "inline", layout, "stop") == "inline"
     assert synth.answer_only("<think>\nR\n</think>\nA") == "A"
     assert synth.answer_only("<think>\ncut off") == "" and synth.answer_only("no reasoning") == "no reasoning"
+
+
+# Resume state that is not what synthesize wrote: named by file:line with the fix, never a traceback.
+GOOD = json.dumps(answer_row(row("q0"), synth.Answer("an answer", "stop", 3)))
+NOT_ROWS = {
+    b"5": r":2: a JSON int, not an answer row",
+    b"[1, 2]": r":2: a JSON list, not an answer row",
+    b"{}": r":2: no 'id'",
+    b'{"id": 3}': r":2: no 'id'",
+    json.dumps({**json.loads(GOOD), "finish_reason": 7}).encode(): r":2: row \w+: 'finish_reason' must be",
+    json.dumps({**json.loads(GOOD), "completion_tokens": "9"}).encode(): r":2: row \w+: 'completion_tokens' must be an integer",
+    json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "messages"}).encode(): r":2: row \w+: 'messages' must be",
+    json.dumps({**json.loads(GOOD), "messages": [{"role": "user", "content": "q"}]}).encode(): r":2: row \w+: 'messages' must be",
+    b'{"id": "\xff"}': r":2: not UTF-8 text",
+    b"[" * 100_000 + b"]" * 100_000: r":2: not valid JSON",
+}
+
+
+@pytest.mark.parametrize("line", sorted(NOT_ROWS))
+def test_a_partial_line_that_is_not_an_answer_row_is_named_by_file_and_line(tmp_path, line):
+    path = tmp_path / "train.jsonl.partial"
+    path.write_bytes(GOOD.encode() + b"\n" + line + b"\n" + GOOD.encode() + b"\n")
+    with pytest.raises(UserError, match=NOT_ROWS[line] + r".*delete that line, or delete .*train.jsonl.partial"):
+        synth.load_partial(path)
+
+
+def test_resume_keeps_only_answers_to_the_very_prompt(tmp_path):
+    """A kept row's id is its prompt's content hash: one holding other prompt messages is named."""
+    splits = {"train": [row("q0"), row("q1")], "eval": [row("e0")]}
+    synth.prepare_resume(tmp_path, "k")
+    other = answer_row({**row("q0"), "messages": [{"role": "user", "content": "something else"}]}, synth.Answer("a", "stop", 1))
+    (tmp_path / "train.jsonl.partial").write_text(json.dumps(other) + "\n")
+    with pytest.raises(UserError, match=r"train.jsonl.partial: row \w+ holds other prompt messages"):
+        synth.synthesize(splits, ListBackend(), tmp_path, "k", answer_row)
+
+
+@pytest.mark.parametrize("marker", ["[]", "5", "null", '"key"', "{bad"])
+def test_a_resume_marker_of_another_shape_starts_the_split_over(tmp_path, marker):
+    (tmp_path / synth.RESUME_FILE).write_text(marker)
+    (tmp_path / "train.jsonl.partial").write_text("5\n")  # would be refused if kept
+    assert synth.prepare_resume(tmp_path, "k") is False
+    assert not (tmp_path / "train.jsonl.partial").exists()
+
+
+def test_a_partial_path_that_is_a_folder_is_named_not_removed(tmp_path):
+    (tmp_path / "train.jsonl.partial").mkdir()
+    with pytest.raises(UserError, match=r"train.jsonl.partial is not a file.*move or delete it"):
+        synth.prepare_resume(tmp_path, "k")
+    assert (tmp_path / "train.jsonl.partial").is_dir()

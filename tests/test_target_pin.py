@@ -19,6 +19,7 @@ import yaml
 from draftlab.errors import UserError
 from draftlab.manifest import ROOT, code_files
 from draftlab.target_pin import pin_target
+from tests.support.micro import save_micro_model
 
 PIN = "models/target-pin.json"
 COMMIT_A, COMMIT_B = "a" * 40, "0123456789abcdef0123456789abcdef01234567"
@@ -166,7 +167,8 @@ def test_dvc_reruns_what_loads_the_target_exactly_when_the_pin_changes(tmp_path)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["target"]["model"] = "models/a"
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    a = model_folder(root / "models" / "x").rename(root / "models" / "a")
+    a = root / "models" / "a"  # a folder transformers loads: the stage refuses one it cannot (tests/test_hostile_targets.py)
+    save_micro_model(a, num_layers=1)
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
         "target": STAGES["target"],
         "loads": {"cmd": f"{sys.executable} -c \"import shutil; shutil.copy('{PIN}', 'seen.json')\"",
@@ -176,7 +178,8 @@ def test_dvc_reruns_what_loads_the_target_exactly_when_the_pin_changes(tmp_path)
     assert _ran(_sh(["dvc", "repro"], root)) == {"target", "loads"}
     assert _ran(_sh(["dvc", "repro"], root)) == set()  # nothing changed: nothing runs, status clean
     assert "up to date" in _sh(["dvc", "status"], root)
-    (a / "model.safetensors").write_bytes(b"\x01" + (a / "model.safetensors").read_bytes()[1:])
+    weights = (a / "model.safetensors").read_bytes()
+    (a / "model.safetensors").write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))  # one weight byte
     assert _ran(_sh(["dvc", "repro"], root)) == set()  # an in-place edit is not seen (not always_changed) ...
     assert _ran(_sh(["dvc", "repro", "--force", "target"], root)) == {"target"}  # ... until the target is re-pinned
     assert _ran(_sh(["dvc", "repro"], root)) == {"loads"}  # and then only what the new pin changes re-runs

@@ -96,6 +96,6 @@ def test_builtin_prompts_beyond_the_supply_name_the_param(monkeypatch):
     from draftlab.prompts import builtin_prompts
 
     only_mul = tasks.generate
-    monkeypatch.setattr(tasks, "generate", lambda n, seed, split: only_mul(n, seed, split, families=("mul",)))
+    monkeypatch.setattr(tasks, "generate", lambda n, seed, split, **kw: only_mul(n, seed, split, families=("mul",), **kw))
     with pytest.raises(UserError, match="prompts.num_prompts 500: .*there are 410"):
         builtin_prompts(500, seed=1234)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftlab.draft import DraftConfig, TTTCache
+from draftlab.errors import UserError
 from draftlab.features import FeatureDataset, load_draft_vocab
 from draftlab.params import TrainParams
 from draftlab.target_weights import load_target_head
@@ -123,6 +124,42 @@ def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tm
     fresh = new_draft(feats)
     fit(fresh, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "c.pt", "run", torch.device("cpu"))
     assert all(torch.equal(w, fresh.state_dict()[k]) for k, w in weights(straight).items())
+
+
+def test_a_checkpoint_that_is_not_this_runs_is_discarded_with_a_warning(feats, tmp_path, capsys):
+    """Resume state damaged or edited by hand never gives a traceback: fit() warns and trains from
+    the start, to exactly the weights of a run that never saw the file (a checkpoint that failed
+    halfway through loading leaves no tensor behind)."""
+    train_params = params(epochs=1, checkpoint_every=0)
+    straight = new_draft(feats)
+    fit(straight, feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "none.pt", "run", torch.device("cpu"))
+    good = tmp_path / "good.pt"
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(epochs=1, checkpoint_every=1), good, "run",
+        torch.device("cpu"), stop_after_steps=2)
+    ckpt = torch.load(good, weights_only=True)
+    wrong_shape = {**ckpt["model"], "fc.weight": torch.zeros(3, 3)}  # loads after other tensors did: a half-loaded draft
+    bad = {"garbage": b"not a checkpoint", "number": 5, "no run_key": {"step": 1},
+           "a step that is not a number": {**ckpt, "step": "2"}, "a position past the run": {**ckpt, "epoch": 99},
+           "history of another shape": {**ckpt, "history": "x"}, "weights of another shape": {**ckpt, "model": wrong_shape}}
+    for name, content in bad.items():
+        path = tmp_path / f"{len(name)}.pt"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        draft = new_draft(feats)
+        fit(draft, feats["head"], feats["train"], feats["eval"], train_params, path, "run", torch.device("cpu"))
+        assert "warning: ignoring the checkpoint" in capsys.readouterr().out, name
+        assert all(torch.equal(w, draft.state_dict()[k]) for k, w in weights(straight).items()), name
+    (tmp_path / "dir.pt").mkdir()  # not a file: not discarded (it may hold anything), named
+    with pytest.raises(UserError, match=r"dir.pt is not a file.*move or delete it"):
+        fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], train_params, tmp_path / "dir.pt", "run", torch.device("cpu"))
+
+
+def test_a_batch_larger_than_the_data_is_refused_with_the_size_that_fits(feats, tmp_path):
+    with pytest.raises(UserError, match=r"train.batch_size 17 is more than the 16 sequences .* set train.batch_size to 16 or less"):
+        fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(batch_size=17), tmp_path / "x.pt", "run",
+            torch.device("cpu"))
 
 
 def test_training_raises_acceptance_on_what_it_learns_from(feats, tmp_path):

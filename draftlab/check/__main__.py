@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab.check.diagnose import load_local_target, read_json
+from draftlab.check.diagnose import fewer_samples, load_local_target, read_json
 from draftlab.check.findings import errors
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.errors import UserError
@@ -26,12 +26,25 @@ from draftlab.sglang.checkpoint import read_exported
 from draftlab.sglang.layers import VERIFIED_VERSIONS
 
 
+def positive(kind):
+    """argparse type: a number of `kind` above 0 (a bad value is argparse's usage error, exit 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+        return value
+    return parse
+
+
 def add_parity_options(parser, json_help: str) -> None:
     """The live-parity options both commands take."""
-    parser.add_argument("--samples", type=int, default=4, help="sequences sent for live parity")
-    parser.add_argument("--rtol", type=float, default=0.05, help="relative error a live slot may show")
-    parser.add_argument("--norm-tolerance", type=float, default=0.15)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per /generate request")
+    parser.add_argument("--samples", type=positive(int), default=4, help="sequences sent for live parity")
+    parser.add_argument("--rtol", type=positive(float), default=0.05, help="relative error a live slot may show")
+    parser.add_argument("--norm-tolerance", type=positive(float), default=0.15)
+    parser.add_argument("--timeout", type=positive(float), default=120.0, help="seconds per /generate request")
     parser.add_argument("--json", type=Path, default=None, help=json_help)
 
 
@@ -48,6 +61,8 @@ def parity_main(argv=None) -> int:
     torch.set_num_threads(1)
     features_manifest = read_verified(args.features)  # the shards standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target") or {}
+    if not isinstance(target, dict) or not target.get("model"):
+        raise UserError(f"{args.features / 'manifest.json'} names no target (info.target.model); re-run the standardize stage")
     seqs, meta = stored_sequences(args.features, args.samples)
     model = None
     if args.target or not args.url:
@@ -67,6 +82,7 @@ def parity_main(argv=None) -> int:
         raise UserError(f"live parity could not run against {result['source']}: {result['error']['message']}")
     stats = read_json(args.features / "stats.json") or {}
     findings = check_live_capture(result, stats.get("norms"), args.rtol, args.norm_tolerance)
+    findings += fewer_samples(result, args.samples, args.features / "train")
     for s in result["slots"]:
         print(f"slot {s['slot']}: trained physical {s['trained_physical']}, rel err {s['rel_err']:.4f}, max abs diff "
               f"{s['max_abs_diff']:.4g}, cos {s['cos']:.4f}, norm ratio {s['norm_ratio']:.3f}, best match {s['best_match']}")

@@ -64,12 +64,23 @@ class Run:
 
 
 def read_json(path: Path) -> dict | None:
+    """A JSON object a stage wrote (a manifest, a report), None when absent; UserError naming the
+    file when it is not JSON or not an object (a manifest also needs its config_hash)."""
+    from draftlab.manifest import MANIFEST, manifest_problem
+
     try:
-        return json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError as e:
+    except OSError as e:  # a directory, no permission
+        raise UserError(f"{path}: cannot be read ({e.strerror or e}); re-run the stage that writes it") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"{path}: not valid JSON ({e}); re-run the stage that writes it") from None
+    problem = manifest_problem(value) if Path(path).name == MANIFEST else (
+        None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object")
+    if problem:
+        raise UserError(f"{path}: {problem}; re-run the stage that writes it")
+    return value
 
 
 def load_run(paths: Paths) -> Run:
@@ -179,7 +190,26 @@ def live_parity(run: Run, check_params, served: ServedLayers, load_model=load_lo
                               "make the features and the target loadable here, or set check.live_parity_samples: 0")]
 
 
+def fewer_samples(result: dict | None, asked: int, where) -> list[Finding]:
+    """Record in the parity result how many sequences were asked for; a warning when the features
+    hold fewer (live parity then ran on all of them, never silently on fewer than the report says)."""
+    if result is None:
+        return []
+    result["sequences_requested"] = asked
+    used = len(result.get("sequences") or [])
+    if used >= asked:
+        return []
+    return [warning("live_parity_fewer_samples", {"requested": asked, "used": used, "features": str(where)},
+                    f"live parity was asked for {asked} sequences, but {where} holds {used}: it ran on those {used}",
+                    f"ask for {used} or fewer (check.live_parity_samples, or --samples)")]
+
+
 def _live_parity(run: Run, check_params, served: ServedLayers, load_model) -> tuple[dict | None, list[Finding]]:
+    result, findings = _live_parity_run(run, check_params, served, load_model)
+    return result, findings + fewer_samples(result, check_params.live_parity_samples, run.paths.features / "train")
+
+
+def _live_parity_run(run: Run, check_params, served: ServedLayers, load_model) -> tuple[dict | None, list[Finding]]:
     seqs, meta = stored_sequences(run.paths.features, check_params.live_parity_samples)
     target = (run.bench or {}).get("target") or run.target
     if check_params.server_url:

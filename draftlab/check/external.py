@@ -434,7 +434,7 @@ def prompt_ids(model: str, vocab_size: int, n: int) -> list[list[int]]:
         ids = [tok(p).input_ids for p in PROMPTS[:n]]
         if all(ids) and max(max(i) for i in ids) < vocab_size:
             return ids
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - any tokenizer that does not load (a damaged file, an unknown class): random ids
         pass
     g = torch.Generator().manual_seed(0)
     return [torch.randint(vocab_size, (16,), generator=g).tolist() for _ in range(n)]
@@ -468,6 +468,7 @@ def live_parity(d: ForeignDraft, target: dict, served: ServedLayers, intended: I
                 samples: int, rtol: float, norm_tolerance: float, timeout_s: float, load_model) -> tuple[dict | None, list[Finding]]:
     """Live parity: the server (or, with features only, the in-process capture of the served layers)
     against the features (or, with a server only, against the target run here)."""
+    from draftlab.check.diagnose import fewer_samples
     from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 
     H = int(target["hidden_size"])
@@ -488,6 +489,7 @@ def live_parity(d: ForeignDraft, target: dict, served: ServedLayers, intended: I
     if (result.get("error") or {}).get("kind") == "unreachable":  # bad input, not a wiring fault: exit 2
         raise UserError(f"live parity could not run against {result['source']}: {result['error']['message']}")
     findings = check_live_capture(result, feats.norms if feats else None, rtol, norm_tolerance)
+    findings += fewer_samples(result, samples, feats.path / "train" if feats else "the built-in prompt set")
     return result, findings + (server_algorithm(server, d.draft.config) if server else [])
 
 

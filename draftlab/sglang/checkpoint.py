@@ -25,6 +25,7 @@ from draftlab.draft import DraftConfig, Eagle3Draft
 from draftlab.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
+from draftlab.manifest import safetensors_header
 from draftlab.sglang.layers import SGLANG_AUX_LAYERS, captured_physical, ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -230,9 +231,12 @@ def read_exported(path: str | Path) -> ExportedDraft:
     if not config_path.exists():
         raise UserError(f"{config_path} not found: not an exported draft; run the export stage")
     try:
-        return ExportedDraft(path, json.loads(config_path.read_text()))
-    except json.JSONDecodeError as e:
+        config = json.loads(config_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UserError(f"{config_path}: not valid JSON ({e}); re-run the export stage") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path}: a JSON {type(config).__name__}, not a config object; re-run the export stage")
+    return ExportedDraft(path, config)
 
 
 def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftConfig:
@@ -244,6 +248,11 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
     check names it). UserError naming a missing size.
     """
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "draft_vocab_size", "target_hidden_size", "max_position_embeddings"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"the draft's config.json: {key} must be a positive integer, got {value!r}: not a loadable SGLang draft config")
     try:
         return DraftConfig(
             hidden_size=config["hidden_size"],
@@ -263,6 +272,8 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
         )
     except KeyError as e:
         raise UserError(f"the draft's config.json has no {e.args[0]}: not a loadable SGLang draft config") from None
+    except (TypeError, ValueError) as e:  # a size that is not a number
+        raise UserError(f"the draft's config.json holds a value of the wrong type ({e}): not a loadable SGLang draft config") from None
 
 
 def config_from_exported(config: dict) -> DraftConfig:
@@ -287,6 +298,10 @@ def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: to
         raise UserError(f"{path}: not an exported draft (needs config.json and {WEIGHTS}); run the export stage")
     exported = read_exported(path)
     cfg = config_from_exported(exported.config)
+    try:  # a damaged file named here, not by the reader's exception
+        safetensors_header(exported.weights)
+    except UserError as e:
+        raise UserError(f"{e}; re-run the export stage (dvc repro -f export)") from None
     with safe_open(str(exported.weights), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if as_sglang and "d2t" not in tensors:
