@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftlab.errors import UserError
 from draftlab.gguf_target import DEQUANTIZED_DIR, SOURCE_FILE
 from draftlab.params import TargetParams
-from draftlab.target import load_target, model_path
+from draftlab.target import load_target, model_path, save_tokenizer
 from stages import target as target_stage
 from tests.support.gguf_file import write_gguf
 from tests.support.micro import make_micro_model, make_micro_tokenizer
@@ -65,6 +65,7 @@ def test_a_gguf_target_is_pinned_dequantized_once_and_loaded_as_a_plain_folder(t
     # Another target: the folder holds only a note, and the stages load that target directly.
     other = tmp_path / "plain-model"
     model.save_pretrained(other)
+    save_tokenizer(tok, other)
     assert run_target_stage(tmp_path, str(other))["kind"] == "local"
     assert [p.name for p in folder.iterdir()] == ["README.md"] and model_path(str(other)) == str(other)
 
