@@ -14,7 +14,7 @@ from pathlib import Path
 
 from draftlab.check import diagnose
 from draftlab.cli import run_stage
-from draftlab.check.report import summary_markdown, check_markdown
+from draftlab.check.report import check_markdown, pipeline_plots, summary_markdown
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, with_lineage
@@ -48,7 +48,8 @@ def main(paths: diagnose.Paths, out: Path, load_model=diagnose.load_local_target
     report["inputs"] = inputs
     atomic_write_json(out / "check.json", report)
     atomic_write_text(out / "check.md", check_markdown(diagnosis.findings, diagnosis.parity, diagnosis.settings, manifest["config_hash"]))
-    atomic_write_text(out / "summary.md", summary_markdown(run, diagnosis.findings, manifest["config_hash"], out))
+    plots = pipeline_plots("dvc.yaml", out)  # this run's plots only: dvc runs the stage next to dvc.yaml
+    atomic_write_text(out / "summary.md", summary_markdown(run, diagnosis.findings, manifest["config_hash"], out, plots))
     for f in diagnosis.findings:
         if f.severity != "ok-info":
             print(f"check: {f.severity}: {f.name}: {f.cause}")

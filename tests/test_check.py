@@ -576,14 +576,17 @@ def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, mo
     model = pipeline[1]
     monkeypatch.chdir(run)
     (run / "params.yaml").write_text(PARAMS % "true")
-    (run / "reports/train/plots").mkdir()
-    (run / "reports/train/plots/accept.png").write_bytes(b"\x89PNG")
+    shutil.copy(Path(__file__).resolve().parents[1] / "dvc.yaml", run / "dvc.yaml")  # it names the plots the run writes
+    for png in ("train/plots/accept.png", "gpu-8b/speedup.png"):  # the run's own, and another experiment's kept beside it
+        (run / "reports" / png).parent.mkdir(parents=True, exist_ok=True)
+        (run / "reports" / png).write_bytes(b"\x89PNG")
     main(paths(run), run / "reports", load_model=lambda *_: model)
     report = json.loads((run / "reports/check.json").read_text())
     assert report["ok"] and report["stage"] == "check" and len(report["config_hash"]) == 64
     assert report["settings"]["sglang_captures"] == PHYSICAL and report["settings"]["backend"] == "reference"
     summary = (run / "reports/summary.md").read_text()
     assert "[train/plots/accept.png](train/plots/accept.png)" in summary and report["config_hash"] in summary
+    assert "gpu-8b" not in summary
     assert "| tau served | 1.980 |" in summary
 
     edit_config(run, lambda c: c.pop("eagle_config"))

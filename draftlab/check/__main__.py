@@ -1,10 +1,11 @@
 """The wiring check outside the pipeline (the full check of a pipeline run is python -m stages.check):
 
-  python -m draftlab.check parity [--url URL] ...   live parity: what a server (or the in-process
-                                                    capture path) feeds the draft vs the training features
-  python -m draftlab.check draft PATH --target MODEL ...   a verdict on any SGLang EAGLE-3 checkpoint
-                                                    (this project's, SpecForge's, vLLM speculators'), see check.external
+  draftlab parity [--url URL] ...             live parity: what a server (or the in-process capture
+                                              path) feeds the draft vs the training features
+  draftlab check-draft PATH --target MODEL ...   a verdict on any SGLang EAGLE-3 checkpoint (this
+                                              project's, SpecForge's, vLLM speculators'), see check.external
 
+`python -m draftlab.check parity|draft ...` runs the same functions.
 Exit codes: 0 clean, 1 findings with errors, 2 bad input (a path or features missing, cut or
 changed, a malformed config) or an unreachable server; the reason is printed on stderr.
 """
@@ -15,15 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from draftlab.check.diagnose import fewer_samples, load_local_target, read_json
-from draftlab.check.findings import errors
-from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.errors import UserError
-from draftlab.manifest import read_verified
-from draftlab.sglang.checkpoint import read_exported
 from draftlab.sglang.layers import VERIFIED_VERSIONS
+
+PARITY_HELP = "compare a server's (or the in-process) captured hidden states with the training features"
+DRAFT_HELP = ("a verdict on an SGLang EAGLE-3 draft checkpoint trained anywhere (this project, SpecForge, vLLM speculators): "
+              "the layers SGLang feeds it, its config, d2t and shapes")
 
 
 def positive(kind):
@@ -48,16 +46,25 @@ def add_parity_options(parser, json_help: str) -> None:
     parser.add_argument("--json", type=Path, default=None, help=json_help)
 
 
-def parity_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m draftlab.check parity",
-                                     description="compare a server's (or the in-process) captured hidden states with the training features")
+def add_parity_arguments(parser) -> None:
     parser.add_argument("--url", default="", help="server with --enable-return-hidden-states; empty = in-process capture for --draft")
     parser.add_argument("--features", type=Path, default=Path("data/features"))
     parser.add_argument("--draft", type=Path, default=Path("models/draft"), help="in-process: the exported draft whose ids decide the layers")
     parser.add_argument("--sglang-version", default=None, help="in-process: the layer rule's SGLang release (default: the draft's)")
     parser.add_argument("--target", default=None, help="a local target to name the layers a server really captures (default: none for --url)")
     add_parity_options(parser, "write the full parity result here")
-    args = parser.parse_args(argv)
+
+
+def parity(args) -> int:
+    """Live parity from parsed arguments (add_parity_arguments): 0 clean, 1 errors; UserError for bad input."""
+    import torch  # here, not at the top: `draftlab --help` should not wait for torch
+
+    from draftlab.check.diagnose import fewer_samples, load_local_target, read_json
+    from draftlab.check.findings import errors
+    from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
+    from draftlab.manifest import read_verified
+    from draftlab.sglang.checkpoint import read_exported
+
     torch.set_num_threads(1)
     features_manifest = read_verified(args.features)  # the shards standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target") or {}
@@ -93,12 +100,7 @@ def parity_main(argv=None) -> int:
     return 1 if errors(findings) else 0
 
 
-def draft_main(argv=None) -> int:
-    from draftlab.check.external import check_external, verdict_dict, verdict_text
-
-    parser = argparse.ArgumentParser(prog="python -m draftlab.check draft",
-                                     description="a verdict on an SGLang EAGLE-3 draft checkpoint trained anywhere (this project, "
-                                                 "SpecForge, vLLM speculators): the layers SGLang feeds it, its config, d2t and shapes")
+def add_draft_arguments(parser) -> None:
     parser.add_argument("path", type=Path, help="the checkpoint directory (config.json + model.safetensors or safetensors shards)")
     parser.add_argument("--target", required=True, help="the target model (local folder or hub id); only its config.json is read, "
                                                         "unless live parity needs it")
@@ -107,7 +109,14 @@ def draft_main(argv=None) -> int:
     parser.add_argument("--server", default="", help="a running SGLang EAGLE3 server with --enable-return-hidden-states: live parity")
     parser.add_argument("--features", type=Path, default=None, help="this project's training features: the trained layers, d2t, norms")
     add_parity_options(parser, "write the findings (and the parity result) here")
-    args = parser.parse_args(argv)
+
+
+def check_draft(args) -> int:
+    """The verdict from parsed arguments (add_draft_arguments): 0 clean, 1 errors; UserError for bad input."""
+    import torch
+
+    from draftlab.check.external import check_external, verdict_dict, verdict_text
+
     torch.set_num_threads(1)
     verdict = check_external(args.path, args.target, args.sglang_version, args.server, args.features, args.samples, args.rtol,
                              args.norm_tolerance, args.timeout)
@@ -115,6 +124,18 @@ def draft_main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(verdict_dict(verdict), indent=2) + "\n")
     return 1 if verdict.errors else 0
+
+
+def parity_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draftlab.check parity", description=PARITY_HELP)
+    add_parity_arguments(parser)
+    return parity(parser.parse_args(argv))
+
+
+def draft_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draftlab.check draft", description=DRAFT_HELP)
+    add_draft_arguments(parser)
+    return check_draft(parser.parse_args(argv))
 
 
 COMMANDS = {"parity": parity_main, "draft": draft_main}
@@ -125,7 +146,8 @@ def main(argv=None) -> None:
     if not argv or argv[0] not in COMMANDS:
         print("usage: python -m draftlab.check parity [--url URL] [options]\n"
               "       python -m draftlab.check draft PATH --target MODEL [--sglang-version V] [--server URL] [--features DIR] [--json OUT]\n"
-              "(the full check of a pipeline run is: python -m stages.check)", file=sys.stderr)
+              "(the same as: draftlab parity, draftlab check-draft; the full check of a pipeline run is: python -m stages.check)",
+              file=sys.stderr)
         sys.exit(2)
     try:
         sys.exit(COMMANDS[argv[0]](argv[1:]))

@@ -8,7 +8,11 @@ import json
 import os
 from pathlib import Path
 
+import yaml
+
 from draftlab.check.findings import ERROR, INFO, WARNING, Finding
+
+IMAGES = (".png", ".svg")
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -75,7 +79,36 @@ def _tps(x) -> str:
     return _fmt((x or {}).get("median"), 1) if isinstance(x, dict) else _fmt(x, 1)
 
 
-def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Path) -> str:
+def _declared_paths(dvc_yaml: Path) -> list[Path]:
+    """Every output dvc.yaml declares: each stage's outs, metrics and plots, and the top-level plots."""
+    spec = yaml.safe_load(dvc_yaml.read_text()) or {}
+    names = []
+    for stage in (spec.get("stages") or {}).values():
+        for kind in ("outs", "metrics", "plots"):
+            names += [e if isinstance(e, str) else next(iter(e)) for e in stage.get(kind) or []]
+    for e in spec.get("plots") or []:
+        entry = e if isinstance(e, str) else next(iter(e))
+        names.append(entry)
+        for axis in ("x", "y"):  # a named plot whose data files are given per axis
+            files = (e.get(entry) or {}).get(axis) if isinstance(e, dict) else None
+            names += list(files) if isinstance(files, dict) else []
+    return [dvc_yaml.parent / n for n in names]
+
+
+def pipeline_plots(dvc_yaml: str | Path, out_dir: str | Path) -> list[Path]:
+    """The images under `out_dir` that the pipeline's own stages write: those dvc.yaml declares, or that
+    lie in a folder it declares (reports/train/plots, reports/bench). Other runs' plots kept under
+    reports/ (a GPU experiment's, a sweep's) are not this run's; none without a dvc.yaml."""
+    dvc_yaml = Path(dvc_yaml)
+    if not dvc_yaml.exists():
+        return []
+    declared = [p.resolve() for p in _declared_paths(dvc_yaml)]
+    images = (p for p in Path(out_dir).rglob("*") if p.suffix in IMAGES and p.is_file())
+    return sorted(p for p in images if any(p.resolve() == d or p.resolve().is_relative_to(d) for d in declared))
+
+
+def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Path, plots: list[Path] = ()) -> str:
+    """The run on one page; `plots` (pipeline_plots) are linked relative to `out_dir`."""
     t, b = run.train_metrics or {}, run.bench or {}
     spec, base, off = b.get("spec") or {}, b.get("baseline") or {}, b.get("offline") or {}
     lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Check: {_counts(findings)} (details: [check.md](check.md)).", "",
@@ -90,7 +123,6 @@ def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Pa
              f"| tokens/s baseline (median) | {_tps(base.get('tokens_per_s'))} |",
              f"| tokens/s speculative (median) | {_tps(spec.get('tokens_per_s'))} |",
              f"| speedup | {_fmt(b.get('speedup'))} |"]
-    plots = sorted(p for p in Path(out_dir).rglob("*") if p.suffix in (".png", ".svg"))
     lines += ["", "## Plots", ""]
     lines += [f"- [{p.relative_to(out_dir).as_posix()}]({os.path.relpath(p, out_dir)})" for p in plots] or ["- none yet"]
     lines += ["", "## Findings", ""]

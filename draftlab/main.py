@@ -1,0 +1,129 @@
+"""The `draftlab` command: what is not a DVC stage (the stages run through `dvc repro`).
+
+    draftlab check-draft PATH --target MODEL [...]   a verdict on an EAGLE-3 draft trained anywhere
+    draftlab parity [--url URL] [...]                live parity: served hidden states vs the training features
+    draftlab serve --model-path MODEL [...]          the reference server (SGLang's HTTP API)
+    draftlab exp run PROFILE [PROFILE ...] [...]     a params profile (configs/*.yaml) as one dvc exp run
+    draftlab exp show-profile PROFILE [...]          what the profiles change: key: old -> new
+
+Exit codes: 0 ok, 1 findings with errors, 2 bad input (one line on stderr, no traceback); exp run
+passes on dvc's own. `python -m draftlab.check draft|parity` and `python -m draftlab.server` run
+the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from draftlab.errors import UserError
+
+
+def check_draft(args) -> int:
+    from draftlab.check.__main__ import check_draft
+
+    return check_draft(args)
+
+
+def parity(args) -> int:
+    from draftlab.check.__main__ import parity
+
+    return parity(args)
+
+
+def serve(argv: list[str]) -> None:
+    """python -m draftlab.server's options, passed on as given (its --help lists them)."""
+    from draftlab import server  # loads torch: only when serving
+
+    server.main(argv)
+
+
+def add_profile_arguments(parser) -> None:
+    parser.add_argument("profiles", nargs="+", metavar="PROFILE",
+                        help="a YAML file of params (params.yaml's sections, a subset of its keys), or NAME for configs/NAME.yaml; "
+                             "later profiles win")
+    parser.add_argument("-S", "--set-param", dest="sets", action="append", default=[], metavar="section.key=VALUE",
+                        help="one more value, in dvc exp run -S's grammar; wins over the profiles")
+    parser.add_argument("--params", default="params.yaml", help="the params file the profiles apply to")
+
+
+def exp_run(args) -> int:
+    from draftlab.profiles import apply_profiles, command_line, dvc_exp_run
+
+    applied = apply_profiles(args.profiles, args.sets, args.params)
+    argv = dvc_exp_run(applied, args.queue, args.name, args.dvc_args)
+    if args.dry_run:
+        print(command_line(argv))
+        return 0
+    try:
+        return subprocess.run([sys.executable, "-m", "dvc", *argv[1:]]).returncode  # the dvc of this Python
+    except KeyboardInterrupt:
+        return 130
+
+
+def exp_show_profile(args) -> int:
+    from draftlab.profiles import apply_profiles, show
+
+    print(show(apply_profiles(args.profiles, args.sets, args.params)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftlab.check.__main__ import DRAFT_HELP, PARITY_HELP, add_draft_arguments, add_parity_arguments
+
+    parser = argparse.ArgumentParser(prog="draftlab", description="EAGLE-3 drafts for SGLang: the commands around the DVC pipeline "
+                                                                   "(which runs with dvc repro and dvc exp run)")
+    verbs = parser.add_subparsers(title="verbs", dest="verb", required=True)
+
+    p = verbs.add_parser("check-draft", help="a verdict on an EAGLE-3 draft trained anywhere", description=DRAFT_HELP)
+    add_draft_arguments(p)
+    p.set_defaults(func=check_draft)
+
+    p = verbs.add_parser("parity", help="a server's hidden states vs the training features",
+                         description=PARITY_HELP)
+    add_parity_arguments(p)
+    p.set_defaults(func=parity)
+
+    # Listed here for --help only: main() hands `draftlab serve ...` to the server's own parser.
+    verbs.add_parser("serve", help="the reference server (SGLang's HTTP API, CPU or GPU)")
+
+    exp = verbs.add_parser("exp", help="params profiles (configs/*.yaml) as DVC experiments",
+                           description="params profiles as DVC experiments: exp run, exp show-profile")
+    exp_verbs = exp.add_subparsers(title="verbs", dest="exp_verb", required=True)
+    p = exp_verbs.add_parser("run", help="run profiles as one dvc exp run (one -S per key)",
+                             description="merge the profiles over params.yaml, check the result with the params loader, and "
+                                         "run dvc exp run with one -S per key; arguments after -- go to dvc exp run",
+                             usage="draftlab exp run PROFILE [PROFILE ...] [--queue] [--name NAME] [-S section.key=VALUE ...] "
+                                   "[--dry-run] [-- dvc exp run args]")
+    add_profile_arguments(p)
+    p.add_argument("--queue", action="store_true", help="queue the experiment (dvc queue start runs it)")
+    p.add_argument("-n", "--name", default=None, help="the experiment's name")
+    p.add_argument("--dry-run", action="store_true", help="print the dvc command instead of running it")
+    p.set_defaults(func=exp_run)
+    p = exp_verbs.add_parser("show-profile", help="print what profiles change (key: old -> new)",
+                             description="merge the profiles over params.yaml, check them, and print each key: old -> new")
+    add_profile_arguments(p)
+    p.set_defaults(func=exp_show_profile)
+    return parser
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        serve(argv[1:])
+        return
+    dvc_args = []
+    if argv[:2] == ["exp", "run"] and "--" in argv:  # the rest goes to dvc exp run as given
+        cut = argv.index("--")
+        argv, dvc_args = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    args.dvc_args = dvc_args
+    try:
+        sys.exit(args.func(args))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
