@@ -147,7 +147,9 @@ class SynthParams:
     timeout_s: Annotated[Float, Field(gt=0.0)]  # openai backend: seconds per request attempt
     max_retries: Annotated[Int, Field(ge=0)]  # openai backend: retries after the first attempt
     retry_backoff_s: Annotated[Float, Field(ge=0)]  # openai backend: first retry delay (s), doubled each retry
-    backend: Literal["hf", "openai"]
+    server_args: list[str]  # sglang backend: more launch flags, one list item per argument
+    startup_timeout_s: Annotated[Float, Field(gt=0.0)]  # sglang backend: seconds the server may take to come up
+    backend: Literal["hf", "openai", "sglang"]
     reasoning: Literal["keep", "drop"]
 
 

@@ -205,9 +205,10 @@ class HFBackend:
 class OpenAIBackend:
     """Chat completions against an OpenAI-compatible server, `concurrency` requests in flight."""
 
-    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None):
+    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None, base_url: str | None = None):
+        """base_url: the server's URL up to /v1 (default synth.base_url; the sglang backend's own server)."""
         self.tokenizer, self.synth_params, self.context_length = tok, synth_params, context_length
-        self.base_url = synth_params.base_url.rstrip("/")
+        self.base_url = (base_url or synth_params.base_url).rstrip("/")
         self._key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.layout = think_layout(tok)

@@ -4,9 +4,16 @@
 Reads params sections: target, synth.
 Writes data/synth/{train,eval}.jsonl, errors.jsonl, manifest.json. Interrupted (Ctrl-C, kill)?
 Run it again: finished rows are kept and only the rest is generated.
+
+synth.backend sglang: the stage starts `python -m sglang.launch_server` for the target (the folder
+every stage loads: a GGUF target's dequantized one) in target.dtype on a free port, with
+synth.server_args, waits for /health, answers through its OpenAI-compatible API exactly as the
+openai backend does, and stops it (on an error or Ctrl-C too). Its log is data/synth/.sglang-server.log
+(a dot file: not part of the outputs' hash).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -18,11 +25,32 @@ from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, resolve_device, target_fingerprint,
-                             tokenizer_hash)
+from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, model_path, resolve_device,
+                             target_fingerprint, tokenizer_hash)
 
 
-def make_backend(target_params, synth_params):
+# The launch flags synth.server_args may not hold: the stage sets them (SGLang's --tp-size stays 1 here;
+# for a target that needs tensor parallelism start SGLang yourself and use synth.backend: openai).
+SERVER_MANAGED = {"--model-path": "target.model", "--model": "target.model", "--host": "(always 127.0.0.1)",
+                  "--port": "(a free port)", "--dtype": "target.dtype", "--tp-size": "(1; see the stage's docstring)",
+                  "--tp": "(1)", "--tensor-parallel-size": "(1)"}
+
+
+@contextlib.contextmanager
+def own_server(target_params, synth_params, out: Path):
+    """synth.backend sglang: an SGLang server of the target for the stage's lifetime; yields its /v1 URL."""
+    from draftlab.sglang.launch import free_port, launch_argv, serve
+
+    port = free_port()
+    argv = launch_argv(model_path(target_params.model), port, baseline=True, dtype=target_params.dtype,
+                       extra_args=synth_params.server_args, extra_key="synth.server_args", managed=SERVER_MANAGED)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"synthesize: starting SGLang for {target_params.model} on port {port} (log {out / '.sglang-server.log'})")
+    with serve(argv, out / ".sglang-server.log", synth_params.startup_timeout_s):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+def make_backend(target_params, synth_params, base_url: str | None = None):
     if synth_params.backend == "hf":
         device = resolve_device(target_params.device)
         model, tok = load_target(target_params, device)
@@ -30,7 +58,7 @@ def make_backend(target_params, synth_params):
     tok = load_tokenizer(target_params.model, target_params.revision)  # the target's own tokenizer: context check, hashes, think layout
     cfg = load_config(target_params).get_text_config()
     context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
-    return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None)
+    return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None, base_url=base_url)
 
 
 def main(prompts_dir: Path, out: Path) -> None:
@@ -40,7 +68,12 @@ def main(prompts_dir: Path, out: Path) -> None:
     splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
     inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(target_params)}
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
-    backend = make_backend(target_params, synth_params)
+    with own_server(target_params, synth_params, out) if synth_params.backend == "sglang" else contextlib.nullcontext() as url:
+        run(params, splits, inputs, out, make_backend(target_params, synth_params, url))
+
+
+def run(params, splits, inputs, out: Path, backend) -> None:
+    target_params, synth_params = params.target, params.synth
     tok = backend.tokenizer
     synth.check_context(splits, tok, backend.context_length, synth_params.max_new_tokens)
 

@@ -144,6 +144,29 @@ def test_openai_backend_gives_the_same_rows_as_hf_for_greedy(tmp_path, monkeypat
     assert not list((tmp_path / "oa" / "out").glob("*.partial")) and not (tmp_path / "oa" / "out" / synth.RESUME_FILE).exists()
 
 
+def test_the_sglang_backend_starts_its_own_server_answers_as_hf_does_and_stops_it(tmp_path, monkeypatch, target):
+    """synth.backend sglang on a CPU: `python -m sglang.launch_server` is the stand-in (the reference server)."""
+    import httpx
+
+    standin = ROOT / "tests" / "fixtures" / "sglang_standin"
+    monkeypatch.setenv("PYTHONPATH", f"{standin}{os.pathsep}{ROOT}")
+    texts = [q for q, _, _ in TAUGHT] + OTHER[:2]
+    prompts = make_prompts(tmp_path / "prompts", texts[:3], texts[3:])
+    hf_rows, _ = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, batch_size=4)
+    out = tmp_path / "sg" / "out"
+    sg_rows, man = run_stage(tmp_path / "sg", monkeypatch, prompts, out, target, backend="sglang", concurrency=2,
+                             server_args=["--mem-fraction-static", "0.3"], startup_timeout_s=120.0)
+    assert sg_rows == hf_rows and man["info"]["backend"] == "sglang"
+    log = (out / ".sglang-server.log").read_text()
+    assert "--mem-fraction-static" in log  # synth.server_args reached the launch
+    port = int(log.split("--port ", 1)[1].split(";")[0])
+    with pytest.raises(httpx.HTTPError):  # stopped with the stage
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    with pytest.raises(UserError, match=r"synth.server_args: --port is set from \(a free port\); remove it from synth.server_args"):
+        run_stage(tmp_path / "bad", monkeypatch, prompts, tmp_path / "bad" / "out", target, backend="sglang",
+                  server_args=["--port", "1234"])
+
+
 @pytest.mark.parametrize("mode", ["keep", "drop"])
 def test_reasoning_keep_and_drop_agree_across_backends(tmp_path, monkeypatch, target, reasoning_server, mode):
     import httpx

@@ -60,7 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch_argv(target_model: str, port: int, *, draft_model: str | None = None, flags: SpecFlags | None = None,
                 baseline: bool = False, host: str = "127.0.0.1", tp_size: int = 1, dtype: str = "auto",
                 extra_args: Sequence[str] = (), return_hidden_states: bool = False,
-                python: str = sys.executable) -> list[str]:
+                python: str = sys.executable, extra_key: str = "bench.extra_server_args",
+                managed: dict[str, str] = MANAGED_FLAGS) -> list[str]:
     """argv (a list, never a shell string) for `python -m sglang.launch_server`.
 
     flags: pass the EFFECTIVE flags (sglang_flags.resolve(...).effective), so SGLang has nothing
@@ -68,7 +69,7 @@ def launch_argv(target_model: str, port: int, *, draft_model: str | None = None,
     with no speculative flag at all; the server-wide flags in `flags` (max_running_requests,
     page_size, attention_backend) still apply, so both servers differ only in speculation.
     """
-    check_extra_args(extra_args)
+    check_extra_args(extra_args, extra_key, managed)
     if port > MAX_PORT and not os.environ.get("SGLANG_GRPC_PORT"):
         raise UserError(f"SGLang refuses --port {port}: it derives its gRPC port as port + {GRPC_PORT_OFFSET}, which must be "
                         f"<= 65535; use a port <= {MAX_PORT} (bench.port) or set SGLANG_GRPC_PORT")
@@ -99,17 +100,19 @@ def serve(argv: list[str], log_path, startup_timeout_s: float, env: dict | None 
     return lifecycle.serve(argv, f"http://{host}:{port}", log_path, startup_timeout_s=startup_timeout_s, env=env)
 
 
-def check_extra_args(extra_args: Sequence[str]) -> None:
-    """Refuse a shell string, a flag and its value in one item, and flags the params own."""
+def check_extra_args(extra_args: Sequence[str], key: str = "bench.extra_server_args",
+                     managed: dict[str, str] = MANAGED_FLAGS) -> None:
+    """Refuse a shell string, a flag and its value in one item, and flags the params own (`managed`:
+    flag -> the params key that sets it); `key` names the params key in the messages."""
     if isinstance(extra_args, str):
-        raise UserError(f"bench.extra_server_args must be a list, one item per argument, got the string {extra_args!r}")
+        raise UserError(f"{key} must be a list, one item per argument, got the string {extra_args!r}")
     for item in extra_args:
         item = str(item)
         name = item.split("=", 1)[0]
         if name.startswith("--") and " " in name.strip():
-            raise UserError(f"bench.extra_server_args: {item!r} is one list item; write each argument as its own item: {item.split()!r}")
-        if name in MANAGED_FLAGS:
-            raise UserError(f"bench.extra_server_args: {name} is set from {MANAGED_FLAGS[name]}; remove it from extra_server_args")
+            raise UserError(f"{key}: {item!r} is one list item; write each argument as its own item: {item.split()!r}")
+        if name in managed:
+            raise UserError(f"{key}: {name} is set from {managed[name]}; remove it from {key}")
 
 
 # ---------------------------------------------------------------------------------------------
