@@ -38,8 +38,8 @@ def serve(argv: list[str]) -> None:
     server.main(argv)
 
 
-def add_profile_arguments(parser) -> None:
-    parser.add_argument("profiles", nargs="+", metavar="PROFILE",
+def add_profile_arguments(parser, required: bool = True) -> None:
+    parser.add_argument("profiles", nargs="+" if required else "*", metavar="PROFILE",
                         help="a YAML file of params (params.yaml's sections, a subset of its keys), or NAME for configs/NAME.yaml; "
                              "later profiles win")
     parser.add_argument("-S", "--set-param", dest="sets", action="append", default=[], metavar="section.key=VALUE",
@@ -65,6 +65,13 @@ def exp_show_profile(args) -> int:
     from draftlab.profiles import apply_profiles, show
 
     print(show(apply_profiles(args.profiles, args.sets, args.params)))
+    return 0
+
+
+def run_stages(args) -> int:
+    from draftlab.run_stages import run_stages as run
+
+    run(args.profiles, args.sets, args.until, args.force, args.params)
     return 0
 
 
@@ -104,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                              description="merge the profiles over params.yaml, check them, and print each key: old -> new")
     add_profile_arguments(p)
     p.set_defaults(func=exp_show_profile)
+
+    p = verbs.add_parser("run-stages", help="dvc.yaml's stages in order without DVC (a machine with neither git nor DVC)",
+                         description="merge the profiles into params.yaml, then run dvc.yaml's stages in dependency order, "
+                                     "skipping those whose command, params and deps are unchanged since they last completed here")
+    add_profile_arguments(p, required=False)
+    p.set_defaults(func=run_stages)
+    p.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage")
+    p.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="run these stages even when unchanged")
     return parser
 
 
