@@ -30,7 +30,8 @@ from draftlab.sglang.checkpoint import ExportedDraft, load_exported
 from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
 from draftlab.sglang.launch import free_port as sglang_free_port
 from draftlab.sglang.launch import read_log
-from draftlab.target import load_config, load_target, load_tokenizer, resolve_device, target_info
+from draftlab.parallel import resolve_device
+from draftlab.target import load_config, load_target, load_tokenizer, target_info
 
 TARGET_KEYS = ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
 

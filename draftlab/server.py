@@ -458,7 +458,8 @@ def _text_content(content) -> str:
 def load_engine(args) -> Engine:
     """The engine the flags ask for (draftlab.engine): plain, or EAGLE3 with SGLang's flag rules applied."""
     from draftlab.params import TargetParams
-    from draftlab.target import load_target, resolve_device
+    from draftlab.parallel import resolve_device
+    from draftlab.target import load_target
 
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from draftlab.errors import UserError
 from draftlab.gguf_target import dequantized_dir, gguf_file
-from draftlab.parallel import resolve_device
 from draftlab.manifest import dir_hash, sha256_text
 from draftlab.target_check import check_config, check_weights, loading
 
@@ -50,6 +49,7 @@ def load_target(target_params, device: str | None = None):
     from transformers import AutoModelForCausalLM
 
     from draftlab.dtypes import torch_dtype
+    from draftlab.parallel import resolve_device  # imports torch: kept out of the prompts stage
 
     device = device or resolve_device(target_params.device)
     dtype = torch_dtype(target_params.dtype, "target.dtype")

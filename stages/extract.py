@@ -34,7 +34,8 @@ from draftlab.errors import UserError
 from draftlab.fsutil import canonicalize_safetensors_file
 from draftlab.manifest import build_manifest, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import chat_template_hash, load_target, resolve_device, target_fingerprint, target_info, tokenizer_hash
+from draftlab.parallel import resolve_device
+from draftlab.target import chat_template_hash, load_target, target_fingerprint, target_info, tokenizer_hash
 
 
 def read_rows(path: Path) -> list[dict]:

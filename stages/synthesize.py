@@ -25,7 +25,8 @@ from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, model_path, resolve_device,
+from draftlab.parallel import resolve_device
+from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, model_path,
                              target_fingerprint, tokenizer_hash)
 
 

@@ -166,7 +166,8 @@ def check_served_target(features_target: dict, bench_target: dict | None) -> lis
 def load_local_target(model: str, revision: str | None):
     """The target as the reference engine loads it (float32 on CPU, bf16 on CUDA)."""
     from draftlab.params import TargetParams
-    from draftlab.target import load_target, resolve_device
+    from draftlab.parallel import resolve_device
+    from draftlab.target import load_target
 
     device = resolve_device("auto")
     target_params = TargetParams(model=model, revision=revision, dtype="float32" if device == "cpu" else "bfloat16", device=device)
