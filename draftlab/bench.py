@@ -73,7 +73,8 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
                 "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
                 "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": version}
     argv = server.launch_command(target_params.model, port, dtype=target_params.dtype, device=target_params.device,
-                                 log_level="warning", enable_return_hidden_states=hidden, **spec)
+                                 log_level="warning", enable_return_hidden_states=hidden,
+                                 max_running_requests=flags.max_running_requests, **spec)
     return _url(lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=bench_params.startup_timeout_s), port)
 
 

@@ -483,7 +483,8 @@ def apply_sglang_rules(args, target_architecture: str) -> None:
     from draftlab.sglang.flags import SpecFlags, resolve
 
     res = resolve(SpecFlags(args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
-                            args.speculative_num_draft_tokens), target_architecture, args.sglang_version)
+                            args.speculative_num_draft_tokens, getattr(args, "max_running_requests", None)),
+                  target_architecture, args.sglang_version)
     if res.errors:
         raise UserError("; ".join(str(f) for f in res.errors))
     for f in res.findings:
@@ -491,6 +492,7 @@ def apply_sglang_rules(args, target_architecture: str) -> None:
             print(f"WARNING {f.sglang_message}", flush=True)
     eff = res.effective
     args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = eff.num_steps, eff.topk, eff.num_draft_tokens
+    args.max_running_requests = eff.max_running_requests  # reported by /server_info, as SGLang does
 
 
 def launch_command(model_path: str, port: int, host: str = "127.0.0.1", **flags) -> list[str]:
@@ -527,6 +529,8 @@ def parse_args(argv=None):
     ap.add_argument("--speculative-eagle-topk", type=int, default=None)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     ap.add_argument("--sglang-version", default="0.5.14", help="whose layer-capture rule to apply to the draft's eagle_config")
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="SGLang's cap on requests in flight; unset with speculation, SGLang (and this server) sets 48")
     ap.add_argument("--enable-return-hidden-states", action="store_true")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                     help="largest request body served; a larger one is a 413 before it is read (default 32 MiB)")

@@ -168,6 +168,18 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
     apply_sglang_rules(unset, "LlamaForCausalLM")
     assert (unset.speculative_num_steps, unset.speculative_eagle_topk, unset.speculative_num_draft_tokens) == \
         default_spec_params("LlamaForCausalLM", "0.5.14")
+    assert unset.max_running_requests == 48 and "Max running requests is reset to 48" in capsys.readouterr().out
+
+
+def test_the_reference_server_keeps_the_bench_cap_on_running_requests(capsys):
+    """bench.max_running_requests reaches the reference server: no 'reset to 48' line for the check
+    to take for an unpredicted adjustment, and /server_info reports the cap it runs."""
+    from draftlab.server import apply_sglang_rules, parse_args
+
+    args = parse_args(["--model-path", "m", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                       "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--max-running-requests", "16"])
+    apply_sglang_rules(args, "LlamaForCausalLM")
+    assert args.max_running_requests == 16 and "Max running requests" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------
