@@ -1,0 +1,62 @@
+"""tools/real_workload_report.py on the committed GPU run: the tables it writes are the run's own
+figures, and the by-kind split of served tau accounts for every measured request."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "reports/real-workload/real-gpu"
+sys.path.insert(0, str(ROOT / "tools"))
+
+import real_workload_report as rwr  # noqa: E402
+
+
+def test_the_kind_rule_tells_code_from_prose():
+    ask = lambda text: {"messages": [{"role": "user", "content": text}]}  # noqa: E731
+    assert rwr.kind(ask("Fix this:\n```\nx = 1\n```")) == "code"
+    assert rwr.kind(ask("Write a Python script that renames files")) == "code"
+    assert rwr.kind(ask("What is a good name for a bakery?")) == "prose"
+    assert rwr.kind(ask("Describe the coastline of Java island")) == "code"  # the rule is lexical, documented as such
+
+
+def run_from_report(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    for src, dst in (("bench.json", "reports/bench.json"), ("requests.jsonl", "reports/bench/requests.jsonl"),
+                     ("metrics.json", "reports/train/metrics.json"), ("params.yaml", "params.yaml")):
+        (run / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPORT / src, run / dst)
+    return run
+
+
+def test_the_report_tables_are_the_runs_figures(tmp_path):
+    run, out = run_from_report(tmp_path), tmp_path / "out"
+    rwr.main([str(run), str(out), "--prompts", str(REPORT / "bench-prompts.jsonl")])
+    bench = json.loads((REPORT / "bench.json").read_text())
+    md = (out / "results.md").read_text()
+    assert f"| served (SGLang, the same prompts) | {bench['tau']:.3f} |" in md
+    for c in bench["configurations"]:
+        assert f"| {c['configuration']} | {c['tau']:.3f} | {c['predicted_tau']:.3f} | 1 | {c['speedup']:.3f} |" in md
+    assert (out / "acceptance-by-position.png").stat().st_size > 0
+    assert (out / "bench-prompts.jsonl").read_text() == (REPORT / "bench-prompts.jsonl").read_text()
+
+
+def test_tau_by_kind_accounts_for_every_measured_request(tmp_path):
+    run = run_from_report(tmp_path)
+    params = {"warmup": 2, "num_prompts": 32}
+    by_kind = rwr.tau_by_kind(run, REPORT / "bench-prompts.jsonl", params)
+    reqs = [json.loads(line) for line in (REPORT / "requests.jsonl").read_text().splitlines()]
+    for name, kinds in by_kind.items():
+        metas = [r["meta"] for r in reqs if r["mode"] == "speculative" and r["configuration"] == name]
+        assert sum(k["prompts"] for k in kinds.values()) == len(metas) == params["num_prompts"]
+        tokens, rounds = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in metas)
+        # tokens pooled back from the kinds: tau_k * rounds_k summed equals all tokens
+        rounds_by_kind = {}
+        prompts = [json.loads(line) for line in (REPORT / "bench-prompts.jsonl").read_text().splitlines()][2:34]
+        for row, m in zip(prompts, metas):
+            rounds_by_kind[rwr.kind(row)] = rounds_by_kind.get(rwr.kind(row), 0) + m["spec_verify_ct"]
+        assert abs(sum(kinds[k]["tau"] * rounds_by_kind[k] for k in kinds) - tokens) < 1e-6 * tokens
+        assert sum(rounds_by_kind.values()) == rounds
+    bench = json.loads((REPORT / "bench.json").read_text())
+    assert abs(bench["spec"]["verify_ct"] - sum(m["meta"]["spec_verify_ct"] for m in reqs
+                                                if m["mode"] == "speculative" and m["configuration"] == "3-1-4")) == 0

@@ -1,0 +1,155 @@
+"""The real-workload report: one run of configs/real-*.yaml turned into reports/real-workload/NAME/.
+
+    python tools/real_workload_report.py RUN OUT [--prompts FILE]
+
+RUN is a project root after `draftlab exp run configs/real-gpu.yaml` (or `draftlab run-stages ...`),
+or the unpacked results.tar.gz of tools/offline_gpu_run.sh. OUT gets the run's measured files
+(bench.json, the bench CSVs and plots, the train metrics and curves, check.md, the stage manifests'
+counts, the stage times) and results.md: the tau triangle with acceptance by draft position, every
+configuration at every concurrency, the advice against the measurement, and tau by kind of prompt.
+
+Kind of prompt (a rule, so that anyone can recount): a prompt is "code" when it holds a code fence
+(```) or names a language or a programming task (CODE_WORDS as whole words, any case); else "prose".
+The bench sends eval.jsonl's first bench.warmup + bench.num_prompts prompts in order and records the
+measured ones in requests.jsonl in that order, so the i-th speculative request of a configuration
+answers prompt warmup + i.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+import yaml
+
+from draftlab import jsonl, metrics
+
+CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "c#", "sql", "html", "css", "bash", "regex",
+              "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
+CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
+FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
+COPIED = ["reports/bench.json", "reports/check.md", "reports/train/metrics.json", "reports/train/plots/accept.png",
+          "reports/train/plots/loss.png", "reports/bench/configurations.csv", "reports/bench/concurrency.csv",
+          "reports/bench/acceptance.csv", "reports/bench/configurations.png", "reports/bench/bench.png",
+          "reports/bench/requests.jsonl", "params.yaml"]
+
+
+def kind(row: dict) -> str:
+    """"code" or "prose" for an eval.jsonl row, by its user turns' text."""
+    text = "\n".join(m["content"] for m in row.get("messages", []) if m.get("role") == "user") or row.get("prompt", "")
+    return "code" if CODE.search(text) else "prose"
+
+
+def read(run: Path, rel: str):
+    p = run / rel
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def stage_times(run: Path) -> dict:
+    state = read(run, ".run-stages.json") or {}
+    return {stage: rec["seconds"] for stage, rec in state.items() if "seconds" in rec}
+
+
+def tau_by_kind(run: Path, prompts: Path, bench_params: dict) -> dict:
+    """{configuration: {kind: {"prompts": n, "tau": served tau over that kind's rounds}}}."""
+    rows = [row for _, row in jsonl.read(prompts, "remake it with the prompts stage")]
+    measured = rows[bench_params["warmup"]: bench_params["warmup"] + bench_params["num_prompts"]]
+    out: dict = {}
+    by_config: dict = {}
+    for _, r in jsonl.read(run / "reports/bench/requests.jsonl", "it is the bench stage's own record: re-run the bench"):
+        if r["mode"] == "speculative":
+            by_config.setdefault(r["configuration"], []).append(r["meta"])
+    for name, metas in by_config.items():
+        groups: dict = {}
+        for row, meta in zip(measured, metas):
+            g = groups.setdefault(kind(row), {"tokens": [], "rounds": []})
+            g["tokens"].append(meta["completion_tokens"])
+            g["rounds"].append(meta["spec_verify_ct"])
+        out[name] = {k: {"prompts": len(g["tokens"]), "tau": metrics.pooled_tau(g["tokens"], g["rounds"])}
+                     for k, g in sorted(groups.items())}
+    return out
+
+
+def plot_triangle(out: Path, trained: list[float], offline: list[float], served: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    pos = range(1, len(served) + 1)
+    for name, a, m in (("train-predicted", trained, "o"), ("offline", offline, "s"), ("served", served, "^")):
+        ax.plot(pos, a, marker=m, label=name)
+    ax.set(xlabel="draft position", ylabel="acceptance (given the one before)", ylim=(0, 1), xticks=list(pos))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance-by-position.png", dpi=120)
+    plt.close(fig)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                     ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
+
+
+def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
+    bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
+    synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
+    prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
+    steps = bench["settings"]["num_steps"]
+    trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]
+    served = bench["spec"]["acceptance"]
+    offline = bench["offline"]["acceptance"]
+    plot_triangle(out_dir, trained, offline, served)
+    out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
+           f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
+           f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
+           f"({(synth.get('finish_reasons') or {}).get('length')} answers cut at synth.max_new_tokens). "
+           f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s.", "",
+           f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
+           table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],
+                 [["train-predicted (eval split, teacher-forced)", train["tau_by_steps"][f"steps_{steps}"], *trained],
+                  ["offline (the project's engine, bench prompts)", bench["offline"]["tau"], *offline],
+                  ["served (SGLang, the same prompts)", bench["tau"], *served]]), "",
+           "## Every configuration, paired against one baseline server", "",
+           table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
+                  "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
+                 [[c["configuration"], c["tau"], c["predicted_tau"], 1, c["speedup"], c["predicted_speedup"],
+                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in bench["configurations"]] +
+                 [[c["configuration"], p["tau"], p["predicted_tau"], p["concurrency"], p["speedup"], p["predicted_speedup"],
+                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in bench["configurations"] for p in c["concurrency"]]),
+           "", f"Advice: {bench['advice']['advice']}", "",
+           "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
+           table(["configuration", "kind", "prompts", "served tau"],
+                 [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
+           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in stage_times(run).items()]), ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, help="the project root (or unpacked results) of a real-workload run")
+    ap.add_argument("out", type=Path, help="the report folder, e.g. reports/real-workload/real-gpu")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="the bench's prompt file: RUN/data/prompts/eval.jsonl, or a report's bench-prompts.jsonl")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for rel in COPIED:
+        if (args.run / rel).exists():
+            shutil.copyfile(args.run / rel, args.out / Path(rel).name)
+    counts = {stage: (read(args.run, f"data/{stage}/manifest.json") or {}).get("info") for stage in ("prompts", "synth")}
+    (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run), **counts}, indent=1) + "\n")
+    bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
+    prompts = args.prompts or args.run / "data/prompts/eval.jsonl"
+    sent = [row for _, row in jsonl.read(prompts, "remake it with the prompts stage")][: bench_params["warmup"] + bench_params["num_prompts"]]
+    jsonl.write(args.out / "bench-prompts.jsonl", sent)  # the prompts the bench sent, in order: the kind table's input
+    by_kind = tau_by_kind(args.run, prompts, bench_params)
+    (args.out / "results.md").write_text(results_md(args.run, by_kind, args.out))
+    print(f"real-workload report -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
