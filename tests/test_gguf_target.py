@@ -48,6 +48,8 @@ def test_a_gguf_target_is_pinned_dequantized_once_and_loaded_as_a_plain_folder(t
     # own GGUF loading computes (the same dequantized weights), with the same tokenizer and template.
     folder = tmp_path / DEQUANTIZED_DIR
     assert not (json.loads((folder / "config.json").read_text())).get("quantization_config")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes  # shared like the config
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32)
     direct_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
