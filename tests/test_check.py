@@ -368,6 +368,27 @@ def test_offline_tau_below_training_names_the_training_link():
     assert check_tau({"tau_pred": 2.1, "tau_by_steps": {"steps_4": 2.1}}, {**bench, "offline": {"tau": 2.0}, "spec": {"tau": 2.05}}, 0.10)[0].name == "tau_consistent"
 
 
+def test_training_on_answers_longer_than_the_benchs_is_named_as_the_likely_cause():
+    """The real workload's case: answers synthesized to 512 tokens (62% stopped there), benched at 256."""
+    from draftlab.check.serving import answer_lengths
+
+    bench = {"flags": {"effective": {"num_steps": 3, "topk": 1}}, "offline": {"tau": 1.85}, "spec": {"tau": 1.83}}
+    train = {"tau_pred": 3.1, "tau_by_steps": {"steps_3": 2.44}}
+    synth = {"params": {"synth": {"max_new_tokens": 512}}, "info": {"finish_reasons": {"length": 5816, "stop": 3515}}}
+    lengths = answer_lengths(synth, {"params": {"bench": {"max_new_tokens": 256}}})
+    assert lengths == {"synth_max_new_tokens": 512, "answers_cut_share": 0.623, "bench_max_new_tokens": 256}
+    (f,) = check_tau(train, bench, 0.10, lengths)
+    assert f.name == "tau_train_vs_offline" and "synth.max_new_tokens=512 (62% stopped there)" in f.cause
+    assert "bench.max_new_tokens" in f.fix and f.evidence["answers_cut_share"] == 0.623
+    # Answers of the bench's own length, or few of them cut: the generic causes only.
+    for same in (answer_lengths(synth, {"params": {"bench": {"max_new_tokens": 512}}}),
+                 answer_lengths({**synth, "info": {"finish_reasons": {"length": 10, "stop": 990}}},
+                                {"params": {"bench": {"max_new_tokens": 256}}})):
+        (g,) = check_tau(train, bench, 0.10, same)
+        assert "synth.max_new_tokens" not in g.cause and "overfit" in g.cause
+    assert answer_lengths(None, None) is None
+
+
 # --- inputs -------------------------------------------------------------------------------------
 
 

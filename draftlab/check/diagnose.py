@@ -20,7 +20,7 @@ from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_d
 from draftlab.check.findings import Finding, by_severity, error, errors, finite, info, warning
 from draftlab.check.hardware import check_hardware, stage_manifests
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
-from draftlab.check.serving import check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
+from draftlab.check.serving import answer_lengths, check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
 from draftlab.features import DRAFT_VOCAB_FILE, physical_layers_of
 from draftlab.manifest import describe_hardware, safetensors_header, verify_outputs
@@ -292,7 +292,8 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
     parity, skipped = live_parity(run, check_params, served, load_model)
     out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), check_params.parity_rtol, check_params.norm_tolerance)
     if run.bench is not None:
-        out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance)
+        lengths = answer_lengths(run.synth, stage_manifests(run)["bench"])
+        out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance, lengths)
     out += check_hardware(stage_manifests(run), describe_hardware())  # context for a pulled run's small differences
     return Diagnosis(by_severity(out), parity, settings_of(run, served, check_params), run)
 

@@ -126,8 +126,31 @@ def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def check_tau(train_metrics: dict | None, bench: dict, tolerance: float) -> list[Finding]:
-    """Fault 8: train-predicted vs offline vs served tau, relative tolerance; names the broken link."""
+def answer_lengths(synth_manifest: dict | None, bench_manifest: dict | None) -> dict | None:
+    """How long the answers trained on ran against how long the bench's run: {synth_max_new_tokens,
+    answers_cut_share (answers that stopped at that cap), bench_max_new_tokens}, or None if unknown."""
+    synth = synth_manifest or {}
+    cap = ((synth.get("params") or {}).get("synth") or {}).get("max_new_tokens")
+    bench_cap = (((bench_manifest or {}).get("params") or {}).get("bench") or {}).get("max_new_tokens")
+    reasons = (synth.get("info") or {}).get("finish_reasons") or {}
+    total = sum(v for v in reasons.values() if isinstance(v, int))
+    if not cap or not bench_cap or not total:
+        return None
+    return {"synth_max_new_tokens": cap, "answers_cut_share": round(reasons.get("length", 0) / total, 3),
+            "bench_max_new_tokens": bench_cap}
+
+
+# Teacher-forced eval over answers much longer than the bench's counts their tails; a small model's
+# greedy tails are often loops, which a draft predicts easily (reports/real-workload).
+LONGER_ANSWERS = 1.5  # synth cap / bench cap above which the lengths are named
+CUT_SHARE = 0.25  # share of answers stopped at the synth cap above which the lengths are named
+
+
+def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths: dict | None = None) -> list[Finding]:
+    """Fault 8: train-predicted vs offline vs served tau, relative tolerance; names the broken link.
+
+    lengths: answer_lengths(...); when training's answers ran much longer than the bench's and many
+    stopped at the cap, the train -> offline finding names that first."""
     eff = _flags(bench, "effective")
     steps, topk = eff.get("num_steps"), eff.get("topk")
     pred, covered = predicted_tau(train_metrics or {}, steps)
@@ -153,9 +176,20 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float) -> list
             out.append(warning(name, e, f"{down_name} tau is {gap:.0%} above {up_name} tau: they did not run the same prompts or flags",
                                "run offline and served with the same prompts, flags and sampling"))
         elif up_name == "train" and down_name == "offline":
-            out.append(warning(name, e, "offline tau is below what training predicted: the draft overfits or the eval split "
-                               "differs from the bench prompts, or the exported draft/loader differs from the trained one",
-                               "compare eval and bench prompts; check the d2t/tensor findings; train on more data"))
+            cause = ("offline tau is below what training predicted: the draft overfits or the eval split differs from the "
+                     "bench prompts, or the exported draft/loader differs from the trained one")
+            fix = "compare eval and bench prompts; check the d2t/tensor findings; train on more data"
+            if lengths and lengths["synth_max_new_tokens"] >= LONGER_ANSWERS * lengths["bench_max_new_tokens"] \
+                    and lengths["answers_cut_share"] >= CUT_SHARE:
+                e = {**e, **lengths}
+                cause = (f"offline tau is below what training predicted, and training's eval answers ran to "
+                         f"synth.max_new_tokens={lengths['synth_max_new_tokens']} ({lengths['answers_cut_share']:.0%} stopped "
+                         f"there) while the bench generates {lengths['bench_max_new_tokens']}: teacher-forced acceptance counts "
+                         f"those long tails (a greedy small model often loops in them), which the bench never reaches; "
+                         f"otherwise: " + cause.split(": ", 1)[1])
+                fix = ("compare like with like: bench.max_new_tokens up to synth.max_new_tokens, or synthesize answers no "
+                       "longer than the bench's; then " + fix)
+            out.append(warning(name, e, cause, fix))
         else:
             out.append(error(name, e, f"{down_name} tau is {-gap:.0%} below {up_name} tau: the server is "
                              "fed differently than training (capture layers, eagle_config, algorithm, d2t, chat template, dtype)",
