@@ -103,6 +103,22 @@ def write_params(applied, params_file: Path) -> dict:
     return data
 
 
+def read_state() -> dict:
+    """What ran before, by stage; an unreadable record is set aside loudly (every stage then runs, and
+    each stage's own resume keeps finished work), never trusted."""
+    if not STATE.exists():
+        return {}
+    try:
+        state = json.loads(STATE.read_text())
+        if isinstance(state, dict) and all(isinstance(v, dict) for v in state.values()):
+            return state
+        why = "not a mapping of stage -> record"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = f"not valid JSON ({e})"
+    print(f"warning: {STATE}: {why}; ignoring it: every stage runs (delete the file to silence this)", file=sys.stderr)
+    return {}
+
+
 def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = None, force: list[str] = (),
                params_file: str | Path = "params.yaml", dvc_file: str | Path = "dvc.yaml") -> list[dict]:
     """Apply the profiles, then run (or skip) each stage in order; returns one record per stage."""
@@ -119,7 +135,7 @@ def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = No
         print(f"run-stages: {params_file}: {len(applied.keys)} key(s) from {', '.join(profiles) or '-S'}")
     else:
         params = yaml.safe_load(params_file.read_text())
-    state = json.loads(STATE.read_text()) if STATE.exists() else {}
+    state = read_state()
     records = []
     for name in order[:order.index(until) + 1] if until else order:
         stage = dvc["stages"][name]

@@ -54,6 +54,13 @@ def test_a_profile_runs_the_stages_then_only_what_changed(tmp_path):
     rc, out = run(root, "--until", "nope")
     assert rc == 2 and "no stage 'nope'" in out
 
+    # A damaged run record is set aside, named, and the stages run again (their outputs are remade).
+    for damaged in ('{"target": 5', "[1, 2]", '{"target": 5}'):
+        (root / ".run-stages.json").write_text(damaged)
+        rc, out = run(root, "--until", "target")
+        assert rc == 0 and ".run-stages.json" in out and "ignoring it" in out and "Traceback" not in out, out
+        assert ran(out) == ["target"] and json.loads((root / ".run-stages.json").read_text())["target"]["seconds"] >= 0
+
 
 def test_a_stage_that_fails_stops_the_run_naming_it(tmp_path, monkeypatch):
     root = reduced_project(tmp_path / "p")
