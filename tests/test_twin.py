@@ -263,3 +263,42 @@ def test_inflated_8b_draft_tensors_have_sglangs_shapes_in_bf16():
     q = sd["midlayer.self_attn.q_proj.weight"]
     assert torch.equal(big["midlayer.self_attn.q_proj.weight"][rows][:, 4096:4096 + 256].float(), q[:, 256:].float() * 2)
     assert torch.equal(big["midlayer.hidden_norm.weight"][:256].float(), sd["midlayer.hidden_norm.weight"].float() / 4)
+
+
+# --- SmolLM2's shape: 9 heads over 3 KV heads (a GQA group of 3), tied embeddings ----------------
+
+SMOLLM2 = dict(architectures=["LlamaForCausalLM"], hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, intermediate_size=1536, tie_word_embeddings=True, vocab_size=49152,
+               rms_norm_eps=1e-5, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+
+
+def test_the_smollm2_preset_holds_smollm2_exactly_in_bf16_at_8b_bytes_per_token():
+    """The preset is a valid, bf16-exact body for SmolLM2's config, reading what Llama-3.1-8B reads per token."""
+    p = make_twin.plan(SMOLLM2, make_twin.SHAPES["smollm2-at-8b-cost"], torch.bfloat16)
+    assert (p["r"], p["f"], p["m"], p["norm_scale"]) == (4.0, 1, 1, 0.5)
+    twin = make_twin.decode_params(make_twin.SHAPES["smollm2-at-8b-cost"], 49152, tied=True)
+    llama = make_twin.decode_params(make_twin.SHAPES["llama-3.1-8b"], 128256, tied=False)
+    assert abs(twin / llama - 1) < 0.025, (twin, llama)
+    with pytest.raises(ValueError, match="GQA group of 3"):  # Llama-3.1-8B's own heads (group 4) cannot hold it
+        make_twin.plan(SMOLLM2, {**make_twin.SHAPES["llama-3.1-8b"], "num_hidden_layers": 30}, torch.float32)
+
+
+def test_a_twin_of_a_smollm2_shaped_model_computes_its_function(tmp_path):
+    """A micro model of SmolLM2's layout (GQA 3, tied, rope theta 1e5) and its twin at the preset's ratios."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**SMOLLM2, "hidden_size": 72, "num_hidden_layers": 3, "head_dim": 8, "intermediate_size": 96,
+                         "vocab_size": 256})
+    small = LlamaForCausalLM(cfg).eval()
+    small.save_pretrained(tmp_path / "small")
+    shape = ["--hidden-size", "288", "--num-layers", "6", "--num-heads", "36", "--num-kv-heads", "12",
+             "--head-dim", "8", "--intermediate-size", "1000"]
+    make_twin.main(["--small", str(tmp_path / "small"), "--out", str(tmp_path / "twin"), "--dtype", "float32",
+                    "--shape", "smollm2-at-8b-cost", *shape])
+    twin = AutoModelForCausalLM.from_pretrained(tmp_path / "twin", local_files_only=True).eval()
+    assert twin.config.tie_word_embeddings and "lm_head.weight" not in load_file(next((tmp_path / "twin").glob("*.safetensors")))
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        a, b = small(ids, output_hidden_states=True), twin(ids, output_hidden_states=True)
+    assert_close(b.logits, a.logits, "logits")
+    assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+    assert_close(b.hidden_states[2][..., :72], a.hidden_states[1], "layer 0 / twin 1")  # capture id 0 -> 1

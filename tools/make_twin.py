@@ -19,6 +19,8 @@ kernel pays the big model's cost per token. Construction (each step keeps the fu
     python tools/make_twin.py --small models/tiny-target --out twin-test --dtype float32 \\
         --hidden-size 512 --num-layers 16 --num-heads 16 --num-kv-heads 4 --head-dim 64 --intermediate-size 1536
     python tools/make_twin.py --small models/tiny-target --out ../twin-8b --draft models/draft --draft-out ../twin-8b-draft
+    python tools/make_twin.py --small models/target-dequantized --shape smollm2-at-8b-cost --out ../smollm2-twin \
+        --draft models/draft --draft-out ../smollm2-twin-draft     # the real workload's target at 8B cost
 
 --draft inflates an EAGLE-3 draft of the small model (SGLang's LlamaForCausalLMEagle3 layout) the same
 way, to the twin's width, with the capture ids mapped to the twin's layers: the small draft's
@@ -44,7 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from draftlab.fsutil import atomic_replace_dir, canonicalize_safetensors_file  # noqa: E402
 
 SHAPES = {"llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, intermediate_size=14336)}
+                               num_key_value_heads=8, head_dim=128, intermediate_size=14336),
+          # SmolLM2-135M (30 layers, hidden 576, 9 heads of 64 over 3 KV heads, tied embeddings) at the
+          # bytes per decode token of Llama-3.1-8B (within 2%), not its head layout: hidden 4x (norm
+          # scale 1/2, exact in bf16), the same head dim and GQA group of 3, the same 30 layers (the
+          # launch count of a 32-layer model), and an MLP wide enough to carry the rest of the bytes.
+          "smollm2-at-8b-cost": dict(hidden_size=2304, num_hidden_layers=30, num_attention_heads=36,
+                                     num_key_value_heads=12, head_dim=64, intermediate_size=34304)}
 REFERENCE_VOCAB = {"llama-3.1-8b": 128256}  # the real model's vocabulary, for the card's comparison
 SHAPE_KEYS = tuple(SHAPES["llama-3.1-8b"])
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,6 +62,14 @@ ROPE_TYPES_KEPT = ("default", "linear", "llama3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
 CARD = Path(__file__).resolve().parent / "templates" / "twin_card.md"
+
+
+def decode_params(shape: dict, vocab: int, tied: bool) -> int:
+    """Weights one decode step reads: every decoder layer and the lm_head (an embedding lookup
+    reads one row, so a separate embedding matrix is not counted); norms left out (< 0.01%)."""
+    h, hd, inter = shape["hidden_size"], shape["head_dim"], shape["intermediate_size"]
+    attn = h * hd * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
+    return shape["num_hidden_layers"] * (attn + 3 * h * inter) + vocab * h
 
 
 def dims(cfg: dict) -> dict:
