@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The report of one tools/gpu_8b.py run: results.json, three plots and the README's tables.
+"""The report of one 8B run (reports/gpu-8b/run): results.json, three plots and the README's tables.
 
     python tools/gpu_8b_report.py reports/gpu-8b/run reports/gpu-8b
 
 RUN holds what the run wrote (from its RESULTS and WORK folders): sweep.json (the sweep of the run, before it was the bench stage's),
 bench.json and check.json (the bench and check stages), train-metrics.json, pipeline.json
-(gpu_8b.py --summary) and versions.json. Writes OUT/results.json and three plots:
+(the run's stage timings) and versions.json. Writes OUT/results.json and three plots:
   speedup.png      bs=1 speedup by configuration, measured, with what each advice predicted
   concurrency.png  speedup and throughput with 1, 4, 8 and 16 requests in flight
   tau.png          train-predicted, offline-predicted and served tau per configuration
