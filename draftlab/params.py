@@ -274,6 +274,7 @@ class CheckParams:
     parity_rtol: Annotated[Float, Field(gt=0.0)]  # relative error ||live - stored|| / ||stored|| a captured layer may show
     norm_tolerance: Annotated[Float, Field(ge=0)]  # live vs training mean L2 norm of a layer may differ by this share
     server_url: str  # "" = in-process capture; else a server started with --enable-return-hidden-states
+    serve_parity: Bool  # true: the check starts a server of the draft as the bench did and measures live parity on it
     request_timeout_s: Annotated[Float, Field(gt=0.0)]  # seconds one /generate request of the live parity may take
 
 

@@ -460,7 +460,7 @@ def target_forward(target, input_ids, cache, **kw) -> torch.Tensor:
         return target(input_ids=input_ids, use_cache=True, **{_cache_arg(type(target)): cache}, **kw).logits
 
 
-AVOID_CUDNN_ATTENTION = True  # tools/perf_h200.py turns it off to measure the difference
+AVOID_CUDNN_ATTENTION = True  # benchmarks/paths_vs_ceilings.py turns it off to measure the difference
 
 
 def attention_kernels(device):

@@ -251,7 +251,7 @@ def fit(
     Resumes from `resume_path` when it holds a checkpoint of the same `run_key` (the stage's
     config hash); a checkpoint of any other run is ignored. `stop_after_steps` stops early as an
     interruption would (tests). `on_step(step, global_loss, seconds)` is called after every
-    optimizer step (tools/scale_h200x2.py records the loss curve with it).
+    optimizer step (benchmarks/data_parallel.py records the loss curve with it).
     """
     if tp.batch_size % world:
         raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftlab.check import diagnose
+from draftlab.check import diagnose, live_server
 from draftlab.cli import run_stage
 from draftlab.check.report import check_markdown, pipeline_plots, summary_markdown
 from draftlab.errors import UserError
@@ -38,7 +38,8 @@ def main(paths: diagnose.Paths, out: Path, load_model=diagnose.load_local_target
     params = load_params(["check"])
     check_params = params.check
     validate_check_params(check_params)
-    diagnosis = diagnose.diagnose(paths, check_params, load_model)
+    with live_server.parity_server(check_params, paths.draft, paths.bench) as served_params:
+        diagnosis = diagnose.diagnose(paths, served_params, load_model)
     run = diagnosis.run
     inputs = {name: (m or {}).get("config_hash") for name, m in (
         ("synth", run.synth), ("extract", run.hidden), ("features", run.features), ("train", run.train_metrics),

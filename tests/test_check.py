@@ -33,7 +33,7 @@ from draftlab.target import chat_template_hash, load_tokenizer, target_info, tok
 L, H, V, VD = 8, 64, 256, 64
 PHYSICAL = [2, 4, 6]  # capture.layers [1, 3, 5]: SGLang 0.5.14 ids [1, 3, 5] on Llama
 CHECK = CheckParams(tau_tolerance=0.10, fail_on_error=True, live_parity_samples=3, parity_rtol=0.05, norm_tolerance=0.15,
-                    server_url="", request_timeout_s=30.0)
+                    server_url="", serve_parity=False, request_timeout_s=30.0)
 FLAGS = {"algorithm": "EAGLE3", "num_steps": 3, "topk": 1, "num_draft_tokens": 4, "max_running_requests": 48,
          "page_size": None, "attention_backend": None}
 CHATS = [("Sort: 3 1 2", "<think>small first</think>1 2 3"), ("Reverse 'abc'", "<think>read backwards</think>cba"),

@@ -1,4 +1,4 @@
-"""tools/perf_h200.py runs end to end on the CPU (--quick) and writes every section's figures."""
+"""benchmarks/paths_vs_ceilings.py runs end to end on the CPU (--quick) and writes every section's figures."""
 import json
 import math
 import os
@@ -22,7 +22,7 @@ NUMERIC = {
 
 def test_quick_run_writes_every_section_with_numbers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "tools/perf_h200.py"), "--quick", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/paths_vs_ceilings.py"), "--quick", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())

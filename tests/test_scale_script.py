@@ -1,4 +1,4 @@
-"""tools/scale_h200x2.py (DDP training and data-parallel extraction) end to end on a CPU: 2 processes over gloo."""
+"""benchmarks/data_parallel.py (DDP training and data-parallel extraction) end to end on a CPU: 2 processes over gloo."""
 import json
 import math
 import os
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_run_compares_one_and_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "tools/scale_h200x2.py"), "--quick", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/data_parallel.py"), "--quick", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""RESULTS/families.json (tools/families_h200.py) -> OUT/README.md (one table) and OUT/results.json.
+"""RESULTS/families.json (the family runs) -> OUT/README.md (one table) and OUT/results.json.
 
     python tools/families_report.py runs/families/families.json [runs/families-0.5.17/families.json ...] reports/families
 
@@ -79,7 +79,7 @@ def markdown(record: dict) -> str:
                          f"{v.get('transformers', '?')}" for v in record.get("versions") or [])
     gpu = next((v.get("gpu") for v in record.get("versions") or [] if v.get("gpu")), None)
     lines = ["# Which layers SGLang feeds an EAGLE-3 draft, per target family", "",
-             "Made by `tools/families_report.py` from the `families.json` of `tools/families_h200.py`. Targets are "
+             "Made by `tools/families_report.py` from the `families.json` of the family runs. Targets are "
              f"tiny random models ({s.get('num_layers', '?')} decoder layers, `tools/micro_targets.py`); layer numbers "
              "as in `capture.layers` (k = output of decoder layer k, `embedding` = physical 0); physical index i = "
              "transformers' `hidden_states[i]`.", "",
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for path in args.families_json:
         if not path.exists():
-            print(f"error: {path}: no such file (run tools/families_h200.py first)", file=sys.stderr)
+            print(f"error: {path}: no such file (the family runs write it)", file=sys.stderr)
             return 2
     write(args.families_json, args.out)
     return 0

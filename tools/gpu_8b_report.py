@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The report of one tools/gpu_8b.py run: results.json, three plots and the README's tables.
+"""The report of one 8B run (reports/gpu-8b/run): results.json, three plots and the README's tables.
 
     python tools/gpu_8b_report.py reports/gpu-8b/run reports/gpu-8b
 
-RUN holds what the run wrote (from its RESULTS and WORK folders): sweep.json (tools/serve_8b_twin.py),
+RUN holds what the run wrote (from its RESULTS and WORK folders): sweep.json (the sweep of the run, before it was the bench stage's),
 bench.json and check.json (the bench and check stages), train-metrics.json, pipeline.json
-(gpu_8b.py --summary) and versions.json. Writes OUT/results.json and three plots:
+(the run's stage timings) and versions.json. Writes OUT/results.json and three plots:
   speedup.png      bs=1 speedup by configuration, measured, with what each advice predicted
   concurrency.png  speedup and throughput with 1, 4, 8 and 16 requests in flight
   tau.png          train-predicted, offline-predicted and served tau per configuration
@@ -38,11 +38,45 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(ROOT / "tools"))
-
-import serve_8b_twin  # noqa: E402  (the sweep's own reading of its kept requests)
 from draftlab import advice  # noqa: E402
+from draftlab.served_fits import advise_served, served_round  # noqa: E402
 
+
+def measured_rounds(configs: dict) -> dict:
+    """{(steps, topk, tokens): served_fits.served_round} of every configuration whose paired requests were kept."""
+    out = {}
+    for entry in configs.values():
+        rows = entry.get("requests")
+        if not rows:
+            continue
+        base = [(tok, sec) for _, mode, sec, tok, _ in rows if mode == "baseline"]
+        spec = [(tok, ver, sec) for _, mode, sec, tok, ver in rows if mode == "spec"]
+        got = served_round(base, spec)
+        if got:
+            out[(entry["num_steps"], entry["topk"], entry["num_draft_tokens"])] = got
+    return out
+
+def served_advice(results: dict, bench: dict) -> dict:
+    """served_fits.advise_served over the bench stage's candidates (their tau from the measured
+    acceptance), with every served configuration's predicted and measured speedup side by side."""
+    rounds = measured_rounds(results["configs"])
+    out = advise_served(bench["advice"]["candidates"], rounds)
+    rows = {(c["num_steps"], c["topk"], c["num_draft_tokens"]): c for c in out["candidates"]}
+    loo = {(h["num_steps"], h["topk"], h["num_draft_tokens"]): h for h in out["held_out"]}
+    out["predicted_vs_measured"] = []
+    for key, m in rounds.items():
+        entry = results["configs"]["-".join(map(str, key))]
+        row, held = rows.get(key), loo.get(key)
+        if row is None:
+            continue
+        out["predicted_vs_measured"].append({
+            "config": "-".join(map(str, key)), "predicted_tau": row["predicted_tau"], "served_tau": m["served_tau"],
+            "predicted_speedup": row["predicted_speedup"], "measured_speedup": entry["speedup"],
+            "speedup_error": row["predicted_speedup"] / entry["speedup"] - 1.0,
+            "held_out_speedup": held["predicted_speedup"] if held else None,
+            "held_out_error": held["predicted_speedup"] / entry["speedup"] - 1.0 if held else None,
+            "round_ms": 1e3 * m["round_s"]})
+    return out
 
 def name(k) -> str:
     return "-".join(str(x) for x in k)
@@ -83,7 +117,7 @@ def bench_point(bench: dict) -> dict:
 
 
 def sweep_point(entry: dict, rounds: dict | None) -> dict:
-    """A sweep configuration's bs=1 point; rounds: its served_fits.served_round (serve_8b_twin.measured_rounds)."""
+    """A sweep configuration's bs=1 point; rounds: its served_fits.served_round (measured_rounds)."""
     return {"config": name(key(entry)), "source": "sweep", "served_tau": entry["served_tau"], "speedup": entry["speedup"],
             "baseline_tokens_per_s": entry["baseline"]["tokens_per_s"], "spec_tokens_per_s": entry["spec"]["tokens_per_s"],
             "per_prompt_speedup": entry.get("per_prompt_speedup"), "greedy_identical": entry["greedy_identical"],
@@ -152,7 +186,7 @@ def build(run: Path) -> dict:
     pipeline = json.loads((run / "pipeline.json").read_text())
     versions = json.loads((run / "versions.json").read_text())
 
-    rounds = serve_8b_twin.measured_rounds(sweep["configs"])
+    rounds = measured_rounds(sweep["configs"])
     points = [sweep_point(e, rounds.get(key(e))) for e in sweep["configs"].values() if "speedup" in e] + [bench_point(bench)]
     points.sort(key=lambda p: (int(p["config"].split("-")[1]) > 1, [int(x) for x in p["config"].split("-")]))
     cands = {name(key(c)): c for c in bench["advice"]["candidates"]}
@@ -167,8 +201,8 @@ def build(run: Path) -> dict:
     # first three configurations (what the sweep measures next) and over every one measured
     served_as_run = sweep.get("served_advice") or {}
     order = list(sweep["configs"])
-    first3 = serve_8b_twin.served_advice({"configs": {k: sweep["configs"][k] for k in order[:3]}}, bench)
-    served = serve_8b_twin.served_advice(sweep, bench)
+    first3 = served_advice({"configs": {k: sweep["configs"][k] for k in order[:3]}}, bench)
+    served = served_advice(sweep, bench)
     fit_rows = {name(key(c)): c["predicted_speedup"] for c in served.get("candidates", [])}
     held = {name(key(h)): h["predicted_speedup"] for h in served.get("held_out", [])}
     for p in points:

@@ -1,4 +1,4 @@
-"""Plot tools/serve_8b_twin.py results: paired speedup by configuration (served tau on each bar),
+"""Plot the results of reports/gpu-8b/earlier/ (the sweep of the run): paired speedup by configuration (served tau on each bar),
 and, where measured, throughput speedup against concurrency.
 
     python tools/plot_gpu_8b.py reports/gpu-8b/earlier/inflated-draft.json reports/gpu-8b/earlier/inflated-draft.png

@@ -5,7 +5,7 @@ how far the measurement itself moves between repeats.
     python tools/same_batches_report.py reports/gpu-8b/same-batches/run reports/gpu-8b/run/bench.json \\
         reports/gpu-8b/same-batches
 
-RUN holds a tools/serve_8b_twin.py sweep whose configurations all ran in flight on the same batches
+RUN holds a sweep whose configurations all ran in flight on the same batches
 (sweep.json) and the Decode lines of each server's SGLang log (decode-baseline.log,
 decode-spec-S-K-W.log). BENCH is a bench.json of the same target and draft shape: its in-process
 costs give the round's shape across steps, topk and width (the bench stage's model). Writes
@@ -35,12 +35,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import gpu_8b_report as report  # noqa: E402
-import serve_8b_twin  # noqa: E402
 from draftlab.sglang.launch import read_log  # noqa: E402
 
 LEVELS = (1, 4, 8, 16)  # requests in flight measured (1: the bs=1 pairs)
 LOG_LEVELS = (4, 8, 16)  # running requests whose log lines give a round (see log_rounds)
 
+
+def repeat_spread(base_batches: list[dict], spec_batches: list[dict]) -> dict:
+    """The speedup of each ABBA pair of batches (same prompts, back to back) and their spread
+    (max / min - 1): how far the measurement itself moves between repeats. A prediction cannot be
+    checked more finely than this; on one H200 two repeats of 64-prompt batches differed by up to
+    32% at 8 and 16 in flight (reports/gpu-8b/same-batches)."""
+    pairs = [s["tokens_per_s"] / b["tokens_per_s"] for b, s in zip(base_batches, spec_batches)]
+    return {"repeat_speedups": pairs, "repeat_spread": max(pairs) / min(pairs) - 1.0 if pairs else None}
 
 def log_rounds(path: Path) -> dict:
     """SGLang's own ms per decode round at exactly n running requests (median over its Decode lines).
@@ -63,7 +70,7 @@ def build(run: Path, bench_path: Path) -> dict:
     for cfg, e in in_flight.items():
         rows = [{"concurrency": 1, "speedup": e["speedup"], "served_tau": e["served_tau"]}]
         for r in e["concurrency"]:
-            spread = serve_8b_twin.repeat_spread(r["baseline"]["batches"], r["spec"]["batches"])
+            spread = repeat_spread(r["baseline"]["batches"], r["spec"]["batches"])
             rows.append({"concurrency": r["concurrency"], "speedup": r["speedup"], "per_request_speedup": r["per_request_speedup"],
                          "baseline_tokens_per_s": r["baseline"]["tokens_per_s"], "spec_tokens_per_s": r["spec"]["tokens_per_s"],
                          **spread})

@@ -1,4 +1,4 @@
-"""draftlab's GPU paths measured against the machine's own ceilings; `tools/perf_h200.py` runs them.
+"""draftlab's GPU paths measured against the machine's own ceilings; `benchmarks/paths_vs_ceilings.py` runs them.
 
 One module per measured path, each a section of results.json (its docstring states the method):
   ceilings     bf16 matmul rate and device copy bandwidth: the floors every other figure is a fraction of

@@ -1,8 +1,8 @@
 """Throughput of the offline train stage's batch reader, without the model.
 
-    python tools/bench_feature_loader.py --gb 0.3 --batches 40 --repeats 3
-    python tools/bench_feature_loader.py --cold            # drop the shards from the page cache first
-    python tools/bench_feature_loader.py --profile         # cProfile of one pass, top 15 by cumtime
+    python benchmarks/feature_loader.py --gb 0.3 --batches 40 --repeats 3
+    python benchmarks/feature_loader.py --cold            # drop the shards from the page cache first
+    python benchmarks/feature_loader.py --profile         # cProfile of one pass, top 15 by cumtime
 
 Method. Synthetic feature shards are written to a temporary directory with the project's own
 writer (draftlab.features.pack_sequences + write_shard, the calls standardize and the test

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tools.perf.common import copy_rate, decode_bytes, record, sync
+from benchmarks.paths.common import copy_rate, decode_bytes, record, sync
 
 
 class StaticDecode:

@@ -4,8 +4,8 @@ Method: the 8B-shaped target, batch 1, a random prompt of `spec_prompt` tokens p
 engine's cache (draftlab.spec_engine.new_cache / target_forward), then 12 one-token steps of which
 the first 2 warm up. Per step: host time until the forward call returns, GPU time (CUDA events
 around the forward) and wall time until the next token is on the host. Then 3 steps under
-torch.profiler; its tables go to the log. The section goes on with the cuDNN A/B (tools.perf.cudnn)
-and the soft labels' cost in fp32 and bf16 (tools.perf.training.labels_cost).
+torch.profiler; its tables go to the log. The section goes on with the cuDNN A/B (benchmarks.paths.cudnn)
+and the soft labels' cost in fp32 and bf16 (benchmarks.paths.training.labels_cost).
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from tools.perf.common import log, record, sync
-from tools.perf.cudnn import engine_decode_ab
-from tools.perf.training import labels_cost
+from benchmarks.paths.common import log, record, sync
+from benchmarks.paths.cudnn import engine_decode_ab
+from benchmarks.paths.training import labels_cost
 
 
 @torch.inference_mode()

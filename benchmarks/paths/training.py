@@ -23,7 +23,7 @@ import traceback
 
 import torch
 
-from tools.perf.common import RESULTS, free, log, matmul_rate, peak_gb, record, reset_peak, save, sync, timed
+from benchmarks.paths.common import RESULTS, free, log, matmul_rate, peak_gb, record, reset_peak, save, sync, timed
 
 GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm"}
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tools.perf.common import copy_rate, decode_bytes, record, sync
+from benchmarks.paths.common import copy_rate, decode_bytes, record, sync
 
 
 def stabilize(model, scale: float = 4.0) -> None:

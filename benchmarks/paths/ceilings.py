@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tools.perf.common import free, record, timed
+from benchmarks.paths.common import free, record, timed
 
 
 def matmul_times(n: int, dev, warmup: int, iters: int) -> list[float]:

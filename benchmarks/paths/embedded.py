@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tools.perf.common import ROOT, free, record
+from benchmarks.paths.common import ROOT, free, record
 
 
 def embedded(P) -> None:

@@ -1,8 +1,8 @@
 """Where the time of one speculative round goes: the reference engine (draftlab.spec_engine) on
 the pipeline's own target, draft and eval prompts, in-process, one thread.
 
-    PYTHONPATH=. python tools/profile_round.py --root . --out reports/profile/after.json
-    python tools/profile_round.py --root ../other-checkout --out reports/profile/before.json   # another checkout's models
+    PYTHONPATH=. python benchmarks/round_profile.py --root . --out reports/profile/after.json
+    python benchmarks/round_profile.py --root ../other-checkout --out reports/profile/before.json   # another checkout's models
 
 Method. The engine's step functions are wrapped by timers (module attributes of spec_engine and
 methods of the loaded draft and of AuxCapture), without touching the algorithm: each wrapped call

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tools.perf.common import free, matmul_rate, param_counts, peak_gb, record, reset_peak, sync, timed
+from benchmarks.paths.common import free, matmul_rate, param_counts, peak_gb, record, reset_peak, sync, timed
 
 
 def capture_run(model, ids, mask, physical, dev, iters: int):

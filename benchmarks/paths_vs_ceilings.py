@@ -1,9 +1,9 @@
 """Measure draftlab's GPU paths against the machine's own ceilings (one run, one JSON).
 
-    python tools/perf_h200.py --out DIR            # on a GPU: Llama-3.1-8B-shaped target, random weights
-    python tools/perf_h200.py --quick --out DIR    # on a CPU: tiny shapes, a few iterations (the test)
+    python benchmarks/paths_vs_ceilings.py --out DIR            # on a GPU: Llama-3.1-8B-shaped target, random weights
+    python benchmarks/paths_vs_ceilings.py --quick --out DIR    # on a CPU: tiny shapes, a few iterations (the test)
 
-Sections, each in its own try/except, each in its own module of tools/perf/ with its method;
+Sections, each in its own try/except, each in its own module of benchmarks/paths/ with its method;
 DIR/results.json is rewritten after every figure:
   ceilings        bf16 matmul rate and device copy bandwidth                        (perf/ceilings.py)
   extraction      draftlab.extract.capture and extract_shard: tokens/s vs the compute floor (perf/extraction.py)
@@ -27,17 +27,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.perf import common  # noqa: E402
-from tools.perf.ceilings import ceilings  # noqa: E402
-from tools.perf.common import RESULTS, build_target, free, log, plan, record, save  # noqa: E402
-from tools.perf.decode import decode_profile  # noqa: E402
-from tools.perf.embedded import embedded  # noqa: E402
-from tools.perf.extraction import extraction  # noqa: E402
-from tools.perf.graph import decode_graph  # noqa: E402
-from tools.perf.spec import spec  # noqa: E402
-from tools.perf.training import training  # noqa: E402
+from benchmarks.paths import common  # noqa: E402
+from benchmarks.paths.ceilings import ceilings  # noqa: E402
+from benchmarks.paths.common import RESULTS, build_target, free, log, plan, record, save  # noqa: E402
+from benchmarks.paths.decode import decode_profile  # noqa: E402
+from benchmarks.paths.embedded import embedded  # noqa: E402
+from benchmarks.paths.extraction import extraction  # noqa: E402
+from benchmarks.paths.graph import decode_graph  # noqa: E402
+from benchmarks.paths.spec import spec  # noqa: E402
+from benchmarks.paths.training import training  # noqa: E402
 
-NOTES = ROOT / "tools" / "templates" / "perf_notes.md"  # str.format fields from the plan
+NOTES = ROOT / "benchmarks" / "templates" / "perf_notes.md"  # str.format fields from the plan
 
 
 def main(argv=None) -> int:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         steps=P["ttt_steps"], titers=P["train_iters"], new=P["spec_new"], plen=P["spec_prompt"],
         spec_steps=P["spec_steps"], eprompts=P["embedded_prompts"], enew=P["embedded_new"], pbatch=P["profile_batch"],
         dnew=P["decode_new"], gnew=P["graph_new"]))
-    log(f"perf_h200: {RESULTS['meta']['mode']} on {RESULTS['meta']['machine']}")
+    log(f"paths_vs_ceilings: {RESULTS['meta']['mode']} on {RESULTS['meta']['machine']}")
     wanted = args.sections.split(",")
     t_all = time.perf_counter()
 

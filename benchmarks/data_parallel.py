@@ -1,7 +1,7 @@
 """Data parallel on the GPUs of one host: DDP draft training and data-parallel extraction (one run, one JSON).
 
-    python tools/scale_h200x2.py --out DIR            # >= 2 GPUs: the 8B-shaped draft and target, random weights
-    python tools/scale_h200x2.py --quick --out DIR    # a CPU: tiny shapes, 2 processes over gloo (the test)
+    python benchmarks/data_parallel.py --out DIR            # >= 2 GPUs: the 8B-shaped draft and target, random weights
+    python benchmarks/data_parallel.py --quick --out DIR    # a CPU: tiny shapes, 2 processes over gloo (the test)
 
 Every launch is the project's own code: `train.fit` (what `torchrun -m stages.train` runs) and the extract stage
 (`torchrun -m stages.extract`), one process per GPU, NCCL_NVLS_ENABLE=0 (NVLink multicast off). Sections:

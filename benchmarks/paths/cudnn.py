@@ -11,7 +11,7 @@ The order matters: a best-of-two A/B lets cuDNN reuse its plans and shows no dif
 """
 from __future__ import annotations
 
-from tools.perf.common import record
+from benchmarks.paths.common import record
 
 
 def engine_decode_ab(P, model, prompt: list[int], S: str = "decode_profile") -> None:
