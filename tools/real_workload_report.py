@@ -30,10 +30,10 @@ CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
 CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
 FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
-COPIED = ["reports/bench.json", "reports/check.md", "reports/train/metrics.json", "reports/train/plots/accept.png",
-          "reports/train/plots/loss.png", "reports/bench/configurations.csv", "reports/bench/concurrency.csv",
-          "reports/bench/acceptance.csv", "reports/bench/configurations.png", "reports/bench/bench.png",
-          "reports/bench/requests.jsonl", "params.yaml"]
+COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json reports/train/plots/accept.png "
+          "reports/train/plots/loss.png reports/bench/configurations.csv reports/bench/concurrency.csv "
+          "reports/bench/acceptance.csv reports/bench/configurations.png reports/bench/bench.png "
+          "reports/bench/requests.jsonl params.yaml").split()
 
 
 def kind(row: dict) -> str:
@@ -56,19 +56,16 @@ def tau_by_kind(run: Path, prompts: Path, bench_params: dict) -> dict:
     """{configuration: {kind: {"prompts": n, "tau": served tau over that kind's rounds}}}."""
     rows = [row for _, row in jsonl.read(prompts, "remake it with the prompts stage")]
     measured = rows[bench_params["warmup"]: bench_params["warmup"] + bench_params["num_prompts"]]
-    out: dict = {}
-    by_config: dict = {}
+    groups: dict = {}  # (configuration, kind) -> [(tokens, rounds) per request]
+    seen: dict = {}  # configuration -> speculative requests so far (the i-th answers measured[i])
     for _, r in jsonl.read(run / "reports/bench/requests.jsonl", "it is the bench stage's own record: re-run the bench"):
         if r["mode"] == "speculative":
-            by_config.setdefault(r["configuration"], []).append(r["meta"])
-    for name, metas in by_config.items():
-        groups: dict = {}
-        for row, meta in zip(measured, metas):
-            g = groups.setdefault(kind(row), {"tokens": [], "rounds": []})
-            g["tokens"].append(meta["completion_tokens"])
-            g["rounds"].append(meta["spec_verify_ct"])
-        out[name] = {k: {"prompts": len(g["tokens"]), "tau": metrics.pooled_tau(g["tokens"], g["rounds"])}
-                     for k, g in sorted(groups.items())}
+            i = seen[r["configuration"]] = seen.get(r["configuration"], -1) + 1
+            groups.setdefault((r["configuration"], kind(measured[i])), []).append(
+                (r["meta"]["completion_tokens"], r["meta"]["spec_verify_ct"]))
+    out: dict = {}
+    for (name, k), reqs in sorted(groups.items()):
+        out.setdefault(name, {})[k] = {"prompts": len(reqs), "tau": metrics.pooled_tau(*zip(*reqs))}
     return out
 
 

@@ -1,7 +1,7 @@
 """How much of a target's greedy answers is a loop, by position: the share of answer tokens that
 close an n-gram already seen earlier in the same answer (n = 8 tokens), per block of positions.
 
-    python tools/answer_loops.py TARGET_DIR PROMPTS.jsonl [--prompts 8] [--max-new-tokens 512] [--out FILE]
+    python benchmarks/answer_loops.py TARGET_DIR PROMPTS.jsonl [--prompts 8] [--max-new-tokens 512] [--out FILE]
 
 A small model decoding greedily often falls into a cycle; a draft predicts a cycle almost perfectly.
 When synthesis writes longer answers than the bench asks for, the eval split's teacher-forced
