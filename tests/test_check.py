@@ -587,7 +587,7 @@ def test_parity_against_the_reference_server_passes_and_names_a_miswired_export(
 
 
 PARAMS = """check: {tau_tolerance: 0.1, fail_on_error: %s, live_parity_samples: 2, parity_rtol: 0.05, norm_tolerance: 0.15,
-  server_url: "", request_timeout_s: 30.0}
+  server_url: "", serve_parity: false, request_timeout_s: 30.0}
 """
 
 
