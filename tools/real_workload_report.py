@@ -122,7 +122,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
            table(["configuration", "kind", "prompts", "served tau"],
                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
-           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in stage_times(run).items()]), ""]
+           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in stage_times(run).items()])
+           if stage_times(run) else "Not recorded: `draftlab run-stages` records them in .run-stages.json, `dvc repro` does not.", ""]
     return "\n".join(out)
 
 
