@@ -1,10 +1,10 @@
-"""What real SGLang servers fed EAGLE-3 drafts of each target family (tools/families_h200.py on an
-H200; reports/families/). tests/fixtures/sglang/families/<release>/ holds one raw /generate answer
+"""What real SGLang servers fed EAGLE-3 drafts of each target family (one H200, reports/families/). tests/fixtures/sglang/families/<release>/ holds one raw /generate answer
 with return_hidden_states per row (a 12-token prompt), the server log of each refused layout served
 anyway (the probe), and Kimi-K2.5's start-up failure. The tiny targets are rebuilt here from their
 seed (tools/micro_targets.py) and checked to be the very weights the servers ran.
 """
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 FIX = Path(__file__).parent / "fixtures" / "sglang" / "families"
 RUNS = ROOT / "reports" / "families" / "run"
 mt = load_tool("micro_targets")
-fam = load_tool("families_h200")
+ERROR_LINE = re.compile(r"(Error|Exception|error:|Traceback|not supported|RuntimeError|ValueError)")
+
+
+def slug(rid: str) -> str:
+    """The fixture file name of a row id, as the run wrote it."""
+    return re.sub(r"[^a-z0-9.]+", "-", rid.lower()).strip("-")
+
+
+def error_lines(log_text: str, n: int = 6) -> list[str]:
+    """A server log's first error lines, and its last exception line (the reason it stopped)."""
+    lines = [x.strip() for x in log_text.splitlines() if ERROR_LINE.search(x) and x.strip()]
+    first = list(dict.fromkeys(lines))[:n]
+    last = [x for x in lines if re.match(r"^\w+(Error|Exception)\b", x)][-1:]
+    return first + [x for x in last if x not in first]
 
 # (release, row) -> the physical layer each slot held (None: no layer; the slot was overwritten in place).
 FED = {("0.5.14", "llama [1, 3, 5]"): [2, 4, 6],
@@ -48,7 +61,7 @@ def test_each_slot_holds_the_layer_the_measurement_says_and_the_rules_agree(targ
     name = rid.split()[0]
     target = targets[name]
     assert target["weights_sha256"] == record["target"]["weights_sha256"]  # the weights the server ran
-    answer = json.loads((FIX / release / f"{fam.slug(rid)}.json").read_text())
+    answer = json.loads((FIX / release / f"{slug(rid)}.json").read_text())
     ids, meta = answer["input_ids"], answer["response"]["meta_info"]
     rows, start = prompt_rows(meta, len(ids), mt.HIDDEN)
     model = AutoModelForCausalLM.from_pretrained(target["pipeline"], dtype=torch.float32)
@@ -71,7 +84,7 @@ def test_each_slot_holds_the_layer_the_measurement_says_and_the_rules_agree(targ
 
 @pytest.mark.parametrize("name", ["llama", "gpt-oss"])
 def test_the_embedding_served_anyway_crashes_where_the_rules_say_it_crashes(name):
-    lines = fam.error_lines((FIX / "0.5.14" / f"{name}-embedding-probe.log").read_text())
+    lines = error_lines((FIX / "0.5.14" / f"{name}-embedding-probe.log").read_text())
     assert lines[-1] == "TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'"
     arch = {"llama": "LlamaForCausalLM", "gpt-oss": "GptOssForCausalLM"}[name]
     with pytest.raises(UserError, match="crashes with a TypeError.*measured on a real server"):
@@ -81,7 +94,7 @@ def test_the_embedding_served_anyway_crashes_where_the_rules_say_it_crashes(name
 
 
 def test_kimi_k25_needs_its_media_processor_to_start():
-    lines = fam.error_lines((FIX / "0.5.14" / "kimi-k2.5-server.log").read_text())
+    lines = error_lines((FIX / "0.5.14" / "kimi-k2.5-server.log").read_text())
     assert lines[-1] == "AttributeError: TokenizersBackend has no attribute media_processor"
     assert "multimodal/processors/kimi_k25.py" in (FIX / "0.5.14" / "kimi-k2.5-server.log").read_text()
 

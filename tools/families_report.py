@@ -79,7 +79,7 @@ def markdown(record: dict) -> str:
                          f"{v.get('transformers', '?')}" for v in record.get("versions") or [])
     gpu = next((v.get("gpu") for v in record.get("versions") or [] if v.get("gpu")), None)
     lines = ["# Which layers SGLang feeds an EAGLE-3 draft, per target family", "",
-             "Made by `tools/families_report.py` from the `families.json` of the family runs. Targets are "
+             "Made by `tools/families_report.py` from the `families.json` of the family runs (a driver script, since folded). Targets are "
              f"tiny random models ({s.get('num_layers', '?')} decoder layers, `tools/micro_targets.py`); layer numbers "
              "as in `capture.layers` (k = output of decoder layer k, `embedding` = physical 0); physical index i = "
              "transformers' `hidden_states[i]`.", "",
@@ -117,6 +117,13 @@ def markdown(record: dict) -> str:
     if trained:
         lines += ["", "Trained physical layers per measured row (what the draft was trained on): " +
                   "; ".join(f"{r['family']} {_list(r['layout'])} -> {_list(r.get('trained_physical'))}" for r in trained) + "."]
+    lines += ["", "## Remaking a row", "",
+              "One command per family and layout (after `python tools/micro_targets.py FAMILY models/families`):",
+              "`draftlab exp run configs/sglang.yaml -S target.model=models/families/FAMILY -S 'capture.layers=[1,3,5]' "
+              "-S train.epochs=1 -S target.device=cpu`.",
+              "Its reports/check.json has the live parity of the row (the physical layer each slot matches).",
+              "The table itself is `python tools/families_report.py run/families.json reports/families` on the",
+              "committed run; the driver that ran every row in one go, and its probe of refused layouts, are gone."]
     return "\n".join(lines) + "\n"
 
 

@@ -92,7 +92,7 @@ EMBEDDING_ALIAS_SOURCE = {
     "Qwen3ForCausalLM": "sgl-project/sglang v0.5.20 python/sglang/srt/models/qwen2.py Qwen2Model.forward (Qwen3Model inherits it)",
     "GptOssForCausalLM": "sgl-project/sglang v0.5.20 python/sglang/srt/models/gpt_oss.py GptOssModel.forward",
 }
-# Each failure measured on a real server (tools/families_h200.py, reports/families).
+# Each failure measured on a real server (reports/families).
 EMBEDDING_MEASURED = {("LlamaForCausalLM", "0.5.14"), ("GptOssForCausalLM", "0.5.14"), ("Qwen3ForCausalLM", "0.5.14"),
                       ("GptOssForCausalLM", "0.5.17")}
 # Where the crash is, for the refusal (the last release read before the architecture's entry above).
