@@ -110,7 +110,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],
                  [["train-predicted (eval split, teacher-forced)", train["tau_by_steps"][f"steps_{steps}"], *trained],
                   ["offline (the project's engine, bench prompts)", bench["offline"]["tau"], *offline],
-                  ["served (SGLang, the same prompts)", bench["tau"], *served]]), "",
+                  [f"served ({'SGLang' if bench['backend'] == 'sglang' else 'the ' + bench['backend'] + ' server'}, the same prompts)", bench["tau"], *served]]), "",
            "## Every configuration, paired against one baseline server", "",
            table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
                   "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
