@@ -132,6 +132,14 @@ class PromptsParams:
     eval_fraction: Annotated[Float, Field(gt=0.0, lt=1.0)]  # share of prompts (by content hash) held out for eval/bench
     on_bad_row: Literal["error", "skip"]
 
+    def problem(self) -> str | None:
+        """What no single key's range can say: keys that contradict each other."""
+        lo, hi = self.min_prompt_tokens, self.max_prompt_tokens
+        if lo is not None and hi is not None and lo > hi:
+            return (f"key prompts.min_prompt_tokens {lo} is above prompts.max_prompt_tokens {hi}: no prompt is both; "
+                    "lower the one or raise the other")
+        return None
+
 
 @dataclass(frozen=True, config=STRICT)
 class SynthParams:
@@ -390,6 +398,8 @@ def _load_section(name: str, raw, path: str):
         if key in errors:
             problem = _problem(f"{name}.{key}", field, raw[key], errors[key])
             raise ParamsError(f"{path}: key {name}.{key}{'' if problem.startswith(':') else ' '}{problem}")
+    if hasattr(section, "problem") and (problem := section.problem()):
+        raise ParamsError(f"{path}: {problem}")
     return section
 
 

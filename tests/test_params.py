@@ -161,3 +161,11 @@ def test_a_key_with_a_default_for_code_is_still_required_in_the_file(tmp_path, b
     del base[section][key]
     with pytest.raises(ParamsError, match=rf"missing key {section}\.{key} \(expected (str|int)\)"):
         load_params([section], write(tmp_path, base))
+
+
+def test_prompt_length_bounds_that_contradict_each_other_are_named(tmp_path, base):
+    base["prompts"].update(min_prompt_tokens=500, max_prompt_tokens=10)
+    with pytest.raises(ParamsError, match=r"prompts\.min_prompt_tokens 500 is above prompts\.max_prompt_tokens 10"):
+        load_params(["prompts"], write(tmp_path, base))
+    base["prompts"].update(min_prompt_tokens=10, max_prompt_tokens=10)  # equal: prompts of exactly 10 tokens
+    assert load_params(["prompts"], write(tmp_path, base)).prompts.max_prompt_tokens == 10
