@@ -1,7 +1,7 @@
 """The parsers and checks against what a real SGLang 0.5.14 server wrote on an H200.
 
-tests/fixtures/sglang/h200/ holds files the pipeline's own run produced (tools/sglang_h200.py;
-figures in reports/sglang-h200/): the EAGLE3 and baseline server logs of the bench stage, the
+tests/fixtures/sglang/pipeline-run/ holds files the pipeline's own run on a GPU produced
+(figures in reports/sglang-h200/): the EAGLE3 and baseline server logs of the bench stage, the
 log of a server launched with topk=1, num_steps=1, num_draft_tokens=16, the log of the EAGLE-3
 draft served with --speculative-algorithm EAGLE (2026-12-01), the log of a launch SGLang refused at start-up, six /generate meta_info answers, and one /generate answer with
 return_hidden_states for a 12-token prompt of which SGLang's radix cache already held 3.
@@ -19,7 +19,7 @@ from draftlab.sglang.launch import MAX_PORT, free_port, launch_argv, parse_decod
 from draftlab.sglang.client import parse_meta, served_tau
 from draftlab.sglang.flags import SpecFlags
 
-H200 = Path(__file__).parent / "fixtures" / "sglang" / "h200"
+H200 = Path(__file__).parent / "fixtures" / "sglang" / "pipeline-run"
 ROOT = Path(__file__).resolve().parents[1]
 
 
