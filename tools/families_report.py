@@ -79,7 +79,7 @@ def markdown(record: dict) -> str:
                          f"{v.get('transformers', '?')}" for v in record.get("versions") or [])
     gpu = next((v.get("gpu") for v in record.get("versions") or [] if v.get("gpu")), None)
     lines = ["# Which layers SGLang feeds an EAGLE-3 draft, per target family", "",
-             "Made by `tools/families_report.py` from the `families.json` of the family runs (a driver script, since folded). Targets are "
+             "Made by `tools/families_report.py` from the `families.json` of the family runs. Targets are "
              f"tiny random models ({s.get('num_layers', '?')} decoder layers, `tools/micro_targets.py`); layer numbers "
              "as in `capture.layers` (k = output of decoder layer k, `embedding` = physical 0); physical index i = "
              "transformers' `hidden_states[i]`.", "",
@@ -123,7 +123,7 @@ def markdown(record: dict) -> str:
               "-S train.epochs=1 -S target.device=cpu`.",
               "Its reports/check.json has the live parity of the row (the physical layer each slot matches).",
               "The table itself is `python tools/families_report.py run/families.json reports/families` on the",
-              "committed run; the driver that ran every row in one go, and its probe of refused layouts, are gone."]
+              "committed run, whose probe rows (a refused layout served once anyway) the profile does not repeat."]
     return "\n".join(lines) + "\n"
 
 
