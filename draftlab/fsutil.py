@@ -12,14 +12,27 @@ import tempfile
 from pathlib import Path
 
 
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_readable(folder: str | os.PathLike) -> None:
+    """`folder` and the files in it get the modes a plain mkdir/open would (0777/0666 less the umask):
+    mkdtemp makes 0700 and some writers 0600, and a model folder is read by others (servers, teammates)."""
+    mask = umask()
+    for f in [Path(folder), *Path(folder).iterdir()]:
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; outputs should read like any file
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; outputs should read like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

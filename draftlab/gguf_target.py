@@ -16,7 +16,6 @@ while its quantization config is set; once cleared, the folder reloads as a plai
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -84,12 +83,6 @@ def read_header(path: Path, model: str) -> dict:
             "quantizations": sorted({t.tensor_type.name for t in reader.tensors})}
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZED_DIR) -> dict:
     """Dequantize `path` into the folder `out` (written whole, then swapped in: an interrupted run
     leaves the previous folder or none); returns the source record written beside the weights."""
@@ -97,7 +90,7 @@ def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZE
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftlab.fsutil import atomic_replace_dir, atomic_write_json, canonicalize_safetensors_file
+    from draftlab.fsutil import atomic_replace_dir, atomic_write_json, canonicalize_safetensors_file, make_readable
     from draftlab.target import save_tokenizer
 
     header = read_header(path, model)
@@ -119,9 +112,7 @@ def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZE
         for shard in tmp.glob("*.safetensors"):
             canonicalize_safetensors_file(shard)  # same bytes for the same weights, every run
         atomic_write_json(tmp / SOURCE_FILE, source)
-        readable = 0o666 & ~_umask()  # transformers writes weights 0600; the folder is shared like any model folder
-        for f in tmp.iterdir():
-            f.chmod(readable)
+        make_readable(tmp)  # transformers writes weights 0600; the folder is shared like any model folder
     except UserError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

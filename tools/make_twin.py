@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import shutil
 import string
 import sys
@@ -43,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from draftlab.fsutil import atomic_replace_dir, canonicalize_safetensors_file  # noqa: E402
+from draftlab.fsutil import atomic_replace_dir, canonicalize_safetensors_file, make_readable  # noqa: E402
 
 SHAPES = {"llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, intermediate_size=14336),
@@ -295,10 +294,7 @@ def make_twin(small: Path, out: Path, shape: dict, shape_name: str, dtype_name: 
                                        for k in range(p["small"]["num_hidden_layers"] - 1)})
         (tmp / "twin.json").write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(card_text(info))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700: let the twin read like any model directory
-            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        make_readable(tmp)  # mkdtemp makes 0700: the twin reads like any model directory
         atomic_replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -414,10 +410,7 @@ def inflate_draft(small_draft: Path, out: Path, shape: dict, m: int, dtype_name:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
         canonicalize_safetensors_file(tmp / WEIGHTS)
         (tmp / "config.json").write_text(json.dumps(big_cfg, indent=2, sort_keys=True) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:
-            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        make_readable(tmp)
         atomic_replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

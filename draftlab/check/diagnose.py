@@ -291,10 +291,11 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
                            _pair(hidden_info.get("chat_template_sha256"), hidden_info.get("tokenizer_sha256")), serving)
     parity, skipped = live_parity(run, check_params, served, load_model)
     out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), check_params.parity_rtol, check_params.norm_tolerance)
+    manifests = stage_manifests(run)  # read once: the tau check and the hardware check both use them
     if run.bench is not None:
-        lengths = answer_lengths(run.synth, stage_manifests(run)["bench"])
+        lengths = answer_lengths(run.synth, manifests["bench"])
         out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance, lengths)
-    out += check_hardware(stage_manifests(run), describe_hardware())  # context for a pulled run's small differences
+    out += check_hardware(manifests, describe_hardware())  # context for a pulled run's small differences
     return Diagnosis(by_severity(out), parity, settings_of(run, served, check_params), run)
 
 

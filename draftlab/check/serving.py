@@ -144,6 +144,7 @@ def answer_lengths(synth_manifest: dict | None, bench_manifest: dict | None) -> 
 # greedy tails are often loops, which a draft predicts easily (reports/real-workload).
 LONGER_ANSWERS = 1.5  # synth cap / bench cap above which the lengths are named
 CUT_SHARE = 0.25  # share of answers stopped at the synth cap above which the lengths are named
+TRAIN_GAP_FIX = "compare eval and bench prompts; check the d2t/tensor findings; train on more data"
 
 
 def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths: dict | None = None) -> list[Finding]:
@@ -176,9 +177,9 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
             out.append(warning(name, e, f"{down_name} tau is {gap:.0%} above {up_name} tau: they did not run the same prompts or flags",
                                "run offline and served with the same prompts, flags and sampling"))
         elif up_name == "train" and down_name == "offline":
-            cause = ("offline tau is below what training predicted: the draft overfits or the eval split differs from the "
-                     "bench prompts, or the exported draft/loader differs from the trained one")
-            fix = "compare eval and bench prompts; check the d2t/tensor findings; train on more data"
+            causes = ("the draft overfits or the eval split differs from the bench prompts, or the exported draft/loader "
+                      "differs from the trained one")
+            cause, fix = f"offline tau is below what training predicted: {causes}", TRAIN_GAP_FIX
             if lengths and lengths["synth_max_new_tokens"] >= LONGER_ANSWERS * lengths["bench_max_new_tokens"] \
                     and lengths["answers_cut_share"] >= CUT_SHARE:
                 e = {**e, **lengths}
@@ -186,9 +187,9 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
                          f"synth.max_new_tokens={lengths['synth_max_new_tokens']} ({lengths['answers_cut_share']:.0%} stopped "
                          f"there) while the bench generates {lengths['bench_max_new_tokens']}: teacher-forced acceptance counts "
                          f"those long tails (a greedy small model often loops in them), which the bench never reaches; "
-                         f"otherwise: " + cause.split(": ", 1)[1])
+                         f"otherwise: {causes}")
                 fix = ("compare like with like: bench.max_new_tokens up to synth.max_new_tokens, or synthesize answers no "
-                       "longer than the bench's; then " + fix)
+                       f"longer than the bench's; then {TRAIN_GAP_FIX}")
             out.append(warning(name, e, cause, fix))
         else:
             out.append(error(name, e, f"{down_name} tau is {-gap:.0%} below {up_name} tau: the server is "
