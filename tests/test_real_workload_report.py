@@ -44,7 +44,7 @@ def test_the_report_tables_are_the_runs_figures(tmp_path):
 def test_tau_by_kind_accounts_for_every_measured_request(tmp_path):
     run = run_from_report(tmp_path)
     params = {"warmup": 2, "num_prompts": 32}
-    by_kind = rwr.tau_by_kind(run, REPORT / "bench-prompts.jsonl", params)
+    by_kind = rwr.tau_by_kind(run, rwr.read_prompts(REPORT / "bench-prompts.jsonl"), params)
     reqs = [json.loads(line) for line in (REPORT / "requests.jsonl").read_text().splitlines()]
     for name, kinds in by_kind.items():
         metas = [r["meta"] for r in reqs if r["mode"] == "speculative" and r["configuration"] == name]

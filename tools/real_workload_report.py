@@ -52,9 +52,13 @@ def stage_times(run: Path) -> dict:
     return {stage: rec["seconds"] for stage, rec in state.items() if "seconds" in rec}
 
 
-def tau_by_kind(run: Path, prompts: Path, bench_params: dict) -> dict:
-    """{configuration: {kind: {"prompts": n, "tau": served tau over that kind's rounds}}}."""
-    rows = [row for _, row in jsonl.read(prompts, "remake it with the prompts stage")]
+def read_prompts(path: Path) -> list[dict]:
+    return [row for _, row in jsonl.read(path, "remake it with the prompts stage")]
+
+
+def tau_by_kind(run: Path, rows: list[dict], bench_params: dict) -> dict:
+    """{configuration: {kind: {"prompts": n, "tau": served tau over that kind's rounds}}}; rows: the
+    bench's prompt file in order (eval.jsonl or bench-prompts.jsonl)."""
     measured = rows[bench_params["warmup"]: bench_params["warmup"] + bench_params["num_prompts"]]
     groups: dict = {}  # (configuration, kind) -> [(tokens, rounds) per request]
     seen: dict = {}  # configuration -> speculative requests so far (the i-th answers measured[i])
@@ -101,6 +105,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     served = bench["spec"]["acceptance"]
     offline = bench["offline"]["acceptance"]
     plot_triangle(out_dir, trained, offline, served)
+    times = stage_times(run)
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
            f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
@@ -122,8 +127,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
            table(["configuration", "kind", "prompts", "served tau"],
                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
-           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in stage_times(run).items()])
-           if stage_times(run) else "Not recorded: `draftlab run-stages` records them in .run-stages.json, `dvc repro` does not.", ""]
+           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in times.items()])
+           if times else "Not recorded: `draftlab run-stages` records them in .run-stages.json, `dvc repro` does not.", ""]
     return "\n".join(out)
 
 
@@ -142,9 +147,10 @@ def main(argv=None) -> None:
     (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run), **counts}, indent=1) + "\n")
     bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
     prompts = args.prompts or args.run / "data/prompts/eval.jsonl"
-    sent = [row for _, row in jsonl.read(prompts, "remake it with the prompts stage")][: bench_params["warmup"] + bench_params["num_prompts"]]
+    rows = read_prompts(prompts)
+    sent = rows[: bench_params["warmup"] + bench_params["num_prompts"]]
     jsonl.write(args.out / "bench-prompts.jsonl", sent)  # the prompts the bench sent, in order: the kind table's input
-    by_kind = tau_by_kind(args.run, prompts, bench_params)
+    by_kind = tau_by_kind(args.run, rows, bench_params)
     (args.out / "results.md").write_text(results_md(args.run, by_kind, args.out))
     print(f"real-workload report -> {args.out}")
 
