@@ -1,4 +1,4 @@
-"""Sharing runs through a DVC remote, as the README's "Sharing runs" section tells users to.
+"""Sharing runs through a DVC remote, as docs/sharing-runs.md tells users to.
 
 In temporary directories: a local-path DVC remote, a bare git repository as `origin`, and clones
 of a reduced project (micro target, few prompts and tokens, 1 epoch). Alice runs the pipeline
