@@ -60,7 +60,10 @@ def read_header(path: Path, model: str) -> dict:
     try:
         import gguf
     except ImportError:
-        raise UserError("a GGUF target needs the gguf and accelerate packages: pip install -e '.[real]'") from None
+        from draftlab.packaged import REAL_INSTALL, REAL_INSTALL_GPU
+
+        raise UserError(f"a GGUF target needs the gguf and accelerate packages (the extra real): on a CPU machine "
+                        f"{REAL_INSTALL}; on a GPU machine, after your CUDA build of torch, {REAL_INSTALL_GPU}") from None
     try:
         reader = gguf.GGUFReader(path)  # memory-mapped: reads the header and checks every tensor's extent
     except Exception as e:  # the reader raises ValueError/IndexError/... for a cut or damaged file
