@@ -121,8 +121,8 @@ def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZE
         raise
     except Exception as e:  # transformers' GGUF path raises many types for files it cannot map
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"params.yaml: target.model {model!r}: transformers could not dequantize {path} "
-                        f"({type(e).__name__}: {e})") from None
+        raise UserError(f"transformers {transformers.__version__} could not dequantize {path} (target.model {model!r}): "
+                        f"{type(e).__name__}: {e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
