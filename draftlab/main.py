@@ -66,8 +66,12 @@ def exp_run(args) -> int:
     try:
         rc = proc.wait()
     except KeyboardInterrupt:  # dvc got the Ctrl-C too: let it stop its stage, then put things back
-        rc = proc.wait()
-        rc = rc if rc else 130
+        try:
+            rc = proc.wait() or 130
+        except KeyboardInterrupt:  # a second Ctrl-C: stop dvc now
+            proc.kill()
+            proc.wait()
+            rc = 130
     if snapshot is not None:
         if rc == 0:
             snapshot.discard()
