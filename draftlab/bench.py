@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from draftlab import jsonl, lifecycle, server
+from draftlab import jsonl, lifecycle, progress, server
 from draftlab.errors import UserError
 from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
@@ -102,33 +102,37 @@ class _url:
 
 
 def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int,
-            abba: bool = False) -> dict[str, dict]:
+            abba: bool = False, label: str = "") -> dict[str, dict]:
     """Figures per server. With several servers up, requests alternate prompt by prompt, so a
     change in the machine's load hits both modes alike and their ratio stays fair; abba: the order
-    flips every other prompt (A B, B A, ...), so that neither server always goes first."""
+    flips every other prompt (A B, B A, ...), so that neither server always goes first. One
+    progress bar per concurrency, named `label` (the configuration) and c=N, counts every request."""
     clients = {mode: Client(url, bench_params.request_timeout_s) for mode, url in urls.items()}
+    label = label or "+".join(clients)
 
     def order(i):
         return list(clients.items()) if not abba or i % 2 == 0 else list(reversed(clients.items()))
 
+    measured = prompts[warmup:]
     try:
-        for client in clients.values():
-            run_requests(client, prompts[:warmup], sampling)  # compile/caches warm; not counted
-        records = {mode: [] for mode in clients}
-        wall = dict.fromkeys(clients, 0.0)
-        for i, prompt in enumerate(prompts[warmup:]):
-            for mode, client in order(i):
-                recs, seconds = run_requests(client, [prompt], sampling)
-                records[mode] += recs
-                wall[mode] += seconds
-        # Prompt-only requests (max_new_tokens 1), alternating too: each server's own per-request cost
-        # (prefill, HTTP, the first token), which the advice takes apart from its decode step.
-        prompt_only = {mode: [] for mode in clients}
-        for i, prompt in enumerate(prompts[warmup:]):
-            for mode, client in order(i):
-                recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1})
-                prompt_only[mode].append(seconds)
-        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency, bench_params.concurrency_repeats)
+        with progress.bar(len(clients) * (warmup + 2 * len(measured)), f"bench {label} c=1", "req") as bar:
+            for client in clients.values():
+                run_requests(client, prompts[:warmup], sampling, done=bar.update)  # compile/caches warm; not counted
+            records = {mode: [] for mode in clients}
+            wall = dict.fromkeys(clients, 0.0)
+            for i, prompt in enumerate(measured):
+                for mode, client in order(i):
+                    recs, seconds = run_requests(client, [prompt], sampling, done=bar.update)
+                    records[mode] += recs
+                    wall[mode] += seconds
+            # Prompt-only requests (max_new_tokens 1), alternating too: each server's own per-request cost
+            # (prefill, HTTP, the first token), which the advice takes apart from its decode step.
+            prompt_only = {mode: [] for mode in clients}
+            for i, prompt in enumerate(measured):
+                for mode, client in order(i):
+                    recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1}, done=bar.update)
+                    prompt_only[mode].append(seconds)
+        sweeps = concurrency_sweep(clients, measured, sampling, bench_params.concurrency, bench_params.concurrency_repeats, label)
         out = {}
         for mode, client in clients.items():
             sweep = sweeps[mode]
@@ -146,7 +150,7 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
 
 
 def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, levels: list[int],
-                      repeats: int = 2) -> dict[str, list[dict]]:
+                      repeats: int = 2, label: str = "") -> dict[str, list[dict]]:
     """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
     several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
     the machine's load hits every mode alike; each mode's figures pool its batches, and "batches"
@@ -156,31 +160,45 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
     speculative batch at a new concurrency took up to twice as long as the next (kernels compiled
     for the new shapes), enough to move a speedup by 30%."""
     out = {mode: [] for mode in clients}
+    label = label or "+".join(clients)
+    reps = repeats if len(clients) > 1 else 1
     for n in (n for n in levels if n > 1):
-        for client in clients.values():
-            run_requests(client, prompts, sampling, n)  # warm-up at this concurrency: not counted
-        got = {mode: [] for mode in clients}  # (records, seconds) of each batch
-        for rep in range(repeats if len(clients) > 1 else 1):
-            for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
-                got[mode].append(run_requests(clients[mode], prompts, sampling, n))
-        for mode, batches in got.items():
-            recs = [r for b, _ in batches for r in b]
-            row = {"concurrency": n, **speed(recs, sum(sec for _, sec in batches)),
-                   "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec} for b, sec in batches]}
-            spec = [r["meta"] for r in recs if r["meta"].speculative]
-            if spec:
-                row["tau"] = pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])
-            out[mode].append(row)
-        # Prompt-only requests at n in flight: the server's time per admitted request when it only
-        # admits (advice.costs_by_concurrency takes the prefills out of the step and the round with it).
-        for mode, client in clients.items():
-            recs, seconds = run_requests(client, prompts, {**sampling, "max_new_tokens": 1}, n)
-            out[mode][-1]["prompt_only_s_per_request"] = seconds / len(recs)
+        # one bar per concurrency: the warm-up batch, the repeats and the prompt-only batch of every mode
+        with progress.bar(len(clients) * len(prompts) * (reps + 2), f"bench {label} c={n}", "req") as bar:
+            for mode, row in _level(clients, prompts, sampling, n, reps, bar.update).items():
+                out[mode].append(row)
     return out
 
 
-def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1) -> tuple[list[dict], float]:
-    """Send every prompt; returns per-request records and the wall time of the whole batch (s)."""
+def _level(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, n: int, reps: int, done) -> dict[str, dict]:
+    """concurrency_sweep at one concurrency n: {mode: its row}."""
+    for client in clients.values():
+        run_requests(client, prompts, sampling, n, done)  # warm-up at this concurrency: not counted
+    got = {mode: [] for mode in clients}  # (records, seconds) of each batch
+    for rep in range(reps):
+        for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
+            got[mode].append(run_requests(clients[mode], prompts, sampling, n, done))
+    rows = {}
+    for mode, batches in got.items():
+        recs = [r for b, _ in batches for r in b]
+        row = {"concurrency": n, **speed(recs, sum(sec for _, sec in batches)),
+               "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec} for b, sec in batches]}
+        spec = [r["meta"] for r in recs if r["meta"].speculative]
+        if spec:
+            row["tau"] = pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])
+        rows[mode] = row
+    # Prompt-only requests at n in flight: the server's time per admitted request when it only
+    # admits (advice.costs_by_concurrency takes the prefills out of the step and the round with it).
+    for mode, client in clients.items():
+        recs, seconds = run_requests(client, prompts, {**sampling, "max_new_tokens": 1}, n, done)
+        rows[mode]["prompt_only_s_per_request"] = seconds / len(recs)
+    return rows
+
+
+def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1,
+                 done=None) -> tuple[list[dict], float]:
+    """Send every prompt; returns per-request records (in the prompts' order) and the wall time of the
+    whole batch (s). `done()` is called once per finished request, from this thread."""
 
     def one(ids):
         t0 = time.perf_counter()
@@ -189,10 +207,19 @@ def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concu
 
     t0 = time.perf_counter()
     if concurrency <= 1:
-        records = [one(p) for p in prompts]
+        records = []
+        for p in prompts:
+            records.append(one(p))
+            if done:
+                done()
     else:
         with ThreadPoolExecutor(concurrency) as pool:
-            records = list(pool.map(one, prompts))
+            futures = [pool.submit(one, p) for p in prompts]
+            for f in as_completed(futures):
+                f.result()  # a failed request raises here, as pool.map did
+                if done:
+                    done()
+            records = [f.result() for f in futures]
     return records, time.perf_counter() - t0
 
 

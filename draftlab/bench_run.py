@@ -319,6 +319,7 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]
     backend, draft, ids, sampling = bench_params.backend, plan.draft.path, plan.prompt_ids, plan.sampling
     log = out / "server-spec.log"
     base_log = out / "server-baseline.log"
+    name = f"{flags.num_steps}-{flags.topk}-{flags.num_draft_tokens}"  # the progress bars' label
     print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
     if backend == "reference" or (backend == "sglang" and bench_params.side_by_side):
         # Both servers up at once: requests alternate between them, so a change in the machine's
@@ -327,16 +328,18 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]
         spec_port = sglang_free_port() if backend == "sglang" else None  # the baseline has bench.port
         with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url, \
              bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port) as url:
-            got = bench.measure({"baseline": base_url, "speculative": url}, bench_params, ids, sampling, bench_params.warmup)
+            got = bench.measure({"baseline": base_url, "speculative": url}, bench_params, ids, sampling, bench_params.warmup,
+                                label=name)
         baseline, spec = got["baseline"], got["speculative"]
     else:
         # One server at a time (bench.side_by_side: false), baseline first.
         baseline = None
         if backend != "url":
             with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url:
-                baseline = bench.measure({"baseline": base_url}, bench_params, ids, sampling, bench_params.warmup)["baseline"]
+                baseline = bench.measure({"baseline": base_url}, bench_params, ids, sampling, bench_params.warmup,
+                                         label="baseline")["baseline"]
         with bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True) as url:
-            spec = bench.measure({"speculative": url}, bench_params, ids, sampling, bench_params.warmup)["speculative"]
+            spec = bench.measure({"speculative": url}, bench_params, ids, sampling, bench_params.warmup, label=name)["speculative"]
     if not spec["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     if backend == "url" and bench_params.server_log:

@@ -161,7 +161,8 @@ def _pair(plan, base_url: str, config: Configuration, log: Path) -> Pairing:
     port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
     with bench.start(bp.backend, bp, plan.target_params, plan.draft.path, flags, plan.sglang_version, log,
                      speculative=True, port=port) as url:
-        got = bench.measure({"baseline": base_url, "speculative": url}, bp, plan.prompt_ids, plan.sampling, bp.warmup, abba=True)
+        got = bench.measure({"baseline": base_url, "speculative": url}, bp, plan.prompt_ids, plan.sampling, bp.warmup, abba=True,
+                            label=config.name)
     if not got["speculative"]["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     return Pairing(config, got["baseline"], got["speculative"], log, {"baseline": base_url, "speculative": url})

@@ -60,7 +60,10 @@ def read_header(path: Path, model: str) -> dict:
     try:
         import gguf
     except ImportError:
-        raise UserError("a GGUF target needs the gguf and accelerate packages: pip install -e '.[real]'") from None
+        from draftlab.packaged import REAL_INSTALL, REAL_INSTALL_GPU
+
+        raise UserError(f"a GGUF target needs the gguf and accelerate packages (the extra real): on a CPU machine "
+                        f"{REAL_INSTALL}; on a GPU machine, after your CUDA build of torch, {REAL_INSTALL_GPU}") from None
     try:
         reader = gguf.GGUFReader(path)  # memory-mapped: reads the header and checks every tensor's extent
     except Exception as e:  # the reader raises ValueError/IndexError/... for a cut or damaged file
@@ -118,8 +121,8 @@ def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZE
         raise
     except Exception as e:  # transformers' GGUF path raises many types for files it cannot map
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"params.yaml: target.model {model!r}: transformers could not dequantize {path} "
-                        f"({type(e).__name__}: {e})") from None
+        raise UserError(f"transformers {transformers.__version__} could not dequantize {path} (target.model {model!r}): "
+                        f"{type(e).__name__}: {e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -7,7 +7,8 @@
     draftlab exp show-profile PROFILE [...]          what the profiles change: key: old -> new
 
 Exit codes: 0 ok, 1 findings with errors, 2 bad input (one line on stderr, no traceback); exp run
-passes on dvc's own. `python -m draftlab.check draft|parity` and `python -m draftlab.server` run
+passes on dvc's own, and after a failed run puts params.yaml, dvc.lock and the outputs back as the
+run found them (draftlab/workspace.py; --keep-failed leaves them and lists what changed). `python -m draftlab.check draft|parity` and `python -m draftlab.server` run
 the same functions.
 """
 from __future__ import annotations
@@ -55,10 +56,28 @@ def exp_run(args) -> int:
     if args.dry_run:
         print(command_line(argv))
         return 0
+    in_workspace = not args.queue and "--temp" not in args.dvc_args  # else DVC runs in a copy and the workspace stays
+    snapshot = None
+    if in_workspace:
+        from draftlab.workspace import Snapshot
+
+        snapshot = Snapshot.take(applied.params_file)
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", *argv[1:]])  # the dvc of this Python
     try:
-        return subprocess.run([sys.executable, "-m", "dvc", *argv[1:]]).returncode  # the dvc of this Python
-    except KeyboardInterrupt:
-        return 130
+        rc = proc.wait()
+    except KeyboardInterrupt:  # dvc got the Ctrl-C too: let it stop its stage, then put things back
+        try:
+            rc = proc.wait() or 130
+        except KeyboardInterrupt:  # a second Ctrl-C: stop dvc now
+            proc.kill()
+            proc.wait()
+            rc = 130
+    if snapshot is not None:
+        if rc == 0:
+            snapshot.discard()
+        else:
+            print(snapshot.restore(act=not args.keep_failed).text(rc, acted=not args.keep_failed), file=sys.stderr)
+    return rc
 
 
 def exp_show_profile(args) -> int:
@@ -101,11 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                              description="merge the profiles over params.yaml, check the result with the params loader, and "
                                          "run dvc exp run with one -S per key; arguments after -- go to dvc exp run",
                              usage="draftlab exp run PROFILE [PROFILE ...] [--queue] [--name NAME] [-S section.key=VALUE ...] "
-                                   "[--dry-run] [-- dvc exp run args]")
+                                   "[--dry-run] [--keep-failed] [-- dvc exp run args]")
     add_profile_arguments(p)
     p.add_argument("--queue", action="store_true", help="queue the experiment (dvc queue start runs it)")
     p.add_argument("-n", "--name", default=None, help="the experiment's name")
     p.add_argument("--dry-run", action="store_true", help="print the dvc command instead of running it")
+    p.add_argument("--keep-failed", action="store_true",
+                   help="when the run fails, leave the workspace as it left it (by default params.yaml, dvc.lock and the "
+                        "outputs are put back as the run found them) and list what it changed")
     p.set_defaults(func=exp_run)
     p = exp_verbs.add_parser("show-profile", help="print what profiles change (key: old -> new)",
                              description="merge the profiles over params.yaml, check them, and print each key: old -> new")

@@ -3,7 +3,8 @@
 Every stage writes `manifest.json` next to its outputs:
   stage, params (resolved, only the sections it read), inputs (name -> upstream config_hash or
   content hash), code (sha256 of the stage script and every draftlab module it imports), packages,
-  config_hash = sha256(canonical JSON of the five above), `info` (timings, counts, figures) and
+  config_hash = sha256(canonical JSON of the five above), `info` (timings, counts, figures; every
+  stage's wall time in `info.wall_s`, set by write_manifest) and
   `hardware` (the CPU, GPU and torch threads the stage ran on, see describe_hardware): neither is
   hashed, so re-running with nothing changed gives a byte-identical config_hash, on any machine.
   The same config_hash means the same inputs, code, params and package versions; the hardware
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import time
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -222,8 +224,30 @@ def describe_hardware() -> dict:
     return out
 
 
+_IMPORTED = time.monotonic()  # the fallback start of process_seconds where /proc is not there
+
+
+def process_seconds() -> float:
+    """Seconds since this process started: /proc/self/stat's start time against /proc/uptime (both
+    since boot, 10 ms ticks) on Linux, else since this module was imported (a stage imports it first
+    thing, through draftlab.cli's callers)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22 of the line: starttime
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
+    """manifest.json in out_dir, with `info.wall_s` set (in `manifest` too, so that it is what was
+    written): the stage's wall time so far, from its process's start (Python's own start and imports
+    included), in seconds. A stage writes its manifest last, so this is the stage's time under
+    `dvc repro` and `dvc exp run` as under `draftlab run-stages`; not hashed."""
     path = Path(out_dir) / MANIFEST
+    manifest["info"] = {**(manifest.get("info") or {}), "wall_s": round(process_seconds(), 1)}
     atomic_write_json(path, manifest)
     return path
 

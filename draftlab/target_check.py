@@ -6,6 +6,9 @@ where config.json needs an int, JSONDecodeError, SafetensorError, a KeyError of 
 `loading(model, what)` turns any of them into a UserError that names the folder, what is wrong
 (read from the folder's own files where they show it, else from the exception) and what to do.
 
+On a folder the project wrote itself (a GGUF target's models/target-dequantized) the message names
+the library and its version first (draftlab.library_blame).
+
 `check_loadable` is what the target stage runs before it pins a local folder, so that no pin is
 made of a folder the later stages cannot load: the folder's files (JSON files parse to objects,
 safetensors headers complete, the index's shards present), config.json and the tokenizer loaded
@@ -40,7 +43,14 @@ def local_folder(model: str) -> Path | None:
     return path if path.exists() else None
 
 
-def fix_for(model: str) -> str:
+def fix_for(model: str, damaged: bool = False) -> str:
+    """What to do about target `model`; `damaged`: its files themselves are broken (folder_problem)."""
+    from draftlab.library_blame import reinstall, written_folder
+
+    if written_folder(model) is not None:  # the target stage's own output: not the user's to fix
+        if damaged:
+            return "the target stage wrote this folder: make it again with dvc repro --force target"
+        return f"the target stage wrote this folder itself, so the installed libraries are the likely cause: {reinstall()}"
     return (f"fix {model}, or set target.model to a complete transformers model folder "
             f"(config.json, weights, tokenizer) or a hub id like org/name")
 
@@ -55,6 +65,11 @@ def loading(model: str, what: str, part: str = "config"):
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers and its readers raise many types for one bad folder
+        from draftlab.library_blame import library_first, written_folder
+
+        written = written_folder(model)
+        if written is not None:  # a folder the project wrote and checked: the library is named first
+            raise UserError(library_first(written, what, part, e)) from None
         folder = local_folder(model)
         why = (folder_problem(folder, part) if folder else None) or cause_of(e)
         fix = fix_for(model) if folder else "check the hub id and revision, or download the model once with the hub reachable"
@@ -178,7 +193,7 @@ def check_loadable(model: str, revision: str | None = None) -> None:
         return
     problem = folder_problem(folder, "all")
     if problem:
-        raise UserError(f"target.model {model!r}: not a loadable model folder: {problem}; {fix_for(model)}")
+        raise UserError(f"target.model {model!r}: not a loadable model folder: {problem}; {fix_for(model, damaged=True)}")
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from draftlab.params import TargetParams

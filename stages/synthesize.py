@@ -18,14 +18,13 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tqdm import tqdm
-
 from draftlab import synth
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.parallel import resolve_device
+from draftlab.progress import bar
 from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, model_path,
                              target_fingerprint, tokenizer_hash)
 
@@ -94,8 +93,8 @@ def run(params, splits, inputs, out: Path, backend) -> None:
             row["source"] = prompt["source"]
         return row
 
-    def progress(split, total, initial):
-        return tqdm(total=total, initial=initial, desc=f"synthesize {split}", unit="row", dynamic_ncols=True)
+    def progress(split, total, initial):  # its estimate holds from the first it shows (draftlab/progress.py)
+        return bar(total, f"synthesize {split}", "row", initial)
 
     key = synth.resume_key(dataclasses.asdict(target_params), dataclasses.asdict(synth_params), inputs)
     stats = synth.synthesize(splits, backend, out, key, make_row, progress)

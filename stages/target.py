@@ -6,7 +6,8 @@ Reads params keys: target.model, target.revision.
 A local folder is pinned by the content hash of its model files, a hub id by the commit its
 revision resolves to (offline from the local Hugging Face cache). A GGUF file is pinned by its
 sha256 and dequantized once into models/target-dequantized (draftlab/gguf_target.py: DEQUANTIZED_DIR,
-the folder every stage then loads and SGLang serves); for any other target that folder holds only a note. Every stage that loads the
+the folder every stage then loads and SGLang serves; its manifest.json records the stage, its wall time
+included); for any other target that folder holds only a note. Every stage that loads the
 target depends on the pin, not on the target's files, so another target is one params edit:
 `dvc exp run -S target.model=org/name` re-makes the pin and re-runs what loads the target.
 
@@ -28,14 +29,16 @@ from pathlib import Path
 from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
 from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
-from draftlab.params import load_params
+from draftlab.manifest import build_manifest, write_manifest
+from draftlab.params import as_dict, load_params
 from draftlab.target_check import check_loadable
 from draftlab.target_pin import pin_local, pin_target
 
 
 def main(out: Path) -> None:
     dequantized = DEQUANTIZED_DIR
-    target = load_params(["target"]).target
+    params = load_params(["target"])
+    target = params.target
     if gguf_file(target.model) is None:
         check_loadable(target.model, target.revision)  # no pin of a folder the stages cannot load
     pin, how = pin_target(target.model, target.revision)
@@ -44,6 +47,9 @@ def main(out: Path) -> None:
         check_loadable(str(dequantized))  # what every stage will load
         folder = pin_local(str(dequantized), dequantized)
         pin |= {"dequantized": dequantized.as_posix(), "content_sha256": folder["content_sha256"], "files": folder["files"]}
+        # Beside the weights (outside the pin and the content hash): the stage's record, its wall time included.
+        write_manifest(dequantized, build_manifest("target", as_dict(params), {"gguf_sha256": pin["gguf_sha256"]}, __file__,
+                                                   {"content_sha256": pin["content_sha256"]}))
     else:
         placeholder(dequantized)
     atomic_write_json(out, pin)

@@ -33,3 +33,34 @@ def test_one_server_runs_each_level_once_after_its_warm_up():
     log = []
     out = bench.concurrency_sweep({"speculative": Recorder("s", 5, log)}, [[1]] * 3, {}, [2])
     assert log == ["s"] * 6 + ["S"] * 3 and out["speculative"][0]["completion_tokens"] == 15
+
+
+def test_one_progress_bar_per_configuration_and_concurrency_counts_every_request(monkeypatch, capsys):
+    """bench.measure: a bar named by the configuration and c=1 (warm-up, paired and prompt-only
+    requests of both servers), then one per concurrency n > 1 (warm-up, repeats, prompt-only), each
+    run to its total."""
+    from types import SimpleNamespace
+
+    log = []
+
+    class Served(Recorder):
+        def __init__(self, url, timeout):
+            super().__init__(url, 10, log)
+
+        def server_info(self):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "Client", Served)
+    params = SimpleNamespace(request_timeout_s=5.0, concurrency=[1, 2, 4], concurrency_repeats=2)
+    bench.measure({"baseline": "b", "speculative": "s"}, params, [[1]] * 5, {}, warmup=1, abba=True, label="3-1-4")
+    err = capsys.readouterr().err
+    finals = {}
+    for line in err.replace("\r", "\n").splitlines():
+        if line.startswith("bench 3-1-4 c="):
+            finals[line.split(":")[0]] = line.split("|")[-1].split()[0]  # the last state drawn: done/total
+    # c=1: 2 servers x (1 warm-up + 4 paired + 4 prompt-only); c=n: 2 x 4 prompts x (warm-up + 2 repeats + prompt-only)
+    assert finals == {"bench 3-1-4 c=1": "18/18", "bench 3-1-4 c=2": "32/32", "bench 3-1-4 c=4": "32/32"}
+    assert len(log) == 18 + 32 + 32  # every request sent is one the bars counted

@@ -146,3 +146,18 @@ def test_every_bad_gguf_is_named_before_any_work(tmp_path, monkeypatch, micro, d
         run_target_stage(tmp_path, str(bad))
     assert not (tmp_path / "models" / "target-pin.json").exists()  # no pin is made of a bad file
     assert not (tmp_path / DEQUANTIZED_DIR / SOURCE_FILE).exists()
+
+
+def test_the_dequantized_folder_holds_the_stages_manifest_outside_the_pin(tmp_path, monkeypatch, micro):
+    """The target stage's record (its wall time included) lies beside the weights it wrote, and the pin
+    ignores it: made again from the same file, the pin is the same."""
+    from draftlab.manifest import read_manifest
+
+    model, tok = micro
+    gguf = write_gguf(model, tok, tmp_path / "micro.Q8_0.gguf", "Q8_0")
+    monkeypatch.chdir(tmp_path)
+    pin = run_target_stage(tmp_path, str(gguf))
+    manifest = read_manifest(tmp_path / DEQUANTIZED_DIR)
+    assert manifest["stage"] == "target" and manifest["inputs"]["gguf_sha256"] == pin["gguf_sha256"]
+    assert manifest["info"]["wall_s"] > 0 and "manifest.json" not in pin["files"]
+    assert run_target_stage(tmp_path, str(gguf)) == pin

@@ -29,6 +29,14 @@ def test_the_8b_profile_sweeps_every_configuration_in_flight_beside_one_baseline
     assert new["bench.sweep"][-1] == "advised" and new["bench.concurrency"] == [1, 4, 8, 16] and new["check.serve_parity"]
 
 
+@pytest.mark.parametrize("name", ["real-cpu", "real-gpu"])
+def test_the_real_workload_profiles_measure_the_advices_pick(name):
+    """The advice's recommendation is served and measured beside the listed configurations, so it never
+    stands unmeasured (the new user's run recommended 1-1-2 and swept only 5-1-6)."""
+    sweep = apply_profiles([str(ROOT / f"configs/{name}.yaml")], params_file=ROOT / "params.yaml").new["bench.sweep"]
+    assert sweep[-1] == "advised" and sweep.count("advised") == 1 and len(sweep) >= 2
+
+
 # The CPU form: the reduced project's sizes and the reference server, over the GPU profile.
 CPU = {**REDUCED, "target": {**REDUCED["target"], "dtype": "float32"}, "synth": {**REDUCED["synth"], "backend": "hf"},
        "train": {**REDUCED["train"], "lr": 0.003}, "bench": {**REDUCED["bench"], "backend": "reference", "sweep": ["2-1-3", "advised"]},

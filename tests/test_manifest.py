@@ -151,3 +151,21 @@ def test_stage_manifests_reads_train_and_bench_beside_the_paths(tmp_path):
     assert list(got) == ["synthesize", "extract", "standardize", "train", "export", "bench"]
     assert got["train"]["hardware"] == OTHER_CPU and got["bench"]["hardware"] == HERE and got["extract"] is None
     assert [f.evidence["stages"] for f in check_hardware(got, HERE)] == [["train"]]
+
+
+def test_write_manifest_records_the_stage_wall_time_from_its_process_start(tmp_path):
+    """A stage process that ran 1.5 s before it wrote its manifest records at least that (Python's start
+    and imports included): the time a `dvc exp run` of it took, which DVC itself does not record."""
+    import subprocess
+    import sys
+
+    from draftlab.manifest import ROOT
+
+    code = ("import time; time.sleep(1.5)\n"
+            "from draftlab.manifest import build_manifest, write_manifest\n"
+            f"write_manifest({str(tmp_path)!r}, build_manifest('prompts', {{}}, {{}}, info={{'rows': 3}}))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    manifest = read_manifest(tmp_path)
+    assert 1.5 <= manifest["info"]["wall_s"] < 60 and manifest["info"]["rows"] == 3
+    again = build_manifest("prompts", {}, {}, info={"rows": 3})
+    assert manifest["config_hash"] == again["config_hash"]  # the time is not hashed

@@ -64,6 +64,17 @@ def test_first_run_runs_every_stage(project):
     assert ran(out) == stages_in_dag(root)
 
 
+def test_every_stage_records_its_wall_time_for_the_report(project):
+    """dvc repro keeps no stage times; each stage's manifest does (info.wall_s), and the real-workload
+    report reads them from there (the micro target is a folder: stage target writes no manifest)."""
+    from tests.support.tools import load_tool
+
+    root, _ = project
+    times = load_tool("real_workload_report").stage_times(root)
+    assert list(times) == ["prompts", "synthesize", "extract", "standardize", "train", "export", "bench"]
+    assert all(isinstance(t, float) and t > 0 for t in times.values()), times
+
+
 def test_the_advice_says_what_pays_at_each_concurrency_measured(project):
     root, out = project
     bench = json.loads((root / "reports/bench.json").read_text())

@@ -5,6 +5,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "reports/real-workload/real-gpu"
 sys.path.insert(0, str(ROOT / "tools"))
@@ -60,3 +62,41 @@ def test_tau_by_kind_accounts_for_every_measured_request(tmp_path):
     bench = json.loads((REPORT / "bench.json").read_text())
     assert abs(bench["spec"]["verify_ct"] - sum(m["meta"]["spec_verify_ct"] for m in reqs
                                                 if m["mode"] == "speculative" and m["configuration"] == "3-1-4")) == 0
+
+
+def test_the_report_goes_to_a_new_folder_and_never_over_a_report_unless_forced(tmp_path, monkeypatch, capsys):
+    run = run_from_report(tmp_path)
+    prompts = ["--prompts", str(REPORT / "bench-prompts.jsonl")]
+    monkeypatch.chdir(tmp_path)
+    rwr.main([str(run), *prompts])  # no OUT: a new folder
+    first, = (tmp_path / "reports/real-workload").iterdir()
+    assert first.name.startswith("run-") and (first / "results.md").is_file()
+    rwr.main([str(run), *prompts])  # again: another new folder, the first one untouched
+    assert len(list((tmp_path / "reports/real-workload").iterdir())) == 2
+
+    committed = tmp_path / "committed"
+    shutil.copytree(REPORT, committed)
+    before = {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as e:
+        rwr.main([str(run), str(committed), *prompts])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {committed} already holds") and "--force" in err
+    assert {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()} == before  # nothing written
+    rwr.main([str(run), str(committed), "--force", *prompts])
+    assert (committed / "results.md").read_text() == (first / "results.md").read_text()  # written over, as asked
+
+
+def test_stage_times_come_from_the_stage_manifests(tmp_path):
+    run = run_from_report(tmp_path)
+    for rel, stage, wall in (("data/prompts", "prompts", 12.5), ("data/synth", "synthesize", 180.0),
+                             ("models/draft-ckpt", "train", 301.2), ("reports/bench", "bench", 390.0)):
+        (run / rel).mkdir(parents=True, exist_ok=True)
+        (run / rel / "manifest.json").write_text(json.dumps({"stage": stage, "config_hash": "x", "info": {"wall_s": wall}}))
+    (run / ".run-stages.json").write_text(json.dumps({"check": {"seconds": 9.0}, "train": {"seconds": 305.0}}))
+    assert rwr.stage_times(run) == {"prompts": 12.5, "synthesize": 180.0, "train": 301.2, "bench": 390.0, "check": 9.0}
+    assert list(rwr.stage_times(run)) == ["prompts", "synthesize", "train", "bench", "check"]  # the DAG's order
+    out = tmp_path / "out"
+    rwr.main([str(run), str(out), "--prompts", str(REPORT / "bench-prompts.jsonl")])
+    md = (out / "results.md").read_text()
+    assert "| synthesize | 180.000 |" in md and "| train | 301.200 |" in md and "Not recorded: target, extract" in md
+    assert json.loads((out / "stage-counts.json").read_text())["seconds"]["bench"] == 390.0

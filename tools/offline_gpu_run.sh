@@ -20,7 +20,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$results/s
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
 pack() {
   tar -czf "$results/results.tar.gz" --ignore-failed-read reports .run-stages.json params.yaml \
-    data/*/manifest.json models/draft/config.json models/target-pin.json data/prompts/eval.jsonl 2>/dev/null
+    data/*/manifest.json models/*/manifest.json models/draft/config.json models/target-pin.json data/prompts/eval.jsonl \
+    2>/dev/null
   echo "packed $results/results.tar.gz"
 }
 trap pack EXIT

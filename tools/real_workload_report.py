@@ -1,12 +1,19 @@
 """The real-workload report: one run of configs/real-*.yaml turned into reports/real-workload/NAME/.
 
-    python tools/real_workload_report.py RUN OUT [--prompts FILE]
+    python tools/real_workload_report.py RUN [OUT] [--force] [--prompts FILE]
 
 RUN is a project root after `draftlab exp run configs/real-gpu.yaml` (or `draftlab run-stages ...`),
 or the unpacked results.tar.gz of tools/offline_gpu_run.sh. OUT gets the run's measured files
 (bench.json, the bench CSVs and plots, the train metrics and curves, check.md, the stage manifests'
 counts, the stage times) and results.md: the tau triangle with acceptance by draft position, every
 configuration at every concurrency, the advice against the measurement, and tau by kind of prompt.
+
+OUT defaults to a new folder, reports/real-workload/run-YYYYMMDD-HHMMSS (under the current
+directory). An OUT that already holds files (a committed report) is refused unless --force is given,
+so a re-run never overwrites a committed report by accident.
+
+Stage wall times come from each stage's manifest (info.wall_s, written by every run: dvc repro,
+dvc exp run, draftlab run-stages), else from draftlab run-stages' own record (.run-stages.json).
 
 Kind of prompt (a rule, so that anyone can recount): a prompt is "code" when it holds a code fence
 (```) or names a language or a programming task (CODE_WORDS as whole words, any case); else "prose".
@@ -20,6 +27,8 @@ import argparse
 import json
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -29,6 +38,8 @@ from draftlab import jsonl, metrics
 CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "c#", "sql", "html", "css", "bash", "regex",
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
 CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
+REPORTS = Path("reports/real-workload")  # where a new report folder goes by default
+STAGES = ("target", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench", "check")  # the DAG's order
 FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
 COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json reports/train/plots/accept.png "
           "reports/train/plots/loss.png reports/bench/configurations.csv reports/bench/concurrency.csv "
@@ -48,8 +59,21 @@ def read(run: Path, rel: str):
 
 
 def stage_times(run: Path) -> dict:
-    state = read(run, ".run-stages.json") or {}
-    return {stage: rec["seconds"] for stage, rec in state.items() if "seconds" in rec}
+    """{stage: wall seconds} in the DAG's order: each stage manifest's info.wall_s, else the seconds
+    draftlab run-stages recorded (runs made before manifests held the time)."""
+    times = {}
+    for path in sorted(p for top in ("data", "models", "reports") for p in (run / top).glob("*/manifest.json")):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        wall = (manifest.get("info") or {}).get("wall_s") if isinstance(manifest, dict) else None
+        if isinstance(wall, (int, float)) and manifest.get("stage"):
+            times[manifest["stage"]] = wall
+    for stage, rec in (read(run, ".run-stages.json") or {}).items():
+        if isinstance(rec, dict) and "seconds" in rec:
+            times.setdefault(stage, rec["seconds"])
+    return dict(sorted(times.items(), key=lambda kv: (STAGES.index(kv[0]) if kv[0] in STAGES else len(STAGES), kv[0])))
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -128,17 +152,45 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            table(["configuration", "kind", "prompts", "served tau"],
                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
            "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in times.items()])
-           if times else "Not recorded: `draftlab run-stages` records them in .run-stages.json, `dvc repro` does not.", ""]
+           if times else "Not recorded: no stage manifest of this run holds info.wall_s (a run made before they did).", ""]
+    missing = [s for s in STAGES if s not in times]
+    if times and missing:
+        out[-1:] = ["", f"Not recorded: {', '.join(missing)} (no manifest with a wall time in this run's files).", ""]
     return "\n".join(out)
+
+
+def out_folder(out: Path | None, force: bool) -> Path:
+    """OUT, or a new timestamped folder under REPORTS; ValueError for an OUT that holds files (unless
+    force) or is a file."""
+    if out is None:
+        base = out = REPORTS / time.strftime("run-%Y%m%d-%H%M%S")
+        n = 1
+        while out.exists():  # two reports in one second
+            n += 1
+            out = base.with_name(f"{base.name}.{n}")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        held = sum(1 for _ in out.rglob("*") if _.is_file())
+        raise ValueError(f"{out} already holds {held} files (a committed report?); a re-run would overwrite them. "
+                         f"Give a new folder, leave OUT out for a new one under {REPORTS}/, or add --force to overwrite")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a folder for the report")
+    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="the project root (or unpacked results) of a real-workload run")
-    ap.add_argument("out", type=Path, help="the report folder, e.g. reports/real-workload/real-gpu")
+    ap.add_argument("out", type=Path, nargs="?", default=None,
+                    help=f"the report folder (default: a new {REPORTS}/run-YYYYMMDD-HHMMSS); one that holds files needs --force")
+    ap.add_argument("--force", action="store_true", help="write into OUT even when it holds files (overwrites a committed report)")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="the bench's prompt file: RUN/data/prompts/eval.jsonl, or a report's bench-prompts.jsonl")
     args = ap.parse_args(argv)
+    try:
+        args.out = out_folder(args.out, args.force)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     args.out.mkdir(parents=True, exist_ok=True)
     for rel in COPIED:
         if (args.run / rel).exists():
