@@ -34,14 +34,14 @@ from draftlab.errors import UserError
 from draftlab.features import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, WEIGHTS, ExportedDraft, TensorSpecs, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, default_physical, ids_for_physical, parse_version, physical_from_user_layers
+from draftlab.sglang.loading import LAYERS_NAMED_FROM, VARIANT_READ_FROM, config_dtype
 
 INDEX = "model.safetensors.index.json"
 SPECULATORS_RENAMES = {"layers.0.": "midlayer."}  # speculators' name -> SGLang's (LlamaForCausalLMEagle3.midlayer)
 NOT_SERVED = ("embed_tokens.weight",)  # SGLang shares the target's embedding; a draft copy is not what it serves
 # Config switches that change the draft's function. SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py, read
 # from source) computes the plain EAGLE-3 layer in 0.5.5 and reads none of them; later releases read some
-# (VARIANT_READ_FROM: the first release whose llama_eagle3.py reads the flag, from the released wheels).
-VARIANT_READ_FROM = {"fc_norm": (0, 5, 14), "norm_before_fc": (0, 5, 17)}
+# (draftlab.sglang.loading.VARIANT_READ_FROM: the first release whose llama_eagle3.py reads the flag).
 VARIANT_FLAGS = {
     "norm_before_residual": "hidden_norm applied before the residual is stored (speculators)",
     "norm_before_fc": "one RMSNorm over the concatenated aux states before fc (speculators, gpt-oss style)",
@@ -119,8 +119,6 @@ def sglang_view(config: dict, layout: str) -> dict:
         return config
     inner = config.get("transformer_layer_config") or {}
     view = {k: v for k, v in inner.items() if v is not None}
-    if "torch_dtype" not in view and isinstance(view.get("dtype"), str):  # transformers 5 writes "dtype"
-        view["torch_dtype"] = view["dtype"]
     view.update({k: v for k, v in config.items() if k != "transformer_layer_config" and v is not None})
     view["architectures"] = config.get("architectures")
     view["eagle_aux_hidden_state_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
@@ -239,9 +237,10 @@ def check_speculators(d: ForeignDraft, target: dict, served: ServedLayers) -> li
          "tensors_renamed": len(d.renamed), "not_served": d.not_served},
         f"SGLang cannot serve speculators' layout as written: it picks the draft class from architectures "
         f"({d.config.get('architectures')}, not [\"{ARCHITECTURE}\"]), reads the sizes at the top level (here under "
-        f"transformer_layer_config), ignores a top-level eagle_aux_hidden_state_layer_ids, and loads the decoder layer from "
-        f"midlayer.* (its LlamaForCausalLMEagle3.load_weights maps no layers.0.* name: they would be dropped silently). "
-        f"The checks below read it as if converted, to judge its shapes",
+        f"transformer_layer_config), ignores a top-level eagle_aux_hidden_state_layer_ids"
+        + (", and loads the decoder layer from midlayer.* only (layers.0.* names are dropped silently before SGLang "
+           f"{'.'.join(map(str, LAYERS_NAMED_FROM))})" if parse_version(version) < LAYERS_NAMED_FROM else "")
+        + ". The checks below read it as if converted, to judge its shapes",
         f"convert it to SGLang's layout: architectures [\"{ARCHITECTURE}\"], model_type \"llama\", the transformer_layer_config "
         f"keys at the top level, eagle_config.eagle_aux_hidden_state_layer_ids: {sglang_ids}, layers.0.* renamed to "
         f"midlayer.*, embed_tokens.weight dropped; then run this check on the result"))
@@ -297,10 +296,11 @@ class Verdict:
 
 
 def as_loaded(d: ForeignDraft) -> tuple[TensorSpecs, dict[str, str]]:
-    """The tensor specs with float weights in config.json's torch_dtype, as SGLang's weight loader
+    """The tensor specs with float weights in config.json's dtype (or torch_dtype), as SGLang's weight loader
     copies them (a cast, not a fault), and {stored dtype: first tensor} of those it casts."""
-    dtype = TORCH_DTYPES.get(d.draft.config.get("torch_dtype"))
-    if dtype is None:
+    name = config_dtype(d.draft.config)[1]
+    dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:  # check_draft_shapes names a missing or unknown dtype
         return d.tensors, {}
     out, cast = {}, {}
     for name, (shape, stored) in d.tensors.items():
@@ -333,9 +333,10 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
     d2t = d.tensor("d2t") if "d2t" in d.tensors else None
     tensors, cast = as_loaded(d)
     if cast:
-        out.append(info("weights_cast_on_load", {"torch_dtype": d.draft.config.get("torch_dtype"), "stored": cast},
-                        "some weights are stored in another float dtype than config.json's torch_dtype; SGLang casts them on load"))
-    out += check_draft_shapes(d.draft, tensors, target, len(intended.physical) or 3, redo=REDO)
+        key, name = config_dtype(d.draft.config)
+        out.append(info("weights_cast_on_load", {key: name, "stored": cast},
+                        f"some weights are stored in another float dtype than config.json's {key}; SGLang casts them on load"))
+    out += check_draft_shapes(d.draft, tensors, target, len(intended.physical) or 3, redo=REDO, sglang_version=version)
     out += check_d2t(d.draft, d2t, training_d2t, redo=REDO)
     out += check_t2d(d, d2t)
     out += check_variant_flags(d, version)
