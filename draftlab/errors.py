@@ -28,3 +28,9 @@ def shown(value, limit: int = QUOTE_CHARS) -> str:
     except ValueError:  # an int past sys.get_int_max_str_digits()
         text = f"<an integer of about {value.bit_length() * 3 // 10:,} digits>" if isinstance(value, int) else f"<a {type(value).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """Free text (a key, another library's message) for an error message: at most `limit` characters."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
