@@ -29,6 +29,7 @@ from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
 from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
 from draftlab.params import load_params
+from draftlab.target import check_model_name
 from draftlab.target_check import check_loadable
 from draftlab.target_pin import pin_local, pin_target
 
@@ -36,6 +37,7 @@ from draftlab.target_pin import pin_local, pin_target
 def main(out: Path) -> None:
     dequantized = DEQUANTIZED_DIR
     target = load_params(["target"]).target
+    check_model_name(target.model)  # an empty value or an invalid hub id, named before anything is read or asked
     if gguf_file(target.model) is None:
         check_loadable(target.model, target.revision)  # no pin of a folder the stages cannot load
     pin, how = pin_target(target.model, target.revision)
