@@ -3,7 +3,6 @@ said: inside a string, an escape (\\", \\\\, \\uXXXX, a surrogate pair), a numbe
 multi-byte UTF-8 character. Damage that is not a cut, and nesting past the decoder's depth, are
 errors naming the record. Every cut position of a small file is tried."""
 import json
-from pathlib import Path
 
 import pytest
 
