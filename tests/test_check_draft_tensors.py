@@ -231,3 +231,55 @@ def test_a_huge_config_value_is_quoted_bounded(target, tmp_path, capsys):
     edit_config(draft, architectures=["X" * 1_000_000], dtype="y" * 1_000_000)
     code, out, _ = run_cli(capsys, draft, "--target", target[0], "--json", tmp_path / "v.json")
     assert code == 1 and len(out) < 20_000 and (tmp_path / "v.json").stat().st_size < 50_000
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile folders: named, never a traceback
+
+
+@pytest.mark.parametrize("config_bytes, words", [
+    (b'{"architectures": "\xff"}', "config.json: not valid JSON text"),
+    (b"[" * 100_000, "config.json: JSON nested too deeply"),
+    (None, "config.json: cannot read it"),  # a folder named config.json
+])
+def test_an_unreadable_config_exits_2_naming_it(target, tmp_path, capsys, config_bytes, words):
+    draft = exported(target, tmp_path)
+    (draft / "config.json").unlink()
+    if config_bytes is None:
+        (draft / "config.json").mkdir()
+    else:
+        (draft / "config.json").write_bytes(config_bytes)
+    code, _, err = run_cli(capsys, draft, "--target", target[0])
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("changes, finding", [
+    ({"eagle_config": [1, 3, 5]}, "eagle_config_invalid"),
+    ({"draftlab": "not a block"}, None),  # read as a foreign (SGLang-layout) draft
+])
+def test_malformed_blocks_of_config_json_are_findings(target, tmp_path, changes, finding):
+    draft = exported(target, tmp_path)
+    edit_config(draft, **changes)
+    verdict = check_external(draft, str(target[0]), "0.5.14")
+    assert (finding in names(verdict.errors)) if finding else not verdict.errors
+
+
+def test_recorded_layers_that_are_not_numbers_are_said_and_inferred(target, tmp_path, capsys):
+    draft = exported(target, tmp_path)
+    config = json.loads((draft / "config.json").read_text())
+    config["draftlab"]["physical_layers"] = ["two", 4, 6]
+    (draft / "config.json").write_text(json.dumps(config))
+    found = by_name(check_external(draft, str(target[0]), "0.5.14"))
+    assert found["recorded_layers_invalid"].severity == "warning" and "trained_layers_inferred" in found
+    config["draftlab"]["sglang_version"] = "banana"
+    (draft / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, draft, "--target", target[0])
+    assert code == 2 and "draftlab.sglang_version 'banana' is not a version" in err and "--sglang-version" in err
+
+
+@pytest.mark.parametrize("d2t", [torch.zeros(2, VD // 2, dtype=torch.int64), torch.tensor(3), torch.zeros(VD)])
+def test_a_d2t_of_another_shape_or_dtype_is_named(target, tmp_path, d2t):
+    draft = exported(target, tmp_path)
+    edit_weights(draft, lambda t: t.update(d2t=d2t))
+    found = by_name(check_external(draft, str(target[0]), "0.5.14"))
+    assert found["d2t_malformed"].severity == "error" and found["d2t_malformed"].evidence["shape"] == list(d2t.shape)

@@ -176,6 +176,11 @@ def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torc
         return [warning("d2t_unchecked", {"vocab_size": bounded(V), "draft_vocab_size": bounded(Vd), "d2t": None if d2t is None else list(d2t.shape)},
                         "not checked: d2t. config.json states no usable vocab_size / draft_vocab_size to check it against",
                         "write vocab_size (the target's) and draft_vocab_size (lm_head's rows) into config.json")]
+    if d2t is not None and (d2t.ndim != 1 or d2t.dtype == torch.bool or d2t.is_floating_point() or d2t.is_complex()):
+        return [error("d2t_malformed", {"shape": list(d2t.shape), "dtype": str(d2t.dtype), "draft_vocab_size": Vd},
+                      f"d2t must be an integer vector of draft_vocab_size = {Vd} entries (target id minus draft id, int64); "
+                      f"it is {str(d2t.dtype).replace('torch.', '')} of shape {list(d2t.shape)}, which SGLang cannot add to the draft ids",
+                      f"write d2t as int64 [{Vd}] ({redo or REEXPORT})")]
     ev = {"vocab_size": V, "draft_vocab_size": Vd}
     fix = (f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})" if redo is None else
            f"write d2t (int64 [{Vd}], target id minus draft id) from the trainer's vocabulary map into the weights ({redo})")

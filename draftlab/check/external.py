@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
-from draftlab.check.findings import ERROR, INFO, WARNING, Finding, by_severity, error, errors, finite, info, warning
+from draftlab.check.findings import ERROR, INFO, WARNING, Finding, bounded, by_severity, error, errors, finite, info, warning
 from draftlab.dtypes import TORCH_DTYPES
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 from draftlab.features import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, WEIGHTS, ExportedDraft, TensorSpecs, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, default_physical, ids_for_physical, parse_version, physical_from_user_layers
@@ -81,9 +81,12 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise UserError(f"{index}: not a safetensors index (no weight_map: {e}); fix or delete it") from None
+            names = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError, RecursionError, OSError) as e:
+            raise UserError(f"{index}: not a safetensors index (no weight_map: {clip(str(e) or type(e).__name__)}); "
+                            "fix or delete it") from None
+        if not all(isinstance(n, str) for n in names):
+            raise UserError(f"{index}: weight_map values must be shard file names; fix or delete it")
         missing = [n for n in names if not (path / n).exists()]
         if missing:
             raise UserError(f"{index} names shard(s) {missing} that are not in {path}; copy the whole checkpoint")
@@ -134,9 +137,13 @@ def read_draft(path: str | Path) -> ForeignDraft:
     if not config_path.exists():
         raise UserError(f"{config_path} not found: {path} is not a checkpoint directory")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_path}: not valid JSON ({e})") from None
+        config = json.loads(config_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_path}: not valid JSON text ({clip(str(e))})") from None
+    except RecursionError:
+        raise UserError(f"{config_path}: JSON nested too deeply to be a model config") from None
+    except OSError as e:  # a folder named config.json, no permission
+        raise UserError(f"{config_path}: cannot read it ({e.strerror or type(e).__name__})") from None
     if not isinstance(config, dict):
         raise UserError(f"{config_path}: not a JSON object")
     layout = layout_of(config, config_path)
@@ -171,11 +178,20 @@ class Intended:
     how: str  # in words
 
 
+def recorded_layers(d: ForeignDraft) -> list[int] | None:
+    """The physical layers this project's export recorded (config.json draftlab.physical_layers), or
+    None when absent or not a list of layer numbers (static_findings names that)."""
+    block = d.config.get("draftlab") if isinstance(d.config.get("draftlab"), dict) else {}
+    layers = block.get("physical_layers")
+    ok = isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+    return layers if ok and layers else None
+
+
 def intended_layers(d: ForeignDraft, target: dict, served: ServedLayers, features_physical: list[int] | None) -> Intended:
     L = int(target["num_layers"])
     if features_physical:
         return Intended(list(features_physical), "training features", "the physical layers of the --features shards")
-    recorded = (d.config.get("draftlab") or {}).get("physical_layers")
+    recorded = recorded_layers(d)
     if d.layout == "draftlab" and recorded:
         return Intended(list(recorded), "recorded", "the physical layers the export recorded in config.json (draftlab.physical_layers)")
     if d.layout == "speculators":
@@ -264,8 +280,8 @@ def check_variant_flags(d: ForeignDraft, version: str) -> list[Finding]:
 def check_t2d(d: ForeignDraft, d2t: torch.Tensor | None) -> list[Finding]:
     """t2d (ignored by SGLang, read by trainers and vLLM) must mark exactly the target ids d2t maps to."""
     t2d = d.tensor("t2d") if "t2d" in d.tensors else None
-    if t2d is None or d2t is None or t2d.dtype != torch.bool or t2d.ndim != 1:
-        return []
+    if t2d is None or d2t is None or t2d.dtype != torch.bool or t2d.ndim != 1 or d2t.ndim != 1 or d2t.is_floating_point():
+        return []  # the tensor check and check_d2t name a t2d or d2t of the wrong shape or dtype
     targets = draft_to_target(d2t.to(torch.int64))
     if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= len(t2d)):
         return []  # check_d2t names the out-of-range ids
@@ -320,6 +336,11 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
                 {"draftlab": "this project's export", "sglang": "SGLang's EAGLE-3 layout (as SpecForge writes it)",
                  "speculators": "vLLM speculators' EAGLE-3 layout"}[d.layout])]
     out += check_speculators(d, target, served)
+    written = (d.config.get("draftlab") or {}).get("physical_layers") if d.layout == "draftlab" else None
+    if written is not None and recorded_layers(d) is None:
+        out.append(warning("recorded_layers_invalid", {"physical_layers": bounded(written)},
+                           "config.json's draftlab.physical_layers is not a list of layer numbers: the trained layers are "
+                           "inferred instead", "give --features (the training features) to prove them"))
     if d.draft.layer_ids_problem:
         out.append(error("eagle_config_invalid", {"eagle_config": d.config.get("eagle_config")},
                          f"{d.draft.layer_ids_problem}: SGLang cannot read which layers to feed the draft",
@@ -502,6 +523,12 @@ def check_external(path: str | Path, model: str, version: str | None = None, ser
 
     d = read_draft(path)
     target = target_facts(model)
+    if not version and d.draft.sglang_version is not None:
+        try:
+            parse_version(d.draft.sglang_version)
+        except UserError:
+            raise UserError(f"{d.path / 'config.json'}: draftlab.sglang_version {shown(d.draft.sglang_version)} is not a "
+                            "version like \"0.5.14\"; give --sglang-version (the SGLang that serves the draft)") from None
     version = version or d.draft.sglang_version or VERIFIED_VERSIONS[-1]
     parse_version(version)
     feats = read_features(features, target) if features else None

@@ -197,7 +197,8 @@ class ExportedDraft:
     @property
     def sglang_version(self) -> str | None:
         """The SGLang release whose capture rule export applied (None for a draft made elsewhere)."""
-        return (self.config.get("draftlab") or {}).get("sglang_version")
+        block = self.config.get("draftlab")
+        return block.get("sglang_version") if isinstance(block, dict) else None
 
     @property
     def layer_ids_problem(self) -> str | None:
@@ -249,7 +250,8 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
     eagle_config ids, or its 3 default layers without them (serving it shows the fault, the
     check names it). UserError naming a missing size.
     """
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle = config.get("eagle_config")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                 "draft_vocab_size", "target_hidden_size", "max_position_embeddings"):
         value = config.get(key)
