@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 from draftlab.packaged import is_packaged, packaged_path
 
 DEQUANTIZED_DIR = Path("models/target-dequantized")
@@ -32,12 +32,12 @@ def gguf_file(model: str) -> Path | None:
     """The GGUF file `target.model` names, or None when it names something else (a folder, a hub id)."""
     if is_packaged(model):
         path = packaged_path(model, "target.model")
-        return path if path.suffix == ".gguf" else None
-    if not model.endswith(".gguf"):
+        return path if path.suffix.lower() == ".gguf" else None
+    if not model.lower().endswith(".gguf"):  # x.GGUF too: a file a user renamed is still GGUF
         return None
     path = Path(model).expanduser()
     if not path.is_file():
-        raise UserError(f"params.yaml: target.model {model!r}: GGUF file {path} not found"
+        raise UserError(f"params.yaml: target.model {shown(model)}: GGUF file {clip(str(path))} not found"
                         + (" (it is a folder)" if path.is_dir() else "")
                         + "; give an existing .gguf file, pkg:MODULE/FILE.gguf, a model folder or a hub id")
     return path

@@ -403,11 +403,11 @@ def _load_section(name: str, raw, path: str):
     return section
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path, what: str = "params file") -> dict:
     """The mapping of a params or profile file, read strictly (draftlab.yamlfile): a key given twice,
     a folder, an unreadable or non-UTF-8 file, invalid YAML are ParamsErrors naming the file."""
     try:
-        return read_mapping(path)
+        return read_mapping(path, what)
     except ParamsError:
         raise
     except UserError as e:

@@ -113,11 +113,12 @@ class Applied:
 def profile_path(name: str) -> Path:
     """PROFILE as given, or configs/PROFILE.yaml."""
     path = Path(name)
-    if path.exists():
-        return path
-    for candidate in (PROFILES_DIR / name, PROFILES_DIR / f"{name}.yaml"):
-        if candidate.exists():
-            return candidate
+    try:
+        for candidate in (path, PROFILES_DIR / name, PROFILES_DIR / f"{name}.yaml"):
+            if candidate.exists():
+                return candidate
+    except OSError:  # a name longer than the file system allows
+        raise UserError(f"{clip(name, 80)}: no such profile (a name of {len(name):,} characters is no file name)") from None
     known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))) or "none"
     raise UserError(f"{path}: no such profile (neither a file nor {PROFILES_DIR / (path.stem + '.yaml')}; profiles in "
                     f"{PROFILES_DIR}/: {known})")
@@ -160,7 +161,7 @@ def apply_profiles(profiles: list[str], sets: list[str] = (), params_file: str |
 
     for name in profiles:
         path = profile_path(name)
-        step(read_yaml(path), str(path))
+        step(read_yaml(path, "profile"), str(path))
     for text in sets:
         section, key, value = parse_set(text)
         step({section: {key: value}}, f"-S {text}")

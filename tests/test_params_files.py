@@ -140,3 +140,11 @@ def test_a_huge_unknown_key_is_quoted_bounded(project):
     with pytest.raises(ParamsError, match="unknown key spec.k") as e:
         load_params(["spec"])
     assert len(str(e.value)) < 4 * QUOTE_CHARS
+
+
+def test_profile_names_that_are_no_files_are_named(project, capsys):
+    code, err = run_main(capsys, "exp", "show-profile", "p" * 5000)
+    assert code == 2 and "no such profile (a name of 5,000 characters is no file name)" in err and len(err) < 400
+    (project / "configs" / "dir.yaml").mkdir()
+    code, err = run_main(capsys, "exp", "show-profile", "configs/dir.yaml")
+    assert code == 2 and "configs/dir.yaml: a folder, not a profile" in err

@@ -115,3 +115,29 @@ def test_a_gguf_file_without_its_folder_says_how_to_make_it(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     message = load_error(f"--model-path {gguf}")
     assert "--model-path" in message and "give --model-path a transformers model folder" in message and "target.model '" not in message
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", '{"text": "\\ud800 hi"}', "text holds a lone UTF-16 surrogate"),
+    ("/generate", '{"text": ["ok", "x\\udfff"]}', "text[1] holds a lone UTF-16 surrogate ('\\udfff') at character 1"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content holds a lone UTF-16 surrogate"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(path, body, field):
+    from tests.test_server import micro_client
+
+    c, _ = micro_client()
+    r = post(c, path, body)
+    message = r.json()["message"] if path.startswith("/v1/") else r.json()["error"]["message"]
+    assert r.status_code == 400 and field in message and "TextEncodeInput" not in message
+    ok = post(c, "/generate", {"text": "\ud83d\ude00 a whole pair", "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("body", ['{"text": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                                  '{"text": "hi", "sampling_params": {"max_new_tokens": ' + "9" * 5000 + "}}"])
+def test_bodies_json_cannot_parse_are_400s(body):
+    from tests.test_server import micro_client
+
+    c, _ = micro_client()
+    r = post(c, "/generate", body)
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]

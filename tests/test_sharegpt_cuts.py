@@ -93,3 +93,10 @@ def test_nesting_past_the_bound_names_the_record(tmp_path):
     path.write_text(f'[{json.dumps(RECORDS[0])},\n{{"id": "deep", "conversations": {deep}}}]')
     with pytest.raises(UserError, match=r"sg.json:2: record 2 is nested too deeply"):
         read_prompt_file(path)
+
+
+def test_a_huge_role_is_counted_under_a_bounded_name(tmp_path):
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"id": "x", "conversations": [{"from": "R" * 100_000, "value": "hi"}]}]))
+    ps = read_prompt_file(path)
+    assert max(map(len, ps.roles)) < 100 and max(map(len, ps.skipped)) < 120 and sum(ps.skipped.values()) == 1

@@ -23,6 +23,8 @@ NAMES = {
     "too long": ("org/" + "n" * 5000, "neither an existing folder or file nor a valid hub id"),
     "a package not installed": ("pkg:no_such_package/m.gguf", "Python package no_such_package is not installed"),
     "double dots": ("org/..name", "neither an existing folder or file nor a valid hub id"),
+    "a package file that is no GGUF": ("pkg:draftlab/params.py", "a file inside a package is a target only as a GGUF model file"),
+    "an upper-case .GGUF": ("absent.GGUF", "GGUF file absent.GGUF not found"),
 }
 
 
