@@ -283,3 +283,14 @@ def test_a_d2t_of_another_shape_or_dtype_is_named(target, tmp_path, d2t):
     edit_weights(draft, lambda t: t.update(d2t=d2t))
     found = by_name(check_external(draft, str(target[0]), "0.5.14"))
     assert found["d2t_malformed"].severity == "error" and found["d2t_malformed"].evidence["shape"] == list(d2t.shape)
+
+
+@pytest.mark.parametrize("given, words", [
+    ("draft", "a draft model, not the model it drafts for"),
+    ("bad name", "--target 'bad name': neither an existing folder or file nor a valid hub id"),
+    ("nowhere/x/y", "--target: local path 'nowhere/x/y' does not exist"),
+])
+def test_a_target_that_is_no_target_exits_2_in_the_commands_words(target, tmp_path, capsys, given, words):
+    draft = exported(target, tmp_path)
+    code, _, err = run_cli(capsys, draft, "--target", draft if given == "draft" else given)
+    assert code == 2 and words in err and "target.model" not in err

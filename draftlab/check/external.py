@@ -21,6 +21,7 @@ itself implies (a finding says which), so only --features or --server proves it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -367,10 +368,18 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
 def target_facts(model: str) -> dict:
     """The target's architecture, layers, hidden size, vocab and context from its config.json alone."""
     from draftlab.params import TargetParams
+    from draftlab.server_words import target_error
     from draftlab.target import load_config, target_info
 
     params = TargetParams(model=model, revision=None, dtype="float32", device="cpu")
-    return target_info(load_config(params), params)  # an architecture without a capture rule is a finding, not bad input
+    try:
+        facts = target_info(load_config(params), params)  # an architecture without a capture rule is a finding, not bad input
+    except UserError as e:  # the loader speaks of params.yaml's target.model: this command's user typed --target
+        raise UserError(target_error(str(e), "--target")) from None
+    if re.search(r"ForCausalLMEagle3?$|Speculator$", str(facts["architecture"])):  # SGLang's and speculators' draft classes
+        raise UserError(f"--target {shown(model)}: its config.json names {shown(facts['architecture'])}, a draft model, not the "
+                        "model it drafts for; give the target LLM the draft was trained against (its folder or hub id)")
+    return facts
 
 
 def settings_of(d: ForeignDraft, target: dict, served: ServedLayers, intended: Intended) -> dict:
