@@ -52,8 +52,11 @@ def supported_architectures() -> list[str]:
 def read_header(path: Path, model: str) -> dict:
     """The facts of a GGUF file's header; UserError for a file that is not GGUF, is cut short, or
     holds an architecture transformers cannot dequantize."""
-    with open(path, "rb") as f:
-        head = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:  # no permission, a file that vanished
+        raise UserError(f"params.yaml: target.model {shown(model)}: cannot read {path} ({e.strerror or type(e).__name__})") from None
     if head != MAGIC:
         raise UserError(f"params.yaml: target.model {model!r}: {path} is not a GGUF file (it starts with {head!r}, "
                         f"not {MAGIC!r}); give a .gguf model file")

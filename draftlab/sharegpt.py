@@ -66,7 +66,10 @@ def _ran_out(e: json.JSONDecodeError, text: str) -> bool:
 def _decoded(path: Path) -> tuple[str, int]:
     """(the file as text, bytes dropped from its end): a file cut inside a multi-byte character loses
     that character's bytes; a bad byte anywhere else is an error naming its line and column."""
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:  # no permission, a file that vanished
+        raise UserError(f"prompts.source: cannot read {path} ({e.strerror or type(e).__name__})") from None
     raw = raw[len(codecs.BOM_UTF8):] if raw.startswith(codecs.BOM_UTF8) else raw  # a byte-order mark opens some editors' files
     try:
         return raw.decode("utf-8"), 0

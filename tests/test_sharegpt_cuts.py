@@ -100,3 +100,15 @@ def test_a_huge_role_is_counted_under_a_bounded_name(tmp_path):
     path.write_text(json.dumps([{"id": "x", "conversations": [{"from": "R" * 100_000, "value": "hi"}]}]))
     ps = read_prompt_file(path)
     assert max(map(len, ps.roles)) < 100 and max(map(len, ps.skipped)) < 120 and sum(ps.skipped.values()) == 1
+
+
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "sg.json"
+    path.write_text("[]")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(path), "read_bytes", denied)
+    with pytest.raises(UserError, match=r"prompts.source: cannot read .*sg.json \(Permission denied\)"):
+        read_json_array(path)

@@ -56,3 +56,20 @@ def test_the_target_stage_exits_2_without_a_traceback(case, tmp_path):
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 2, run.stderr
     assert words in run.stderr and "Traceback" not in run.stderr and not (tmp_path / "pin.json").exists()
+
+
+def test_an_unreadable_gguf_file_is_named(tmp_path, monkeypatch):
+    import builtins
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == str(gguf):
+            raise PermissionError(13, "Permission denied")
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(UserError, match=r"target.model .*m.gguf.*: cannot read .*m.gguf \(Permission denied\)"):
+        pin_target(str(gguf), None)
