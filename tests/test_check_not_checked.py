@@ -31,3 +31,12 @@ def test_manifests_without_a_hardware_record_are_named():
     (f,) = hardware_unrecorded({"train": {"stage": "train"}, "bench": {"stage": "bench", "hardware": {"cpu_model": "x"}}, "extract": None})
     assert f.name == "hardware_not_checked" and f.evidence["stages"] == ["train"]
     assert hardware_unrecorded({"extract": None}) == []
+
+
+def test_lineage_links_without_a_hash_are_named():
+    from draftlab.check.serving import check_lineage
+
+    hashes = {"synth": "a" * 64, "extract": None}
+    (f,) = check_lineage(hashes, [("extract", "a" * 64, "synth"), ("standardize", "b" * 64, "extract"), ("export", None, "train")])
+    assert f.name == "lineage_not_checked" and f.evidence["links"] == ["standardize <- extract", "export <- train"]
+    assert check_lineage(hashes, [("extract", "a" * 64, "synth")]) == []

@@ -218,11 +218,17 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
 
 def check_lineage(hashes: dict[str, str | None], links: list[tuple[str, str | None, str]]) -> list[Finding]:
     """Outputs that do not come from each other: (downstream, the upstream hash it recorded, upstream)."""
-    out = []
+    out, unknown = [], []
     for down, recorded, up in links:
         actual = hashes.get(up)
-        if recorded and actual and recorded != actual:
+        if not recorded or not actual:  # a manifest without the hash: said below, not passed in silence
+            unknown.append(f"{down} <- {up}")
+        elif recorded != actual:
             out.append(warning("stale_outputs", {"stage": down, "recorded_input": recorded[:16], "input": up, "current": actual[:16]},
                                f"{down} was built from another {up} run than the one on disk; their figures do not belong together",
                                "dvc repro"))
+    if unknown:
+        out.append(info("lineage_not_checked", {"links": unknown},
+                        f"not checked: whether {', '.join(unknown)} come from each other (a manifest lacks the config hash "
+                        "or the input hash it recorded)", "dvc repro --force the stages named, to record them"))
     return out
