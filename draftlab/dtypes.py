@@ -20,5 +20,5 @@ def torch_dtype(name: str, where: str = "dtype") -> torch.dtype:
     """TORCH_DTYPES[name], or a UserError naming the key and the choices."""
     try:
         return TORCH_DTYPES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value (a list) from a hand-edited config
         raise UserError(f"{where}: {name!r} is not a dtype (choose one of {', '.join(TORCH_DTYPES)})") from None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftlab import spec_engine
-from draftlab.errors import UserError
+from draftlab.errors import UserError, shown
 from draftlab.extract import AuxCapture, decoder_layers
 from draftlab.metrics import pooled_tau
 from draftlab.sglang.checkpoint import load_exported, read_exported
@@ -148,8 +148,7 @@ class Engine:
 
 def short_repr(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters: error messages never echo a whole hostile payload."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return shown(value, limit)
 
 
 class SpecEngine(Engine):

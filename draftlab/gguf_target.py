@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 from draftlab.packaged import is_packaged, packaged_path
 
 DEQUANTIZED_DIR = Path("models/target-dequantized")
@@ -32,12 +32,12 @@ def gguf_file(model: str) -> Path | None:
     """The GGUF file `target.model` names, or None when it names something else (a folder, a hub id)."""
     if is_packaged(model):
         path = packaged_path(model, "target.model")
-        return path if path.suffix == ".gguf" else None
-    if not model.endswith(".gguf"):
+        return path if path.suffix.lower() == ".gguf" else None
+    if not model.lower().endswith(".gguf"):  # x.GGUF too: a file a user renamed is still GGUF
         return None
     path = Path(model).expanduser()
     if not path.is_file():
-        raise UserError(f"params.yaml: target.model {model!r}: GGUF file {path} not found"
+        raise UserError(f"params.yaml: target.model {shown(model)}: GGUF file {clip(str(path))} not found"
                         + (" (it is a folder)" if path.is_dir() else "")
                         + "; give an existing .gguf file, pkg:MODULE/FILE.gguf, a model folder or a hub id")
     return path
@@ -52,8 +52,11 @@ def supported_architectures() -> list[str]:
 def read_header(path: Path, model: str) -> dict:
     """The facts of a GGUF file's header; UserError for a file that is not GGUF, is cut short, or
     holds an architecture transformers cannot dequantize."""
-    with open(path, "rb") as f:
-        head = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:  # no permission, a file that vanished
+        raise UserError(f"params.yaml: target.model {shown(model)}: cannot read {path} ({e.strerror or type(e).__name__})") from None
     if head != MAGIC:
         raise UserError(f"params.yaml: target.model {model!r}: {path} is not a GGUF file (it starts with {head!r}, "
                         f"not {MAGIC!r}); give a .gguf model file")

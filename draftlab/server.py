@@ -57,6 +57,8 @@ from draftlab.engine import (
     short_repr,
 )
 from draftlab.errors import UserError
+from draftlab.server_limits import max_token_bytes, refuse_oversize
+from draftlab.server_words import draft_error, flags_error, target_error
 
 VERSION = "draftlab-reference"
 MAX_REQUEST_BYTES = 32 << 20  # --max-request-bytes: 32 MiB holds a 128k-token prompt as input_ids ~40 times over
@@ -90,6 +92,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
 
     app = FastAPI(title="draftlab reference server")
     app.add_middleware(BodyLimit, max_bytes=server_args.get("max_request_bytes") or MAX_REQUEST_BYTES)
+    token_bytes = max_token_bytes(engine.tokenizer)  # bounds a text's tokens before it is tokenized (draftlab.server_limits)
     lock = threading.Lock()  # one request at a time: sync endpoints run in a thread pool
 
     def run(input_ids: list[int], sampling: SamplingParams, rid: str | None, hidden: bool = False) -> dict:
@@ -162,7 +165,7 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
             sampling = _sampling_params(_object(body.get("sampling_params"), "sampling_params"))
             if body.get("stream") not in (None, False):
                 raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
-            prompts, batch = _prompts(body, engine)
+            prompts, batch = _prompts(body, engine, token_bytes)
             explicit = _object(body.get("sampling_params"), "sampling_params").get("max_new_tokens")
             if explicit is not None:  # SGLang checks input + max_new_tokens only when the request gives it
                 for p in prompts:
@@ -204,6 +207,8 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
                                          f"{limit} completion tokens.")
             if max_tokens is None:
                 sampling.max_new_tokens = engine.info()["context_length"]
+            refuse_oversize("\n".join(m["content"] for m in messages), engine.tokenizer, engine.context_length, token_bytes,
+                            "the messages' content")
             try:
                 input_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             except Exception as e:  # a template's own rejection (jinja2 raise_exception, a key it needs)
@@ -386,8 +391,9 @@ def _sampling_params(raw: dict, names: dict | None = None) -> SamplingParams:
     )
 
 
-def _prompts(body: dict, engine) -> tuple[list[list[int]], bool]:
-    """/generate's prompts as token ids, each checked by the engine, and whether it is a batch."""
+def _prompts(body: dict, engine, token_bytes: int) -> tuple[list[list[int]], bool]:
+    """/generate's prompts as token ids, each checked by the engine, and whether it is a batch; a text
+    too long for the context is refused before it is tokenized (draftlab.server_limits)."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of 'text' and 'input_ids'")
@@ -398,8 +404,11 @@ def _prompts(body: dict, engine) -> tuple[list[list[int]], bool]:
             texts, batch = text, True
         else:
             raise ValueError(f"text must be a string or a non-empty list of strings, got {short_repr(text)}.")
-        prompts = [list(engine.tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
         fields = ["text (tokenized)" if not batch else f"text[{i}] (tokenized)" for i in range(len(texts))]
+        for t, field in zip(texts, fields):
+            _unicode(t, field.split(" ")[0])
+            refuse_oversize(t, engine.tokenizer, engine.context_length, token_bytes, field.split(" ")[0])
+        prompts = [list(engine.tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
     else:
         batch = isinstance(ids, list) and bool(ids) and all(isinstance(p, list) for p in ids)
         prompts = ids if batch else [ids]
@@ -407,6 +416,17 @@ def _prompts(body: dict, engine) -> tuple[list[list[int]], bool]:
     for p, field in zip(prompts, fields):
         engine.check_request(p, field)
     return prompts, batch
+
+
+def _unicode(text: str, field: str) -> str:
+    """`text`, or ValueError when it holds a lone UTF-16 surrogate (JSON allows "\\ud800" alone; it is
+    not Unicode text, and the tokenizer would refuse it in its own words)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} holds a lone UTF-16 surrogate ({text[e.start]!a}) at character {e.start}: not Unicode text; "
+                         "send each surrogate pair whole, or the character itself.") from None
+    return text
 
 
 def _rids(rid, n: int, batch: bool) -> list:
@@ -436,7 +456,7 @@ def _messages(messages) -> list[dict]:
         if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
             raise ValueError(f"messages[{i}].reasoning_content must be a string, got {short_repr(m['reasoning_content'])}.")
         try:
-            content = _text_content(m.get("content"))
+            content = _unicode(_text_content(m.get("content")), "content")
         except ValueError as e:
             raise ValueError(f"messages[{i}].{e}") from None
         out.append({**m, "content": content})
@@ -464,16 +484,25 @@ def load_engine(args) -> Engine:
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     target_params = TargetParams(model=args.model_path, revision=args.revision, dtype=dtype, device=device)
-    model, tokenizer = load_target(target_params, device)
+    try:
+        model, tokenizer = load_target(target_params, device)
+    except UserError as e:  # the loader speaks of params.yaml's target.*: say it with this server's flags
+        raise UserError(target_error(str(e))) from None
     if args.speculative_algorithm is None:
         return Engine(model, tokenizer, device, args.context_length)
     if args.speculative_algorithm != "EAGLE3":
         raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 only")
     if not args.speculative_draft_model_path:
         raise UserError("EAGLE3 needs --speculative-draft-model-path")
-    apply_sglang_rules(args, model.config.architectures[0])
-    return SpecEngine(model, tokenizer, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
-                      args.speculative_eagle_topk, args.speculative_num_draft_tokens, args.sglang_version)
+    try:
+        apply_sglang_rules(args, model.config.architectures[0])
+    except UserError as e:
+        raise UserError(flags_error(str(e))) from None
+    try:
+        return SpecEngine(model, tokenizer, device, args.context_length, args.speculative_draft_model_path, args.speculative_num_steps,
+                          args.speculative_eagle_topk, args.speculative_num_draft_tokens, args.sglang_version)
+    except UserError as e:
+        raise UserError(draft_error(args.speculative_draft_model_path, str(e))) from None
 
 
 def apply_sglang_rules(args, target_architecture: str) -> None:

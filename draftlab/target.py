@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, shown
 from draftlab.gguf_target import dequantized_dir, gguf_file
 from draftlab.manifest import dir_hash, sha256_text
 from draftlab.target_check import check_config, check_weights, loading
@@ -18,7 +18,39 @@ def model_path(model: str) -> str:
     return str(dequantized_dir(model)) if gguf_file(model) else model
 
 
+HUB_ID_RULE = "a hub id is org/name (or name) of letters, digits, '-', '_' and '.', at most 96 characters"
+
+
+def check_model_name(model: str) -> None:
+    """UserError unless `model` (target.model) can name a target at all: an existing folder or file,
+    pkg:MODULE/PATH, or a valid hub id. Run before anything asks the hub, whose own validation error
+    would otherwise surface as a traceback (HFValidationError)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(model, str) or not model.strip():
+        raise UserError(f"target.model is empty ({shown(model)}); give a model folder, a .gguf file, pkg:MODULE/FILE.gguf "
+                        "or a hub id like org/name")
+    if model.startswith("pkg:") and not model.lower().endswith(".gguf"):
+        raise UserError(f"target.model {shown(model)}: a file inside a package is a target only as a GGUF model file "
+                        "(pkg:MODULE/FILE.gguf); give a model folder or a hub id otherwise")
+    try:
+        exists, under_folder = Path(model).expanduser().exists(), Path(model.split("/")[0]).is_dir()
+    except OSError:  # a name longer than the file system allows (ENAMETOOLONG): no path, and no hub id either
+        exists = under_folder = False
+    if not exists and model != model.strip():
+        raise UserError(f"target.model {shown(model)} has spaces around it and names nothing; remove them")
+    # a path, a package file or a GGUF file: their own checks name what is missing
+    if exists or under_folder or model.startswith(("pkg:", ".", "/", "~")) or model.lower().endswith(".gguf") or model.count("/") > 1:
+        return
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise UserError(f"target.model {shown(model)}: neither an existing folder or file nor a valid hub id: "
+                        f"{HUB_ID_RULE}; give a model folder, a .gguf file, pkg:MODULE/FILE.gguf or a hub id") from None
+
+
 def _source(model: str, revision: str | None) -> dict:
+    check_model_name(model)
     model = model_path(model)
     local = Path(model)
     if local.exists():
@@ -26,7 +58,7 @@ def _source(model: str, revision: str | None) -> dict:
     # "models/tiny-target" looks like a hub id; if its first part is a local folder the user
     # meant a path (asking the hub would only retry for half a minute, then fail).
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model.split("/")[0]).is_dir():
-        raise UserError(f"target.model: local path {model!r} does not exist (or give a hub id like org/name)")
+        raise UserError(f"target.model: local path {shown(model)} does not exist (or give a hub id like org/name)")
     return {"pretrained_model_name_or_path": model, "revision": revision}
 
 

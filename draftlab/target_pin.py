@@ -30,8 +30,9 @@ import re
 import sys
 from pathlib import Path
 
-from draftlab.errors import UserError
+from draftlab.errors import UserError, shown
 from draftlab.gguf_target import gguf_file, read_header
+from draftlab.target import check_model_name
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # The files of a model folder that define the model: config, weights (and their index),
@@ -161,6 +162,7 @@ def pin_target(model: str, revision: str | None, cache_dir: str | os.PathLike | 
                offline: bool | None = None) -> tuple[dict, str]:
     """(the pin of target.model / target.revision, how it was made: hashed | given | hub | cache)."""
     head = {"model": model, "revision": revision}
+    check_model_name(model)  # an empty value or an invalid hub id named here, before the hub is asked
     source = gguf_file(model)
     if source is not None:
         read_header(source, model)  # not GGUF, cut short, an architecture transformers cannot read: named here
@@ -175,7 +177,7 @@ def pin_target(model: str, revision: str | None, cache_dir: str | os.PathLike | 
     if folder.exists():
         return head | pin_local(model, folder), "hashed"
     if looks_local(model):
-        raise UserError(f"params.yaml: target.model {model!r}: local path {folder} does not exist; set target.model to "
+        raise UserError(f"params.yaml: target.model {shown(model)}: local path {shown(str(folder))} does not exist; set target.model to "
                         f"an existing model folder or to a hub id like org/name")
     pin, how = pin_hub(model, revision, cache_dir, offline)
     return head | pin, how

@@ -31,6 +31,7 @@ from draftlab.fsutil import atomic_write_json
 from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
 from draftlab.manifest import build_manifest, write_manifest
 from draftlab.params import as_dict, load_params
+from draftlab.target import check_model_name
 from draftlab.target_check import check_loadable
 from draftlab.target_pin import pin_local, pin_target
 
@@ -39,6 +40,7 @@ def main(out: Path) -> None:
     dequantized = DEQUANTIZED_DIR
     params = load_params(["target"])
     target = params.target
+    check_model_name(target.model)  # an empty value or an invalid hub id, named before anything is read or asked
     if gguf_file(target.model) is None:
         check_loadable(target.model, target.revision)  # no pin of a folder the stages cannot load
     pin, how = pin_target(target.model, target.revision)

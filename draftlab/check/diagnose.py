@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
 from draftlab.check.findings import Finding, by_severity, error, errors, finite, info, warning
-from draftlab.check.hardware import check_hardware, stage_manifests
+from draftlab.check.hardware import check_hardware, hardware_unrecorded, stage_manifests
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.check.serving import answer_lengths, check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
@@ -152,8 +152,11 @@ def serving_side(bench: dict | None) -> tuple[dict | None, list[Finding]]:
 
 def check_served_target(features_target: dict, bench_target: dict | None) -> list[Finding]:
     """The bench served the target the features were extracted from (same model, revision, shape)."""
-    if not bench_target or not features_target:
-        return []
+    if not bench_target or not features_target:  # said, not skipped in silence
+        missing = "reports/bench.json names no served target" if not bench_target else "the features manifest names no target"
+        return [warning("served_target_unchecked", {"bench_target": bench_target, "features_target": features_target},
+                        f"not checked: whether the bench served the target the features came from ({missing})",
+                        "dvc repro bench" if not bench_target else "dvc repro standardize")]
     keys = ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size")
     diff = {k: {"features": features_target.get(k), "served": bench_target.get(k)} for k in keys
             if k in bench_target and features_target.get(k) != bench_target.get(k)}
@@ -277,7 +280,7 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
     # Which layers SGLang will feed the draft: worked out once, here, for every check below.
     served = served_layers(run.draft, run.target, version)
     out += check_capture(run.feature_physical, served)
-    out += check_draft_shapes(run.draft, run.tensors, run.target, len(run.feature_physical))
+    out += check_draft_shapes(run.draft, run.tensors, run.target, len(run.feature_physical), sglang_version=version)
     out += check_d2t(run.draft, run.d2t, run.training_d2t)
     serving, problems = serving_side(run.bench)
     out += problems
@@ -295,7 +298,7 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
     if run.bench is not None:
         lengths = answer_lengths(run.synth, manifests["bench"])
         out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance, lengths)
-    out += check_hardware(manifests, describe_hardware())  # context for a pulled run's small differences
+    out += check_hardware(manifests, describe_hardware()) + hardware_unrecorded(manifests)  # context for a pulled run's small differences
     return Diagnosis(by_severity(out), parity, settings_of(run, served, check_params), run)
 
 

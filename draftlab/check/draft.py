@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from draftlab.check.findings import Finding, error, info, warning
-from draftlab.dtypes import TORCH_DTYPES
+from draftlab.check.findings import Finding, bounded, error, info, warning
+from draftlab.check.tensors import check_draft_tensors, served_tensors
 from draftlab.errors import UserError
 from draftlab.features import draft_to_target
-from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs, expected_tensors, tensor_problems
+from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs
+from draftlab.sglang.loading import LLAMA_DEFAULTS
 from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, can_capture_embedding, embedding_failure, default_physical, dropped_ids, family,
                                     ids_for_physical)
 
@@ -171,10 +172,19 @@ def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torc
     redo: how to rewrite the weights, for a draft this project did not export (default: re-export)."""
     V = draft.config.get("vocab_size")
     Vd = draft.config.get("draft_vocab_size") or V
+    if not isinstance(V, int) or not isinstance(Vd, int) or isinstance(V, bool) or isinstance(Vd, bool):
+        return [warning("d2t_unchecked", {"vocab_size": bounded(V), "draft_vocab_size": bounded(Vd), "d2t": None if d2t is None else list(d2t.shape)},
+                        "not checked: d2t. config.json states no usable vocab_size / draft_vocab_size to check it against",
+                        "write vocab_size (the target's) and draft_vocab_size (lm_head's rows) into config.json")]
+    if d2t is not None and (d2t.ndim != 1 or d2t.dtype == torch.bool or d2t.is_floating_point() or d2t.is_complex()):
+        return [error("d2t_malformed", {"shape": list(d2t.shape), "dtype": str(d2t.dtype), "draft_vocab_size": Vd},
+                      f"d2t must be an integer vector of draft_vocab_size = {Vd} entries (target id minus draft id, int64); "
+                      f"it is {str(d2t.dtype).replace('torch.', '')} of shape {list(d2t.shape)}, which SGLang cannot add to the draft ids",
+                      f"write d2t as int64 [{Vd}] ({redo or REEXPORT})")]
     ev = {"vocab_size": V, "draft_vocab_size": Vd}
     fix = (f"export d2t (int64 [{Vd}]) from the features' draft_vocab.safetensors ({REEXPORT})" if redo is None else
            f"write d2t (int64 [{Vd}], target id minus draft id) from the trainer's vocabulary map into the weights ({redo})")
-    reduced = V is not None and Vd < V
+    reduced = Vd < V
     if d2t is None:
         if not reduced:
             return []
@@ -200,7 +210,7 @@ def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torc
             return [warning("d2t_all_zeros", ev, cause + " (unless the draft vocab is exactly the first ids; no training vocab to compare)", fix)]
         return [error("d2t_all_zeros", {**ev, "training_d2t_nonzero": int((training_d2t != 0).sum())}, cause, fix)]
     targets = draft_to_target(d2t.to(torch.int64))
-    if V is not None and len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= V):
+    if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= V):
         return [error("d2t_out_of_range", {**ev, "min_target_id": int(targets.min()), "max_target_id": int(targets.max())},
                       "d2t maps some draft ids outside the target vocab", fix)]
     if training_d2t is not None and not torch.equal(d2t.to(torch.int64), training_d2t.to(torch.int64)):
@@ -213,23 +223,31 @@ def check_d2t(draft: ExportedDraft, d2t: torch.Tensor | None, training_d2t: torc
 
 
 def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict, num_aux_layers: int,
-                       redo: str | None = None) -> list[Finding]:
+                       redo: str | None = None, sglang_version: str | None = None) -> list[Finding]:
     """Fault 4: architecture, fc width, hidden/vocab/context vs the target, and the tensor set SGLang loads.
 
-    tensors: name -> (shape, dtype) of the exported weights; num_aux_layers: k of the training features;
-    redo: how to fix a draft this project did not export (default: re-export).
+    tensors: name -> (shape, dtype) of the exported weights, as stored; num_aux_layers: k of the
+    training features; redo: how to fix a draft this project did not export (default: re-export);
+    sglang_version: the release that serves it (which tensor names it loads; None: the newest rules).
+    A fact missing on either side is a "not checked" finding, never silence.
     """
     redo = redo or REEXPORT
     config = draft.config
     out: list[Finding] = []
     H_t, V, ctx = target.get("hidden_size"), target.get("vocab_size"), target.get("max_position_embeddings")
+    unknown = [k for k, v in (("hidden_size", H_t), ("vocab_size", V), ("max_position_embeddings", ctx)) if not v]
+    if unknown:
+        out.append(warning("target_facts_missing", {"missing": unknown},
+                           f"not checked: the draft's {', '.join(unknown)} against the target's, which the target's config does "
+                           "not state", "give a target whose config.json states them"))
     archs = config.get("architectures")
     if archs != [ARCHITECTURE]:
-        out.append(error("draft_architecture_wrong", {"architectures": archs, "expected": [ARCHITECTURE]},
+        out.append(error("draft_architecture_wrong", {"architectures": bounded(archs), "expected": [ARCHITECTURE]},
                          f"SGLang picks the draft class from config.json architectures; only {ARCHITECTURE} reads the aux states through fc",
                          f"set architectures: [\"{ARCHITECTURE}\"] ({redo})"))
-    fc = tensors.get("fc.weight")
-    if fc is not None and H_t and fc[0][-1] != num_aux_layers * H_t:
+    fc = served_tensors(tensors, sglang_version)[0].get("fc.weight")
+    fc_wrong = bool(fc is not None and H_t and fc[0] and fc[0][-1] != num_aux_layers * H_t)
+    if fc_wrong:
         out.append(error("fc_width_mismatch", {"fc_weight_shape": list(fc[0]), "aux_layers": num_aux_layers, "target_hidden_size": H_t,
                                                "expected_fc_in": num_aux_layers * H_t},
                          f"fc must read k x target hidden = {num_aux_layers} x {H_t} = {num_aux_layers * H_t} features, the concatenation "
@@ -237,33 +255,24 @@ def check_draft_shapes(draft: ExportedDraft, tensors: TensorSpecs, target: dict,
                          "retrain and export with the capture layers of the features"))
     draft_ht = config.get("target_hidden_size", config.get("hidden_size"))
     if H_t and (config.get("hidden_size") != H_t or draft_ht != H_t):
-        out.append(error("draft_hidden_mismatch", {"draft_hidden_size": config.get("hidden_size"), "draft_target_hidden_size": draft_ht,
-                                                   "target_hidden_size": H_t},
+        out.append(error("draft_hidden_mismatch", {"draft_hidden_size": bounded(config.get("hidden_size")),
+                                                   "draft_target_hidden_size": bounded(draft_ht), "target_hidden_size": H_t},
                          "the draft shares the target's embedding and reads its hidden states, so its hidden size must equal the target's",
                          "train the draft against this target"))
     if V and config.get("vocab_size") != V:
-        out.append(error("draft_vocab_mismatch", {"draft_vocab_size_config": config.get("vocab_size"), "target_vocab_size": V},
+        out.append(error("draft_vocab_mismatch", {"draft_vocab_size_config": bounded(config.get("vocab_size")), "target_vocab_size": V},
                          "config.json vocab_size must be the target's vocab (t2d length, shared embedding rows)",
                          "train and export the draft against this target"))
-    if ctx and (config.get("max_position_embeddings") or 0) < ctx:
-        out.append(error("draft_context_shorter", {"draft_max_position_embeddings": config.get("max_position_embeddings"),
-                                                   "target_context": ctx},
+    # transformers' LlamaConfig default when the key is absent, as SGLang reads it
+    draft_ctx = config.get("max_position_embeddings", LLAMA_DEFAULTS["max_position_embeddings"])
+    if ctx and not (isinstance(draft_ctx, int) and not isinstance(draft_ctx, bool) and draft_ctx >= ctx):
+        out.append(error("draft_context_shorter", {"draft_max_position_embeddings": bounded(draft_ctx), "target_context": ctx,
+                                                   "stated": "max_position_embeddings" in config},
                          "SGLang refuses a draft whose max_position_embeddings is below the target's context (ValueError) unless "
-                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which then overrides it",
+                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which then overrides it"
+                         + ("" if "max_position_embeddings" in config else
+                            f" (config.json has none: transformers' LlamaConfig default {draft_ctx} applies)"),
                          f"export with max_position_embeddings >= {ctx} ({redo})"))
-    dtype = TORCH_DTYPES.get(config.get("torch_dtype"))
-    try:
-        cfg = draft.draft_config(num_aux_layers)
-    except UserError:  # a size is missing or inconsistent: the findings above name what SGLang needs
-        return out
-    if dtype is None:
-        return out
-    # fc and a missing d2t have findings of their own
-    expected = {k: v for k, v in expected_tensors(cfg, dtype).items() if k != "fc.weight" and (k != "d2t" or "d2t" in tensors)}
-    problems = tensor_problems({k: v for k, v in tensors.items() if k != "fc.weight"}, expected)
-    if problems:
-        out.append(error("draft_tensors_mismatch", {"problems": problems},
-                         "SGLang loads tensors by name and shape; a missing or renamed one stays randomly initialised without any error",
-                         f"{REEXPORT}; it checks the full name/shape/dtype set" if redo == REEXPORT else
-                         f"give every tensor listed SGLang's name and shape ({redo})"))
-    return out
+    fix = (f"{REEXPORT}; it checks the full name/shape/dtype set" if redo == REEXPORT else
+           f"give every tensor listed SGLang's name and shape ({redo})")
+    return out + check_draft_tensors(draft, tensors, num_aux_layers, sglang_version, redo, fix, fc_wrong)

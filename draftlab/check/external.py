@@ -21,6 +21,7 @@ itself implies (a finding says which), so only --features or --server proves it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,20 +29,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
-from draftlab.check.findings import ERROR, INFO, WARNING, Finding, by_severity, error, errors, finite, info, warning
+from draftlab.check.findings import ERROR, INFO, WARNING, Finding, bounded, by_severity, error, errors, finite, info, warning
 from draftlab.dtypes import TORCH_DTYPES
-from draftlab.errors import UserError
+from draftlab.errors import UserError, clip, shown
 from draftlab.features import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, WEIGHTS, ExportedDraft, TensorSpecs, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, default_physical, ids_for_physical, parse_version, physical_from_user_layers
+from draftlab.sglang.loading import LAYERS_NAMED_FROM, VARIANT_READ_FROM, config_dtype
 
 INDEX = "model.safetensors.index.json"
 SPECULATORS_RENAMES = {"layers.0.": "midlayer."}  # speculators' name -> SGLang's (LlamaForCausalLMEagle3.midlayer)
 NOT_SERVED = ("embed_tokens.weight",)  # SGLang shares the target's embedding; a draft copy is not what it serves
 # Config switches that change the draft's function. SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py, read
 # from source) computes the plain EAGLE-3 layer in 0.5.5 and reads none of them; later releases read some
-# (VARIANT_READ_FROM: the first release whose llama_eagle3.py reads the flag, from the released wheels).
-VARIANT_READ_FROM = {"fc_norm": (0, 5, 14), "norm_before_fc": (0, 5, 17)}
+# (draftlab.sglang.loading.VARIANT_READ_FROM: the first release whose llama_eagle3.py reads the flag).
 VARIANT_FLAGS = {
     "norm_before_residual": "hidden_norm applied before the residual is stored (speculators)",
     "norm_before_fc": "one RMSNorm over the concatenated aux states before fc (speculators, gpt-oss style)",
@@ -81,9 +82,12 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise UserError(f"{index}: not a safetensors index (no weight_map: {e}); fix or delete it") from None
+            names = sorted(set(json.loads(index.read_bytes())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError, RecursionError, OSError) as e:
+            raise UserError(f"{index}: not a safetensors index (no weight_map: {clip(str(e) or type(e).__name__)}); "
+                            "fix or delete it") from None
+        if not all(isinstance(n, str) for n in names):
+            raise UserError(f"{index}: weight_map values must be shard file names; fix or delete it")
         missing = [n for n in names if not (path / n).exists()]
         if missing:
             raise UserError(f"{index} names shard(s) {missing} that are not in {path}; copy the whole checkpoint")
@@ -119,8 +123,6 @@ def sglang_view(config: dict, layout: str) -> dict:
         return config
     inner = config.get("transformer_layer_config") or {}
     view = {k: v for k, v in inner.items() if v is not None}
-    if "torch_dtype" not in view and isinstance(view.get("dtype"), str):  # transformers 5 writes "dtype"
-        view["torch_dtype"] = view["dtype"]
     view.update({k: v for k, v in config.items() if k != "transformer_layer_config" and v is not None})
     view["architectures"] = config.get("architectures")
     view["eagle_aux_hidden_state_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
@@ -136,9 +138,13 @@ def read_draft(path: str | Path) -> ForeignDraft:
     if not config_path.exists():
         raise UserError(f"{config_path} not found: {path} is not a checkpoint directory")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_path}: not valid JSON ({e})") from None
+        config = json.loads(config_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_path}: not valid JSON text ({clip(str(e))})") from None
+    except RecursionError:
+        raise UserError(f"{config_path}: JSON nested too deeply to be a model config") from None
+    except OSError as e:  # a folder named config.json, no permission
+        raise UserError(f"{config_path}: cannot read it ({e.strerror or type(e).__name__})") from None
     if not isinstance(config, dict):
         raise UserError(f"{config_path}: not a JSON object")
     layout = layout_of(config, config_path)
@@ -173,11 +179,20 @@ class Intended:
     how: str  # in words
 
 
+def recorded_layers(d: ForeignDraft) -> list[int] | None:
+    """The physical layers this project's export recorded (config.json draftlab.physical_layers), or
+    None when absent or not a list of layer numbers (static_findings names that)."""
+    block = d.config.get("draftlab") if isinstance(d.config.get("draftlab"), dict) else {}
+    layers = block.get("physical_layers")
+    ok = isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+    return layers if ok and layers else None
+
+
 def intended_layers(d: ForeignDraft, target: dict, served: ServedLayers, features_physical: list[int] | None) -> Intended:
     L = int(target["num_layers"])
     if features_physical:
         return Intended(list(features_physical), "training features", "the physical layers of the --features shards")
-    recorded = (d.config.get("draftlab") or {}).get("physical_layers")
+    recorded = recorded_layers(d)
     if d.layout == "draftlab" and recorded:
         return Intended(list(recorded), "recorded", "the physical layers the export recorded in config.json (draftlab.physical_layers)")
     if d.layout == "speculators":
@@ -239,9 +254,10 @@ def check_speculators(d: ForeignDraft, target: dict, served: ServedLayers) -> li
          "tensors_renamed": len(d.renamed), "not_served": d.not_served},
         f"SGLang cannot serve speculators' layout as written: it picks the draft class from architectures "
         f"({d.config.get('architectures')}, not [\"{ARCHITECTURE}\"]), reads the sizes at the top level (here under "
-        f"transformer_layer_config), ignores a top-level eagle_aux_hidden_state_layer_ids, and loads the decoder layer from "
-        f"midlayer.* (its LlamaForCausalLMEagle3.load_weights maps no layers.0.* name: they would be dropped silently). "
-        f"The checks below read it as if converted, to judge its shapes",
+        f"transformer_layer_config), ignores a top-level eagle_aux_hidden_state_layer_ids"
+        + (", and loads the decoder layer from midlayer.* only (layers.0.* names are dropped silently before SGLang "
+           f"{'.'.join(map(str, LAYERS_NAMED_FROM))})" if parse_version(version) < LAYERS_NAMED_FROM else "")
+        + ". The checks below read it as if converted, to judge its shapes",
         f"convert it to SGLang's layout: architectures [\"{ARCHITECTURE}\"], model_type \"llama\", the transformer_layer_config "
         f"keys at the top level, eagle_config.eagle_aux_hidden_state_layer_ids: {sglang_ids}, layers.0.* renamed to "
         f"midlayer.*, embed_tokens.weight dropped; then run this check on the result"))
@@ -265,8 +281,8 @@ def check_variant_flags(d: ForeignDraft, version: str) -> list[Finding]:
 def check_t2d(d: ForeignDraft, d2t: torch.Tensor | None) -> list[Finding]:
     """t2d (ignored by SGLang, read by trainers and vLLM) must mark exactly the target ids d2t maps to."""
     t2d = d.tensor("t2d") if "t2d" in d.tensors else None
-    if t2d is None or d2t is None or t2d.dtype != torch.bool or t2d.ndim != 1:
-        return []
+    if t2d is None or d2t is None or t2d.dtype != torch.bool or t2d.ndim != 1 or d2t.ndim != 1 or d2t.is_floating_point():
+        return []  # the tensor check and check_d2t name a t2d or d2t of the wrong shape or dtype
     targets = draft_to_target(d2t.to(torch.int64))
     if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= len(t2d)):
         return []  # check_d2t names the out-of-range ids
@@ -297,10 +313,11 @@ class Verdict:
 
 
 def as_loaded(d: ForeignDraft) -> tuple[TensorSpecs, dict[str, str]]:
-    """The tensor specs with float weights in config.json's torch_dtype, as SGLang's weight loader
+    """The tensor specs with float weights in config.json's dtype (or torch_dtype), as SGLang's weight loader
     copies them (a cast, not a fault), and {stored dtype: first tensor} of those it casts."""
-    dtype = TORCH_DTYPES.get(d.draft.config.get("torch_dtype"))
-    if dtype is None:
+    name = config_dtype(d.draft.config)[1]
+    dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:  # check_draft_shapes names a missing or unknown dtype
         return d.tensors, {}
     out, cast = {}, {}
     for name, (shape, stored) in d.tensors.items():
@@ -320,6 +337,11 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
                 {"draftlab": "this project's export", "sglang": "SGLang's EAGLE-3 layout (as SpecForge writes it)",
                  "speculators": "vLLM speculators' EAGLE-3 layout"}[d.layout])]
     out += check_speculators(d, target, served)
+    written = (d.config.get("draftlab") or {}).get("physical_layers") if d.layout == "draftlab" else None
+    if written is not None and recorded_layers(d) is None:
+        out.append(warning("recorded_layers_invalid", {"physical_layers": bounded(written)},
+                           "config.json's draftlab.physical_layers is not a list of layer numbers: the trained layers are "
+                           "inferred instead", "give --features (the training features) to prove them"))
     if d.draft.layer_ids_problem:
         out.append(error("eagle_config_invalid", {"eagle_config": d.config.get("eagle_config")},
                          f"{d.draft.layer_ids_problem}: SGLang cannot read which layers to feed the draft",
@@ -333,9 +355,10 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
     d2t = d.tensor("d2t") if "d2t" in d.tensors else None
     tensors, cast = as_loaded(d)
     if cast:
-        out.append(info("weights_cast_on_load", {"torch_dtype": d.draft.config.get("torch_dtype"), "stored": cast},
-                        "some weights are stored in another float dtype than config.json's torch_dtype; SGLang casts them on load"))
-    out += check_draft_shapes(d.draft, tensors, target, len(intended.physical) or 3, redo=REDO)
+        key, name = config_dtype(d.draft.config)
+        out.append(info("weights_cast_on_load", {key: name, "stored": cast},
+                        f"some weights are stored in another float dtype than config.json's {key}; SGLang casts them on load"))
+    out += check_draft_shapes(d.draft, tensors, target, len(intended.physical) or 3, redo=REDO, sglang_version=version)
     out += check_d2t(d.draft, d2t, training_d2t, redo=REDO)
     out += check_t2d(d, d2t)
     out += check_variant_flags(d, version)
@@ -345,10 +368,18 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
 def target_facts(model: str) -> dict:
     """The target's architecture, layers, hidden size, vocab and context from its config.json alone."""
     from draftlab.params import TargetParams
+    from draftlab.server_words import target_error
     from draftlab.target import load_config, target_info
 
     params = TargetParams(model=model, revision=None, dtype="float32", device="cpu")
-    return target_info(load_config(params), params)  # an architecture without a capture rule is a finding, not bad input
+    try:
+        facts = target_info(load_config(params), params)  # an architecture without a capture rule is a finding, not bad input
+    except UserError as e:  # the loader speaks of params.yaml's target.model: this command's user typed --target
+        raise UserError(target_error(str(e), "--target")) from None
+    if re.search(r"ForCausalLMEagle3?$|Speculator$", str(facts["architecture"])):  # SGLang's and speculators' draft classes
+        raise UserError(f"--target {shown(model)}: its config.json names {shown(facts['architecture'])}, a draft model, not the "
+                        "model it drafts for; give the target LLM the draft was trained against (its folder or hub id)")
+    return facts
 
 
 def settings_of(d: ForeignDraft, target: dict, served: ServedLayers, intended: Intended) -> dict:
@@ -501,6 +532,12 @@ def check_external(path: str | Path, model: str, version: str | None = None, ser
 
     d = read_draft(path)
     target = target_facts(model)
+    if not version and d.draft.sglang_version is not None:
+        try:
+            parse_version(d.draft.sglang_version)
+        except UserError:
+            raise UserError(f"{d.path / 'config.json'}: draftlab.sglang_version {shown(d.draft.sglang_version)} is not a "
+                            "version like \"0.5.14\"; give --sglang-version (the SGLang that serves the draft)") from None
     version = version or d.draft.sglang_version or VERIFIED_VERSIONS[-1]
     parse_version(version)
     feats = read_features(features, target) if features else None

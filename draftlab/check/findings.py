@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from draftlab.errors import QUOTE_CHARS, shown
+
 ERROR, WARNING, INFO = "error", "warning", "ok-info"
 SEVERITIES = (ERROR, WARNING, INFO)  # worst first
 
@@ -52,6 +54,13 @@ def by_severity(findings: list[Finding]) -> list[Finding]:
 
 def names(findings: list[Finding]) -> list[str]:
     return [f.name for f in findings]
+
+
+def bounded(value):
+    """`value` as evidence: itself when short, else its repr cut to QUOTE_CHARS characters (a hostile
+    config.json value never makes a report unbounded)."""
+    text = shown(value)
+    return value if len(text) < QUOTE_CHARS and "..." not in text else text
 
 
 def finite(x):

@@ -90,6 +90,17 @@ def check_hardware(manifests: dict[str, dict | None], here: dict) -> list[Findin
     return out
 
 
+def hardware_unrecorded(manifests: dict[str, dict | None]) -> list[Finding]:
+    """The stages whose manifest check_hardware skipped for want of a `hardware` record, said as one
+    ok-info finding (empty when every present manifest has one)."""
+    stages = [(m or {}).get("stage") or name for name, m in manifests.items() if m and not m.get("hardware")]
+    if not stages:
+        return []
+    return [info("hardware_not_checked", {"stages": stages},
+                 f"not checked: the hardware {', '.join(stages)} ran on (their manifests predate the hardware record)",
+                 "re-run those stages to record it (dvc repro --force STAGE)")]
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(Path(path).read_text())

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from draftlab.check.findings import ERROR, INFO, WARNING, Finding
+from draftlab.sglang.loading import config_dtype
 
 IMAGES = (".png", ".svg")
 
@@ -68,7 +69,7 @@ def stage_rows(run) -> list[str]:
                                       f"{_fmt((f.get('draft_vocab_coverage') or {}).get('eval'))}"),
         ("train", t, f"tau_pred {_fmt(t.get('tau_pred'))}, eval loss {_fmt(t.get('eval_loss'))}, {t.get('epochs', '-')} epochs"),
         ("export", run.export_manifest, f"eagle ids {(cfg.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids', '-')}, "
-                                        f"SGLang {(cfg.get('draftlab') or {}).get('sglang_version', '-')}, {cfg.get('torch_dtype', '-')}"),
+                                        f"SGLang {(cfg.get('draftlab') or {}).get('sglang_version', '-')}, {config_dtype(cfg)[1] or '-'}"),
         ("bench", b or None, f"backend {b.get('backend', '-')}, {eff.get('algorithm', '-')} steps {eff.get('num_steps', '-')} "
                              f"topk {eff.get('topk', '-')} draft tokens {eff.get('num_draft_tokens', '-')}" if b else "not run"),
     ]

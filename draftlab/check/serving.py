@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 
-from draftlab.check.findings import Finding, error, info, warning
+from draftlab.check.findings import Finding, bounded, error, info, warning
 from draftlab.sglang.flags import SPEC_KEYS
 
 # SGLang prints its resolved ServerArgs at start-up ("speculative_algorithm='EAGLE'"); a logged
@@ -50,6 +50,10 @@ def check_flags(bench: dict, log_adjustments: list[tuple[str, str]] = ()) -> lis
     """
     req, eff = _flags(bench, "requested"), _flags(bench, "effective")
     flags = (bench or {}).get("flags") or {}
+    if not req and not eff:  # said, not skipped in silence
+        return [warning("flags_not_checked", {"flags": bounded(flags)},
+                        "not checked: the speculative flags SGLang ran (reports/bench.json holds no flags.requested / flags.effective)",
+                        "dvc repro bench")]
     changed = {k: {"requested": req[k], "effective": eff[k]} for k in req if k in eff and req[k] != eff[k]}
     listed = flags.get("findings") or flags.get("adjustments") or []  # findings: every rule that fired, defaults included
     out: list[Finding] = []
@@ -165,8 +169,11 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
     if offline is None:
         links = [("train", pred, "served", served)]
     out: list[Finding] = []
+    skipped = []  # links a missing (or non-positive) tau leaves unchecked: said, never silent
     for up_name, up, down_name, down in links:
         if up is None or down is None or up <= 0:
+            skipped.append(f"{up_name} -> {down_name} ({up_name} {'unknown' if up is None else up}, "
+                           f"{down_name} {'unknown' if down is None else down})")
             continue
         gap = (down - up) / up
         if abs(gap) <= tolerance or (gap > 0 and (tree or up_name == "train")):
@@ -195,8 +202,14 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
             out.append(error(name, e, f"{down_name} tau is {-gap:.0%} below {up_name} tau: the server is "
                              "fed differently than training (capture layers, eagle_config, algorithm, d2t, chat template, dtype)",
                              "see the other findings; run live parity against the server (check.server_url)"))
-    if not out and pred is not None and (offline is not None or served is not None):
+    if not out and not skipped:
         out.append(info("tau_consistent", ev, "train-predicted, offline and served tau agree within the tolerance"))
+    if skipped:
+        out.append((warning if len(skipped) == len(links) else info)(
+            "tau_not_checked", {**ev, "links": skipped},
+            f"not checked: tau link(s) {'; '.join(skipped)}: a tau is missing from reports/train/metrics.json "
+            "(tau_pred, tau_by_steps) or reports/bench.json (offline.tau, spec.tau)",
+            "re-run the stage whose report lacks it (dvc repro train, dvc repro bench)"))
     if steps and covered and steps > covered:
         out.append(info("tau_steps_beyond_training", ev, f"serving drafts {steps} steps, training unrolled {covered}: "
                         "the prediction covers the first steps only"))
@@ -205,11 +218,17 @@ def check_tau(train_metrics: dict | None, bench: dict, tolerance: float, lengths
 
 def check_lineage(hashes: dict[str, str | None], links: list[tuple[str, str | None, str]]) -> list[Finding]:
     """Outputs that do not come from each other: (downstream, the upstream hash it recorded, upstream)."""
-    out = []
+    out, unknown = [], []
     for down, recorded, up in links:
         actual = hashes.get(up)
-        if recorded and actual and recorded != actual:
+        if not recorded or not actual:  # a manifest without the hash: said below, not passed in silence
+            unknown.append(f"{down} <- {up}")
+        elif recorded != actual:
             out.append(warning("stale_outputs", {"stage": down, "recorded_input": recorded[:16], "input": up, "current": actual[:16]},
                                f"{down} was built from another {up} run than the one on disk; their figures do not belong together",
                                "dvc repro"))
+    if unknown:
+        out.append(info("lineage_not_checked", {"links": unknown},
+                        f"not checked: whether {', '.join(unknown)} come from each other (a manifest lacks the config hash "
+                        "or the input hash it recorded)", "dvc repro --force the stages named, to record them"))
     return out

@@ -26,6 +26,7 @@ from draftlab.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab.manifest import safetensors_header
+from draftlab.sglang.loading import config_dtype
 from draftlab.sglang.layers import SGLANG_AUX_LAYERS, captured_physical, ids_for_physical
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -33,8 +34,9 @@ WEIGHTS = "model.safetensors"
 TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor name -> (shape, dtype)
 
 
-def expected_tensors(cfg: DraftConfig, dtype: torch.dtype) -> TensorSpecs:
-    """Every tensor SGLang loads into LlamaForCausalLMEagle3, with its shape and dtype."""
+def expected_tensors(cfg: DraftConfig, dtype: torch.dtype | None) -> TensorSpecs:
+    """Every tensor SGLang loads into LlamaForCausalLMEagle3, with its shape and dtype (None: the
+    float weights' dtype is not known, so not checked; d2t and t2d keep theirs)."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     m = "midlayer."
@@ -68,7 +70,7 @@ def tensor_problems(found: TensorSpecs, expected: TensorSpecs) -> list[str]:
         got_shape, got_dtype = found[name]
         if tuple(got_shape) != tuple(shape):
             problems.append(f"{name} has shape {list(got_shape)}, SGLang expects {list(shape)}")
-        elif got_dtype != dtype:
+        elif dtype is not None and got_dtype != dtype:
             problems.append(f"{name} has dtype {got_dtype}, expected {dtype}")
     return problems
 
@@ -195,7 +197,8 @@ class ExportedDraft:
     @property
     def sglang_version(self) -> str | None:
         """The SGLang release whose capture rule export applied (None for a draft made elsewhere)."""
-        return (self.config.get("draftlab") or {}).get("sglang_version")
+        block = self.config.get("draftlab")
+        return block.get("sglang_version") if isinstance(block, dict) else None
 
     @property
     def layer_ids_problem(self) -> str | None:
@@ -247,7 +250,8 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
     eagle_config ids, or its 3 default layers without them (serving it shows the fault, the
     check names it). UserError naming a missing size.
     """
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle = config.get("eagle_config")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                 "draft_vocab_size", "target_hidden_size", "max_position_embeddings"):
         value = config.get(key)
@@ -266,7 +270,8 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
             target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
             num_aux_layers=num_aux_layers or (len(ids) if ids else SGLANG_AUX_LAYERS),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            rope_theta=config.get("rope_theta", 10000.0),
+            # transformers 5 writes rope_theta inside rope_parameters
+            rope_theta=config.get("rope_theta") or _rope_parameters(config).get("rope_theta") or 10000.0,
             rope_scaling=config.get("rope_scaling"),
             hidden_act=config.get("hidden_act", "silu"),
         )
@@ -274,6 +279,11 @@ def draft_config_of(config: dict, num_aux_layers: int | None = None) -> DraftCon
         raise UserError(f"the draft's config.json has no {e.args[0]}: not a loadable SGLang draft config") from None
     except (TypeError, ValueError) as e:  # a size that is not a number
         raise UserError(f"the draft's config.json holds a value of the wrong type ({e}): not a loadable SGLang draft config") from None
+
+
+def _rope_parameters(config: dict) -> dict:
+    rope = config.get("rope_parameters")
+    return rope if isinstance(rope, dict) else {}
 
 
 def config_from_exported(config: dict) -> DraftConfig:
@@ -308,7 +318,8 @@ def load_exported(path: str | Path, embed: torch.Tensor | None = None, dtype: to
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         tensors.setdefault("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
         print(f"WARNING {exported.weights} has no d2t: draft ids are served as target ids, as SGLang does", flush=True)
-    weights_dtype = torch_dtype(exported.config.get("torch_dtype", "bfloat16"), f"{path / 'config.json'}: torch_dtype")
+    key, name = config_dtype(exported.config)  # transformers 5 writes dtype, 4.x torch_dtype
+    weights_dtype = torch_dtype(name or "bfloat16", f"{path / 'config.json'}: {key or 'torch_dtype'}")
     check_tensors(tensors, cfg, weights_dtype, where=str(exported.weights))
     draft = Eagle3Draft(cfg)
     draft.load_state_dict({k: (v if k in ("d2t", "t2d") else v.to(dtype)) for k, v in tensors.items()})
