@@ -10,8 +10,8 @@ reports for the real weights: the missing tensors and those of another shape.
 
 This avoids from_pretrained(device_map="meta"), which transformers 5.25 refuses when the
 `kernels` package is installed (its hub kernels reject the meta device). Both steps are
-internals of transformers 5 (checked against 5.8.1, 5.24.0 and 5.25.0); on a release where
-they are missing or differ, `loading_info` returns None and the weights are checked when a stage
+internals of transformers 5 (tested under 5.8.1, SGLang 0.5.14's pin, and 5.25.0); on a release
+where they are missing or take other arguments, `loading_info` returns None and the weights are checked when a stage
 loads them (draftlab.target.load_target), as before.
 """
 from __future__ import annotations
@@ -78,7 +78,10 @@ def loading_info(folder: Path, config) -> dict | None:
     hf_logging.set_verbosity_error()  # its load report and progress bar would read as if weights were loaded
     hf_logging.disable_progress_bar()
     try:
-        info, _ = PreTrainedModel._load_pretrained_model(model, state_dict, None, load_config)
+        try:
+            info, _ = PreTrainedModel._load_pretrained_model(model, state_dict, None, load_config)
+        except (TypeError, AttributeError):  # other internals: not the checkpoint's fault; the stages' load checks
+            return None
         conversion = dict(getattr(info, "conversion_errors", None) or {})
         if conversion:  # finalizing would raise one RuntimeError that names none of them
             return {"missing_keys": [], "mismatched_keys": [], "conversion_errors": conversion}
