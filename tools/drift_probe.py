@@ -8,7 +8,8 @@
 It makes a fresh virtual environment, installs draftlab with its `test` and `real` extras
 WITHOUT the lock (so pip takes the newest release each range in pyproject.toml allows), runs a
 fast subset of the suite (SUBSET: target loading and its weight check, GGUF targets, extraction,
-training, export, the check; 2 to 3.5 minutes on 2 cores, plus about 3 for the install), and reports:
+training, export, the check; 2 to 3.5 minutes on 2 cores, plus about 3 for the install), and
+reports the key packages' resolved releases and:
 - every package whose resolved release differs from constraints/cpu.txt (or is new / gone);
 - every test that failed, with the changed packages its traceback passes through (the
   deepest first): the likely culprit, so the lock is bumped, or an upper bound added, on purpose.
