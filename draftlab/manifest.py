@@ -29,7 +29,7 @@ from draftlab.fsutil import atomic_write_json, canonical_json
 
 MANIFEST = "manifest.json"
 # Packages whose version can change an output; recorded and hashed.
-PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "sglang")  # None where not installed
 # Files larger than this are hashed by size + head + tail (a 16 GB checkpoint must not take
 # minutes to hash on every stage run); smaller ones fully.
 FULL_HASH_LIMIT = 64 << 20  # bytes

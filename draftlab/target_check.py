@@ -12,9 +12,9 @@ the library and its version first (draftlab.library_blame).
 `check_loadable` is what the target stage runs before it pins a local folder, so that no pin is
 made of a folder the later stages cannot load: the folder's files (JSON files parse to objects,
 safetensors headers complete, the index's shards present), config.json and the tokenizer loaded
-as the stages load them, then the model built on the meta device from the safetensors headers
-(check_weight_layout). No tensor is read: a header is a few kilobytes, and the meta build of an
-8B model took 1-8 s here (idle to loaded 2-core CPU), where the pin's sha256 of its 16 GB takes 12 s
+as the stages load them, then the model's tensors against the safetensors headers
+(check_weight_layout, draftlab.weight_layout). No tensor is read: a header is a few kilobytes, and
+the meta build of an 8B model takes about a second, where the pin's sha256 of its 16 GB takes 12 s
 or more. Weights that are not safetensors (.bin, .gguf) are left to the stages' own load.
 """
 from __future__ import annotations
@@ -171,8 +171,15 @@ def check_config(cfg, model: str) -> None:
 
 
 def check_weights(info: dict, model: str) -> None:
-    """transformers' loading info (output_loading_info=True): a tensor the checkpoint lacks would be
-    left random, one of another shape would not load; both are refused, named."""
+    """transformers' loading info (output_loading_info=True, or draftlab.weight_layout's): a tensor
+    the checkpoint lacks would be left random, one of another shape would not load, checkpoint
+    tensors that do not combine (a fused MoE tensor) would not load; all are refused, named."""
+    conversion = info.get("conversion_errors") or {}
+    if conversion:
+        named = [f"{name} ({conversion_cause(text)})" for name, text in sorted(conversion.items())]
+        raise UserError(f"target.model {model!r}: the checkpoint's tensors do not combine into {'; '.join(named[:3])}"
+                        + (f" (and {len(named) - 3} more)" if len(named) > 3 else "")
+                        + f": a tensor is missing or of another shape; {fix_for(model)}")
     mismatched = [f"{name} is {list(ckpt)} in the checkpoint, the config needs {list(want)}"
                   for name, ckpt, want in info.get("mismatched_keys") or []]
     if mismatched:
@@ -183,6 +190,13 @@ def check_weights(info: dict, model: str) -> None:
         raise UserError(f"target.model {model!r}: the weights lack {len(missing)} tensor(s) the model needs "
                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers would leave them "
                         f"random; {fix_for(model)}")
+
+
+def conversion_cause(text: str) -> str:
+    """The exception line of a conversion error transformers recorded with its traceback."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    errors = [line for line in lines if not line.startswith(("File ", "Traceback", "Error: ")) and "Error: " in line]
+    return (errors[-1] if errors else lines[-1] if lines else "unknown")[:MAX_CAUSE]
 
 
 def check_loadable(model: str, revision: str | None = None) -> None:
@@ -205,22 +219,17 @@ def check_loadable(model: str, revision: str | None = None) -> None:
                         f"that transformers' AutoModelForCausalLM loads; {fix_for(model)}")
     load_tokenizer(model, revision)
     if any(folder.glob("*.safetensors")):
-        check_weight_layout(folder, model)
+        check_weight_layout(folder, model, cfg)
 
 
-def check_weight_layout(folder: Path, model: str) -> None:
-    """The model built on the meta device from config.json and the safetensors headers (transformers'
-    own name conversions applied, no tensor read): a tensor missing or of another shape is refused.
-    About a second for an 8B checkpoint (rising to ~8 s on a loaded 2-core machine), against the
-    pin's ~12 s of sha256 over its 16 GB."""
-    from transformers import AutoModelForCausalLM
+def check_weight_layout(folder: Path, model: str, cfg) -> None:
+    """The model of `cfg` (config.json as load_config read it) against the safetensors headers
+    (draftlab.weight_layout: a meta-device skeleton, transformers' own name conversions applied, no
+    tensor read): a tensor missing or of another shape is refused. About a second for an 8B
+    checkpoint, against the pin's ~12 s of sha256 over its 16 GB."""
+    from draftlab.weight_layout import loading_info
 
-    try:
-        with loading(model, "the weights (config.json against the safetensors headers)", "model"):
-            _, info = AutoModelForCausalLM.from_pretrained(str(folder), device_map="meta", output_loading_info=True,
-                                                           ignore_mismatched_sizes=True)
-    except UserError as e:
-        if "accelerate" in str(e):  # transformers 4 loads onto a device map only with accelerate: leave it to the stages
-            return
-        raise
-    check_weights(info, model)
+    with loading(model, "the weights (config.json against the safetensors headers)", "model"):
+        info = loading_info(folder, cfg)
+    if info is not None:  # None: a transformers release without these loading steps; the stages' load checks
+        check_weights(info, model)

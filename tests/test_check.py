@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -300,6 +301,17 @@ def test_a_changed_serving_chat_template_is_named_on_the_serving_side(pipeline, 
 def test_a_different_synthesis_tokenizer_is_named(pipeline, run):
     edit_json(run / "data/synth/manifest.json", lambda m: m["info"].update(tokenizer_hash="0" * 64))
     assert finding(diagnose(pipeline, run), "tokenizer_differs").evidence["differs"] == ["synthesis"]
+
+
+def test_features_extracted_under_another_transformers_are_a_warning_naming_both(pipeline, run):
+    """The run's manifests all came from this environment (the clean run above is quiet); the
+    extract manifest now says an older transformers made the hidden states."""
+    edit_json(run / "data/hidden/manifest.json", lambda m: m["packages"].update(transformers="4.99.0"))
+    f = finding(diagnose(pipeline, run), "package_versions_differ")
+    here = transformers.__version__
+    assert f.severity == "warning" and f.evidence["package"] == "transformers"
+    assert f.evidence["versions"] == {here: ["synthesize", "standardize", "export"], "4.99.0": ["extract"]}
+    assert "transformers 4.99.0 (extract)" in f.cause and f"transformers {here} (synthesize, standardize, export)" in f.cause
 
 
 # --- fault 6: dtype / normalisation -------------------------------------------------------------

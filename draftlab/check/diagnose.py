@@ -19,6 +19,7 @@ from safetensors import safe_open
 from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_draft_shapes, served_layers
 from draftlab.check.findings import Finding, by_severity, error, errors, finite, info, warning
 from draftlab.check.hardware import check_hardware, hardware_unrecorded, stage_manifests
+from draftlab.check.packages import check_package_drift
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.check.serving import answer_lengths, check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
@@ -294,11 +295,12 @@ def diagnose(paths: Paths, check_params, load_model=load_local_target) -> Diagno
                            _pair(hidden_info.get("chat_template_sha256"), hidden_info.get("tokenizer_sha256")), serving)
     parity, skipped = live_parity(run, check_params, served, load_model)
     out += skipped + check_live_capture(parity, (run.stats or {}).get("norms"), check_params.parity_rtol, check_params.norm_tolerance)
-    manifests = stage_manifests(run)  # read once: the tau check and the hardware check both use them
+    manifests = stage_manifests(run)  # read once: the tau, hardware and package checks use them
     if run.bench is not None:
         lengths = answer_lengths(run.synth, manifests["bench"])
         out += check_tau(run.train_metrics, run.bench, check_params.tau_tolerance, lengths)
     out += check_hardware(manifests, describe_hardware()) + hardware_unrecorded(manifests)  # context for a pulled run's small differences
+    out += check_package_drift(manifests)  # torch / transformers / sglang releases that differ across stages
     return Diagnosis(by_severity(out), parity, settings_of(run, served, check_params), run)
 
 
