@@ -66,7 +66,7 @@ def read_lock(text: str) -> dict[str, str]:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
         sys.exit(f"usage: {sys.argv[0]} VENV/bin/python   (the environment the suite passed in)")
     python = sys.argv[1]
     where = subprocess.run([python, "-c", "import platform; print(platform.python_version(), platform.system(), "
