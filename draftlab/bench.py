@@ -68,7 +68,12 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
                            return_hidden_states=hidden)
         return _url(serve(argv, log, bench_params.startup_timeout_s), port)
     spec = {}
-    if speculative:
+    if speculative and flags.algorithm == "NGRAM":  # no draft model: the n-gram cache's settings
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": flags.num_draft_tokens,
+                "speculative_ngram_min_bfs_breadth": flags.ngram_min_bfs_breadth,
+                "speculative_ngram_max_bfs_breadth": flags.ngram_max_bfs_breadth,
+                "speculative_ngram_max_trie_depth": flags.ngram_max_trie_depth, "sglang_version": version}
+    elif speculative:
         spec = {"speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
                 "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
                 "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": version}
@@ -102,11 +107,21 @@ class _url:
 
 
 def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int,
-            abba: bool = False) -> dict[str, dict]:
+            abba: bool = False, fresh: bool = False) -> dict[str, dict]:
     """Figures per server. With several servers up, requests alternate prompt by prompt, so a
     change in the machine's load hits both modes alike and their ratio stays fair; abba: the order
-    flips every other prompt (A B, B A, ...), so that neither server always goes first."""
+    flips every other prompt (A B, B A, ...), so that neither server always goes first.
+
+    fresh: every server's caches are emptied (/flush_cache) before each measured pass over the
+    prompts (the bs=1 pass, each ABBA pair of batches at n in flight), so that an NGRAM server is
+    never measured on prompts its n-gram cache has already answered: a second pass over the same
+    prompts on one SGLang NGRAM server served tau 4.06 against 2.06 on the first, from memory. Both
+    servers are flushed, so that their prefix caches start alike too."""
     clients = {mode: Client(url, bench_params.request_timeout_s) for mode, url in urls.items()}
+
+    def flush():
+        for client in clients.values() if fresh else ():
+            client.flush_cache()
 
     def order(i):
         return list(clients.items()) if not abba or i % 2 == 0 else list(reversed(clients.items()))
@@ -116,6 +131,7 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
             run_requests(client, prompts[:warmup], sampling)  # compile/caches warm; not counted
         records = {mode: [] for mode in clients}
         wall = dict.fromkeys(clients, 0.0)
+        flush()
         for i, prompt in enumerate(prompts[warmup:]):
             for mode, client in order(i):
                 recs, seconds = run_requests(client, [prompt], sampling)
@@ -128,7 +144,8 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
             for mode, client in order(i):
                 recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1})
                 prompt_only[mode].append(seconds)
-        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency, bench_params.concurrency_repeats)
+        sweeps = concurrency_sweep(clients, prompts[warmup:], sampling, bench_params.concurrency, bench_params.concurrency_repeats,
+                                   flush if fresh else None)
         out = {}
         for mode, client in clients.items():
             sweep = sweeps[mode]
@@ -146,11 +163,12 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
 
 
 def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, levels: list[int],
-                      repeats: int = 2) -> dict[str, list[dict]]:
+                      repeats: int = 2, fresh=None) -> dict[str, list[dict]]:
     """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
     several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
     the machine's load hits every mode alike; each mode's figures pool its batches, and "batches"
     keeps each batch's own (the i-th of every mode make the i-th repeat), tau where it speculated.
+    fresh: called before each ABBA pair (every server's caches emptied: `measure`).
 
     Each mode first gets one whole batch at n that is not counted: on an H200, SGLang's first
     speculative batch at a new concurrency took up to twice as long as the next (kernels compiled
@@ -161,12 +179,15 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
             run_requests(client, prompts, sampling, n)  # warm-up at this concurrency: not counted
         got = {mode: [] for mode in clients}  # (records, seconds) of each batch
         for rep in range(repeats if len(clients) > 1 else 1):
+            if fresh:
+                fresh()
             for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
                 got[mode].append(run_requests(clients[mode], prompts, sampling, n))
         for mode, batches in got.items():
             recs = [r for b, _ in batches for r in b]
             row = {"concurrency": n, **speed(recs, sum(sec for _, sec in batches)),
-                   "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec} for b, sec in batches]}
+                   "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec, **_batch_tau(b)}
+                               for b, sec in batches]}
             spec = [r["meta"] for r in recs if r["meta"].speculative]
             if spec:
                 row["tau"] = pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])
@@ -177,6 +198,13 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
             recs, seconds = run_requests(client, prompts, {**sampling, "max_new_tokens": 1}, n)
             out[mode][-1]["prompt_only_s_per_request"] = seconds / len(recs)
     return out
+
+
+def _batch_tau(records: list[dict]) -> dict:
+    """{"tau": pooled tau of one batch} where it speculated (a repeat that saw its own earlier
+    answers would show here as a higher tau than the first), else {}."""
+    spec = [r["meta"] for r in records if r["meta"].speculative]
+    return {"tau": pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])} if spec else {}
 
 
 def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1) -> tuple[list[dict], float]:
