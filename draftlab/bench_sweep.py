@@ -24,6 +24,7 @@ prefill probe). Per configuration (`rows`):
     speedup           = median speculative tokens/s per request / the baseline's (bs=1, as bench's headline)
     speedup at n      = speculative batch tokens/s / baseline batch tokens/s, pooled over the repeats
     repeat_speedups   = that ratio for each ABBA pair of batches; repeat_spread = max / min - 1
+    repeat_taus       = the speculative server's tau in each of those batches
     greedy_identical  = share of prompts whose greedy text is the same on both servers
 """
 from __future__ import annotations
@@ -264,6 +265,7 @@ def _point(n: int, base: dict, spec: dict, candidate: dict | None) -> dict:
     speedup = spec["throughput"] / base["throughput"]
     return {"concurrency": n, "speedup": speedup, "repeat_speedups": pairs,
             "repeat_spread": max(pairs) / min(pairs) - 1.0 if pairs else None,
+            "repeat_taus": [b.get("tau") for b in spec.get("batches", [])],  # a repeat that saw its own answers: a higher tau
             "baseline_tokens_per_s": base["throughput"], "tokens_per_s": spec["throughput"], "tau": spec.get("tau"),
             "prompt_only_ms_per_request": {"baseline": _ms(base.get("prompt_only_s_per_request")),
                                            "speculative": _ms(spec.get("prompt_only_s_per_request"))},
