@@ -17,7 +17,6 @@ from __future__ import annotations
 import statistics
 
 from draftlab import bench
-from draftlab.metrics import pooled_tau
 from draftlab.sglang.client import parse_meta
 
 NGRAM = "NGRAM"

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +171,9 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
         raise UserError(f"the reference backend runs EAGLE3 with explicit num_steps/topk; got {dataclasses.asdict(flags)}")
     configurations, choices = bench_sweep.plan_configurations(res, bench_params.sweep, resolve_key, spec_params.on_adjust,
                                                               advice.CHAINS + advice.TREES)
+    if bench_params.backend == "sglang" and any(c.ngram for c in configurations) and not host_compiler():
+        print("bench: warning: SGLang's NGRAM builds a C++ extension when its server starts (tvm-ffi and ninja) and no C++ "
+              "compiler was found (CXX, c++, g++, clang++): install one, or its configurations will fail to start")
     warmup_rows, sets = bench_prompts.load(bench_params.prompt_sets, prompts, bench_params.warmup, bench_params.num_prompts)
     rows = bench.read_eval_prompts(prompts, bench_params.num_prompts + bench_params.warmup)
     if len(rows) <= bench_params.warmup:
@@ -188,6 +193,14 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     prompt_ids = warmup_ids + sets[0].render(tokenizer, turn=1)
     return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
                      prompt_ids, configurations, choices, sets)
+
+
+def host_compiler() -> str | None:
+    """The C++ compiler a build on this machine would find: $CXX, else c++, g++ or clang++ on PATH."""
+    for name in [os.environ.get("CXX", "").split(" ")[0], "c++", "g++", "clang++"]:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
 
 
 def check_set_size(bench_params: BenchParams, bset) -> None:
@@ -439,7 +452,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
     in-process, fed the layers SGLang would feed it, then what each part of a round costs
     (draftlab.cost_timing), the round loop's own share calibrated on the offline run's rounds."""
-    info, warmup = plan.target, plan.bench_params.warmup
+    info = plan.target
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
     draft, _ = load_exported(plan.draft.path, embed=embed, dtype=embed.dtype, as_sglang=True)  # as served, faults included

@@ -11,7 +11,6 @@ import yaml
 from draftlab import bench_prompts
 from draftlab.errors import UserError
 from draftlab.params import ParamsError, load_params
-from tests.support.micro import save_micro_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/bench_prompts/mt_bench_small.jsonl"  # MT-bench's format, 6 questions, 3 categories

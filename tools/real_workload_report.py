@@ -145,6 +145,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     offline = bench["offline"]["acceptance"]
     plot_triangle(out_dir, trained, offline, served)
     times = stage_times(run)
+    measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
            f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
@@ -160,9 +161,10 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
                   "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
                  [[c["configuration"], c["tau"], c["predicted_tau"], 1, c["speedup"], c["predicted_speedup"],
-                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in bench["configurations"]] +
+                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in measured] +
                  [[c["configuration"], p["tau"], p["predicted_tau"], p["concurrency"], p["speedup"], p["predicted_speedup"],
-                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in bench["configurations"] for p in c["concurrency"]]),
+                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in measured for p in c["concurrency"]]),
+           *[f"Failed: {c['configuration']}: {c['error'].splitlines()[0]}" for c in bench["configurations"] if c.get("error")],
            "", f"Advice: {bench['advice']['advice']}", "",
            *by_group_md(bench),
            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
