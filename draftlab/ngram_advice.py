@@ -19,8 +19,10 @@ costs["ngram_round_s"]). The speedup follows the draft's model (draftlab.advice)
                                                                  the same interleaved loop; T tokens/request
     reference   speedup(c) = sigma * I(c),   sigma = measured speedup / I of the calibrating pairing
     SGLang      speedup(c) = (P_s + T b_s) / (P_s + (T / tau_c) kappa round(c)),
-                kappa = the calibrating pairing's served round (served_fits.served_round) / its
-                in-process round; P_s, b_s that pairing's baseline (served_fits.probed_requests)
+                kappa = the calibrating pairing's served round (served_fits.served_round; where the
+                requests are too alike in length for its line, their seconds less the prefill probe's
+                per-request cost, per round) / its in-process round; P_s, b_s that pairing's baseline
+                (served_fits.probed_requests)
 
 The calibrating pairing is the first NGRAM configuration of bench.sweep, as spec.*'s calibrates the
 draft's model: it is predicted exactly by construction, and every other NGRAM configuration measured
@@ -100,10 +102,16 @@ def _scale(backend: str, m: dict, costs: dict) -> dict | None:
         return None
     if backend == "reference":
         return {"sigma": m["speedup"] / in_process_speedup(costs, m["tau"], m["key"])}
-    served = m["served"]
+    served, probed = m["served"], m["probed"]
+    if not served and probed:  # requests too alike in length to fit a line through: the prefill probe gives the fixed cost
+        _, spec_reqs = bench_sweep.served_requests(m["pairing"])
+        base_tokens = [t for t, _ in bench_sweep.served_requests(m["pairing"])[0]]
+        rounds = sum(v for _, v, _ in spec_reqs)
+        served = {"round_s": (sum(s for *_, s in spec_reqs) - len(spec_reqs) * probed["server_request_s"]) / rounds,
+                  "tokens_per_request": sum(base_tokens) / len(base_tokens)} if rounds and base_tokens else None
     if not served:
         return None
-    probed = m["probed"] or {"server_step_s": served["step_s"], "server_request_s": served["request_s"]}
+    probed = probed or {"server_step_s": served["step_s"], "server_request_s": served["request_s"]}
     return {"kappa": served["round_s"] / r, "step_s": probed["server_step_s"], "request_s": probed["server_request_s"],
             "tokens_per_request": served["tokens_per_request"]}
 

@@ -176,3 +176,21 @@ def test_the_advice_weighs_ngram_against_the_draft(run):
     assert vs["winner"] == ("ngram" if g > d else "draft") and vs["ngram_over_draft"] == pytest.approx(g / d)
     margin = g / d - 1 if g > d else d / g - 1
     assert f"by {100 * margin:.0f}%" in vs["text"] and vs["text"] in report["advice"]["advice"]
+
+
+def test_on_sglang_ngram_is_launched_with_its_flags_and_its_round_scaled_on_the_served_pairing(tmp_path, monkeypatch):
+    """The sglang backend's argv and path on a CPU: `python -m sglang.launch_server` is the stand-in
+    (tests/fixtures/sglang_standin: the reference server under SGLang's flags)."""
+    standin = ROOT / "tests/fixtures/sglang_standin"
+    monkeypatch.setenv("PYTHONPATH", f"{standin}:{ROOT}")
+    root = make_project(tmp_path, sweep=["ngram-4-1"], backend="sglang", side_by_side=True)
+    report = bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",
+                         params_file=root / "params.yaml")
+    row = report["configurations"][1]
+    assert row["configuration"] == "ngram-4-1" and row["algorithm"] == "NGRAM" and row["served_flags"]["topk"] == 1
+    assert row["served_flags"]["ngram_max_bfs_breadth"] == 1 and row["served_flags"]["num_draft_tokens"] == 4  # /server_info
+    log = (root / "reports/bench/server-spec-ngram-4-1.log").read_text()
+    assert "mixed chunked prefill are disabled because of using ngram" in log
+    ng = report["advice"]["ngram"]
+    assert ng["scale"]["kappa"] > 0 and ng["predicted_vs_measured"][0]["predicted_speedup"] > 0
+    assert {c["configuration"] for c in ng["candidates"]} == {"ngram-4-1", "ngram-3-1", "ngram-2-1"}

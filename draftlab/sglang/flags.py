@@ -437,7 +437,7 @@ RULES: tuple[Rule, ...] = (
          condition="NGRAM, topk (max BFS breadth) > 1, page_size > 1, attention backend not flashinfer",
          effect="ValueError at start-up",
          sglang_message="speculative_eagle_topk(K) > 1 with page_size(P) > 1 is unstable and produces incorrect results for paged attention backends.",
-         log_pattern=r"speculative_eagle_topk\(\d+\) > 1 with page_size\(\d+\) > 1 is unstable",
+         log_pattern=r"speculative_eagle_topk\(\S+\) > 1 with page_size\(\S+\) > 1 is unstable",
          fix="set bench.page_size: 1 or bench.attention_backend: flashinfer", source=_NGRAM, check=_ngram_paged_tree,
          algorithms=(NGRAM,)),
     Rule("defaults_need_num_steps",
