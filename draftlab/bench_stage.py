@@ -54,7 +54,9 @@ def bench(draft_dir: Path, prompts: Path, out: Path, metrics: Path, sweep: list[
     bench_plots.write_configuration_plots(out, result.report)
     bench_plots.write_category_plots(out, result.report)
     manifest["info"] = {"figures": result.figures, "flags": result.report["flags"],
-                        "configurations": [r["configuration"] for r in result.report["configurations"]]}
+                        "configurations": [r["configuration"] for r in result.report["configurations"]],
+                        "prompt_sets": [{k: v for k, v in s.items() if k not in ("configurations", "training_pays")}
+                                        for s in result.report["prompt_sets"]]}
     write_manifest(out, manifest)
     report = with_lineage({**result.figures, **result.report}, manifest, result.key)
     atomic_write_json(metrics, report)

@@ -59,6 +59,7 @@ class NgramCache:
         self._buf = np.full(4096, SEP, dtype=np.int64)
         self._len = 0
         self._start = 0  # where the running request's tokens begin
+        self._at: dict[int, list[int]] = {}  # token -> its positions in the cache, ascending: a lookup reads these, not the cache
 
     def __len__(self) -> int:
         return self._len
@@ -82,6 +83,9 @@ class NgramCache:
             grown[:self._len] = self._buf[:self._len]
             self._buf = grown
         self._buf[self._len:need] = tokens
+        for i, t in enumerate(tokens, start=self._len):
+            if t != SEP:
+                self._at.setdefault(t, []).append(i)
         self._len = need
 
     def _drop(self, count: int) -> None:
@@ -89,6 +93,10 @@ class NgramCache:
         self._buf[:self._len - count] = self._buf[count:self._len].copy()
         self._len -= count
         self._start -= count
+        self._at = {}
+        for i, t in enumerate(self._buf[:self._len].tolist()):
+            if t != SEP:
+                self._at.setdefault(t, []).append(i)
 
     def continuations(self, depth: int) -> list[list[int]]:
         """The tokens (up to `depth`) that followed the earlier occurrences of the longest suffix of
@@ -100,7 +108,8 @@ class NgramCache:
             return []
         tail = buf[end - m:end]
         # positions p (before the tail's own last token) where the last token occurred, with a token after it
-        found = np.flatnonzero(buf[:end - 1] == tail[-1])
+        found = np.asarray(self._at.get(int(tail[-1]), ()), dtype=np.int64)
+        found = found[found < end - 1]
         found = found[buf[found + 1] != SEP]
         best = found
         for j in range(2, m + 1):  # extend the match backwards one token at a time while some occurrence keeps up
