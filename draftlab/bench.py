@@ -68,7 +68,12 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
                            return_hidden_states=hidden)
         return _url(serve(argv, log, bench_params.startup_timeout_s), port)
     spec = {}
-    if speculative:
+    if speculative and flags.algorithm == "NGRAM":  # no draft model: the n-gram cache's settings
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": flags.num_draft_tokens,
+                "speculative_ngram_min_bfs_breadth": flags.ngram_min_bfs_breadth,
+                "speculative_ngram_max_bfs_breadth": flags.ngram_max_bfs_breadth,
+                "speculative_ngram_max_trie_depth": flags.ngram_max_trie_depth, "sglang_version": version}
+    elif speculative:
         spec = {"speculative_algorithm": flags.algorithm, "speculative_draft_model_path": str(draft),
                 "speculative_num_steps": flags.num_steps, "speculative_eagle_topk": flags.topk,
                 "speculative_num_draft_tokens": flags.num_draft_tokens, "sglang_version": version}
@@ -102,13 +107,23 @@ class _url:
 
 
 def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampling: dict, warmup: int,
-            abba: bool = False, label: str = "") -> dict[str, dict]:
+            abba: bool = False, label: str = "", fresh: bool = False) -> dict[str, dict]:
     """Figures per server. With several servers up, requests alternate prompt by prompt, so a
     change in the machine's load hits both modes alike and their ratio stays fair; abba: the order
     flips every other prompt (A B, B A, ...), so that neither server always goes first. One
-    progress bar per concurrency, named `label` (the configuration) and c=N, counts every request."""
+    progress bar per concurrency, named `label` (the configuration) and c=N, counts every request.
+
+    fresh: every server's caches are emptied (/flush_cache) before each measured pass over the
+    prompts (the bs=1 pass, each ABBA pair of batches at n in flight), so that an NGRAM server is
+    never measured on prompts its n-gram cache has already answered: a second pass over the same
+    prompts on one SGLang NGRAM server served tau 4.06 against 2.06 on the first, from memory. Both
+    servers are flushed, so that their prefix caches start alike too."""
     clients = {mode: Client(url, bench_params.request_timeout_s) for mode, url in urls.items()}
     label = label or "+".join(clients)
+
+    def flush():
+        for client in clients.values() if fresh else ():
+            client.flush_cache()
 
     def order(i):
         return list(clients.items()) if not abba or i % 2 == 0 else list(reversed(clients.items()))
@@ -120,6 +135,7 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
                 run_requests(client, prompts[:warmup], sampling, done=bar.update)  # compile/caches warm; not counted
             records = {mode: [] for mode in clients}
             wall = dict.fromkeys(clients, 0.0)
+            flush()
             for i, prompt in enumerate(measured):
                 for mode, client in order(i):
                     recs, seconds = run_requests(client, [prompt], sampling, done=bar.update)
@@ -132,7 +148,8 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
                 for mode, client in order(i):
                     recs, seconds = run_requests(client, [prompt], {**sampling, "max_new_tokens": 1}, done=bar.update)
                     prompt_only[mode].append(seconds)
-        sweeps = concurrency_sweep(clients, measured, sampling, bench_params.concurrency, bench_params.concurrency_repeats, label)
+        sweeps = concurrency_sweep(clients, measured, sampling, bench_params.concurrency, bench_params.concurrency_repeats, label,
+                                   flush if fresh else None)
         out = {}
         for mode, client in clients.items():
             sweep = sweeps[mode]
@@ -150,11 +167,12 @@ def measure(urls: dict[str, str], bench_params, prompts: list[list[int]], sampli
 
 
 def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, levels: list[int],
-                      repeats: int = 2, label: str = "") -> dict[str, list[dict]]:
+                      repeats: int = 2, label: str = "", fresh=None) -> dict[str, list[dict]]:
     """Per mode, the figures with n > 1 requests in flight (every prompt sent, n at a time). With
     several servers the whole batches alternate in ABBA order, `repeats` per mode, so a drift in
     the machine's load hits every mode alike; each mode's figures pool its batches, and "batches"
     keeps each batch's own (the i-th of every mode make the i-th repeat), tau where it speculated.
+    fresh: called before each ABBA pair (every server's caches emptied: `measure`).
 
     Each mode first gets one whole batch at n that is not counted: on an H200, SGLang's first
     speculative batch at a new concurrency took up to twice as long as the next (kernels compiled
@@ -165,24 +183,27 @@ def concurrency_sweep(clients: dict[str, Client], prompts: list[list[int]], samp
     for n in (n for n in levels if n > 1):
         # one bar per concurrency: the warm-up batch, the repeats and the prompt-only batch of every mode
         with progress.bar(len(clients) * len(prompts) * (reps + 2), f"bench {label} c={n}", "req") as bar:
-            for mode, row in _level(clients, prompts, sampling, n, reps, bar.update).items():
+            for mode, row in _level(clients, prompts, sampling, n, reps, bar.update, fresh).items():
                 out[mode].append(row)
     return out
 
 
-def _level(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, n: int, reps: int, done) -> dict[str, dict]:
-    """concurrency_sweep at one concurrency n: {mode: its row}."""
+def _level(clients: dict[str, Client], prompts: list[list[int]], sampling: dict, n: int, reps: int, done, fresh=None) -> dict[str, dict]:
+    """concurrency_sweep at one concurrency n: {mode: its row}. fresh: called before each ABBA pair."""
     for client in clients.values():
         run_requests(client, prompts, sampling, n, done)  # warm-up at this concurrency: not counted
     got = {mode: [] for mode in clients}  # (records, seconds) of each batch
     for rep in range(reps):
+        if fresh:
+            fresh()
         for mode in (list(clients) if rep % 2 == 0 else list(reversed(clients))):
             got[mode].append(run_requests(clients[mode], prompts, sampling, n, done))
     rows = {}
     for mode, batches in got.items():
         recs = [r for b, _ in batches for r in b]
         row = {"concurrency": n, **speed(recs, sum(sec for _, sec in batches)),
-               "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec} for b, sec in batches]}
+               "batches": [{"throughput": sum(r["meta"].completion_tokens for r in b) / sec, "seconds": sec, **_batch_tau(b)}
+                           for b, sec in batches]}
         spec = [r["meta"] for r in recs if r["meta"].speculative]
         if spec:
             row["tau"] = pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])
@@ -193,6 +214,13 @@ def _level(clients: dict[str, Client], prompts: list[list[int]], sampling: dict,
         recs, seconds = run_requests(client, prompts, {**sampling, "max_new_tokens": 1}, n, done)
         rows[mode]["prompt_only_s_per_request"] = seconds / len(recs)
     return rows
+
+
+def _batch_tau(records: list[dict]) -> dict:
+    """{"tau": pooled tau of one batch} where it speculated (a repeat that saw its own earlier
+    answers would show here as a higher tau than the first), else {}."""
+    spec = [r["meta"] for r in records if r["meta"].speculative]
+    return {"tau": pooled_tau([m.completion_tokens for m in spec], [m.spec_verify_ct for m in spec])} if spec else {}
 
 
 def run_requests(client: Client, prompts: list[list[int]], sampling: dict, concurrency: int = 1,

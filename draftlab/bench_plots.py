@@ -89,3 +89,43 @@ def write_configuration_plots(out: Path, report: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / "configurations.png", dpi=110)
     plt.close(fig)
+
+
+def write_category_plots(out: Path, report: dict) -> None:
+    """categories.csv (per prompt set, configuration and group: tau, speedup at bs=1) and
+    categories.png (per prompt set, tau by category for each configuration; by turn where the set
+    has no categories), from bench.json's `prompt_sets`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = report.get("prompt_sets") or []
+    lines = ["prompt_set,configuration,group,requests,tau,speedup"]
+    for s in sets:
+        for c in s["configurations"]:
+            groups = [("pooled", c["pooled"])] + [(f"turn {t}", g) for t, g in c["by_turn"].items()] + list(c["by_category"].items())
+            lines += [f"{s['name']},{c['configuration']},{name},{g['requests']},{_num(g['tau'])},{_num(g['speedup'])}" for name, g in groups]
+    atomic_write_text(out / "categories.csv", "\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, max(1, len(sets)), figsize=(6.5 * max(1, len(sets)), 3.8), squeeze=False)
+    for ax, s in zip(axes[0], sets):
+        configs = s["configurations"]
+        kind = "by_category" if any(c["by_category"] for c in configs) else "by_turn"
+        groups = list(dict.fromkeys(g for c in configs for g in c[kind]))
+        width = 0.8 / max(1, len(configs))
+        for j, c in enumerate(configs):
+            taus = [(c[kind].get(g) or {}).get("tau") for g in groups]
+            ax.bar([i + j * width for i in range(len(groups))], [t if t is not None else 0.0 for t in taus], width, label=c["configuration"])
+        ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(groups))])
+        ax.set_xticklabels([g if kind == "by_category" else f"turn {g}" for g in groups], rotation=30, ha="right", fontsize=8)
+        ax.set(title=f"{s['name']}: served tau {'by category' if kind == 'by_category' else 'by turn'}", ylabel="tau (tokens per verify)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        if configs:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "categories.png", dpi=110)
+    plt.close(fig)
+
+
+def _num(v) -> str:
+    return "" if v is None else f"{v:.4f}"

@@ -12,21 +12,32 @@ only then loads the target's weights for the offline run (draftlab.cost_timing),
 holds one copy of the target at a time. With bench.sweep the offline run comes first instead, its
 copy of the target freed before any server starts, so that the advice is known while the baseline
 stays up for every configuration (draftlab.bench_sweep).
+
+bench.prompts (draftlab.bench_prompts) may name several prompt sets: each is measured on every
+server, the first giving the headline figures, the offline run and the advice. A set of several
+turns (MT-bench) has its later turns rendered after the baseline server's answers, generated once
+(`BenchPlan.answer_turns`); the offline run answers the turns itself (in-process, greedy). Per set,
+bench.json has each configuration's figures by category and by turn (draftlab.bench_report) and
+the headline "does training pay?" table; n-gram lookup (NGRAM) configurations get their own advice
+(draftlab.ngram_advice), set against the draft's.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftlab import advice, bench, bench_sweep, cost_timing, jsonl, served_fits, spec_engine
+from draftlab import advice, bench, bench_prompts, bench_report, bench_sweep, cost_timing, jsonl, ngram_advice, served_fits, spec_engine
 from draftlab.errors import UserError
-from draftlab.params import BenchParams, SpecParams, TargetParams
+from draftlab.params import HELDOUT, BenchParams, SpecParams, TargetParams
 from draftlab.sglang.checkpoint import ExportedDraft, load_exported
+from draftlab.sglang.client import Client
 from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
 from draftlab.sglang.launch import free_port as sglang_free_port
 from draftlab.sglang.launch import read_log
@@ -49,9 +60,38 @@ class BenchPlan:
     tokenizer: object
     target: dict  # draftlab.target.target_info of the target's config
     resolution: Resolution
-    prompt_ids: list[list[int]]  # bench.warmup prompts first, then the measured ones
+    prompt_ids: list[list[int]]  # bench.warmup prompts first, then the first set's measured ones (its first turns)
     configurations: list = dataclasses.field(default_factory=list)  # bench_sweep.Configuration: spec.*'s, then bench.sweep's
     advised_choices: dict = dataclasses.field(default_factory=dict)  # bench.sweep `advised`: {key: Resolution or why refused}
+    sets: list = dataclasses.field(default_factory=list)  # bench_prompts.BenchSet of bench.prompts, in order
+
+    @property
+    def warmup_ids(self) -> list[list[int]]:
+        return self.prompt_ids[:self.bench_params.warmup]
+
+    def set_prompt_ids(self, bset) -> list[list[int]]:
+        """The warm-up prompts, then every measured request of `bset` (its later turns rendered
+        after the baseline's answers: `answer_turns` first)."""
+        return self.warmup_ids + bset.render(self.tokenizer)
+
+    def answer_turns(self, url: str, out: Path) -> None:
+        """The answers that later turns follow, generated once, greedy, by the server at `url` (the
+        baseline), for every set of several turns; written to out/turn-answers-SET.jsonl. Then every
+        request must fit the target's context (check_context), as the first turns did in prepare."""
+        for bset in self.sets:
+            if bset.turns < 2 or bset.answers:
+                continue
+            print(f"bench: {bset.name}: the baseline answers the turns that later turns follow (once, greedy)")
+            with Client(url, self.bench_params.request_timeout_s) as client:
+                bench_prompts.answer_earlier_turns(bset, self.tokenizer, lambda ids: client.generate(ids, self.sampling)[0])
+            jsonl.write(out / f"turn-answers-{bset.name}.jsonl",
+                        ({"conversation": bset.conversations[i].id, "turn": t, "answer": text} for (i, t), text in sorted(bset.answers.items())))
+            ids = bset.render(self.tokenizer)
+            rows = [{"id": f"{bset.conversations[i].id} turn {t}"} for i, t in bset.requests]
+            for c in self.configurations:
+                if c.resolution is not None:
+                    check_context(ids, rows, self.bench_params, c.resolution.effective, self.target["max_position_embeddings"],
+                                  Path(bset.source).parent, Path(bset.source))
 
     @property
     def flags(self) -> SpecFlags:
@@ -68,7 +108,7 @@ class BenchPlan:
         the one that ran and those bench.sweep lists."""
         out = advice.CHAINS + (advice.TREES if trees else [])
         ran = (self.flags.num_steps, self.flags.topk, self.flags.num_draft_tokens)
-        for key in [ran] + [c.key for c in self.configurations[1:] if c.resolution is not None]:
+        for key in [ran] + [c.key for c in self.configurations[1:] if c.resolution is not None and not c.ngram]:
             if key not in out:
                 out.append(key)
         return out
@@ -103,6 +143,13 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
                        extra_server_args=bench_params.extra_server_args)
 
     res = resolve_flags(requested)
+
+    def resolve_key(key) -> Resolution:
+        if key[0] == bench_sweep.NGRAM:  # no draft: SGLang derives topk and num_steps (rule ngram_topk)
+            return resolve_flags(dataclasses.replace(requested, algorithm="NGRAM", num_steps=None, topk=None, num_draft_tokens=key[1],
+                                                     ngram_max_bfs_breadth=key[2]))
+        return resolve_flags(dataclasses.replace(requested, num_steps=key[0], topk=key[1], num_draft_tokens=key[2]))
+
     if bench_params.sweep and bench_params.backend == "url":
         raise UserError("bench.sweep needs servers the bench starts itself; with bench.backend: url only the server at "
                         "bench.url is measured. Set bench.backend: sglang (with bench.side_by_side: true) or reference to "
@@ -122,19 +169,46 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
     flags = res.effective
     if bench_params.backend == "reference" and (flags.algorithm != "EAGLE3" or flags.topk is None):
         raise UserError(f"the reference backend runs EAGLE3 with explicit num_steps/topk; got {dataclasses.asdict(flags)}")
-    configurations, choices = bench_sweep.plan_configurations(
-        res, bench_params.sweep, lambda key: resolve_flags(dataclasses.replace(requested, num_steps=key[0], topk=key[1], num_draft_tokens=key[2])),
-        spec_params.on_adjust, advice.CHAINS + advice.TREES)
+    configurations, choices = bench_sweep.plan_configurations(res, bench_params.sweep, resolve_key, spec_params.on_adjust,
+                                                              advice.CHAINS + advice.TREES)
+    if bench_params.backend == "sglang" and any(c.ngram for c in configurations) and not host_compiler():
+        print("bench: warning: SGLang's NGRAM builds a C++ extension when its server starts (tvm-ffi and ninja) and no C++ "
+              "compiler was found (CXX, c++, g++, clang++): install one, or its configurations will fail to start")
+    warmup_rows, sets = bench_prompts.load(bench_params.prompt_sets, prompts, bench_params.warmup, bench_params.num_prompts)
     rows = bench.read_eval_prompts(prompts, bench_params.num_prompts + bench_params.warmup)
     if len(rows) <= bench_params.warmup:
         raise UserError(f"{prompts / 'eval.jsonl'} has {len(rows)} prompts, not more than bench.warmup={bench_params.warmup}")
-    check_sizes(bench_params, rows, prompts)
-    prompt_ids = bench.render_prompts(tokenizer, rows)
-    for c in configurations:  # each configuration's server reserves its own draft slots
-        if c.resolution is not None:
-            check_context(prompt_ids, rows, bench_params, c.resolution.effective, info["max_position_embeddings"], prompts)
+    if HELDOUT in bench_params.prompt_sets:
+        check_sizes(bench_params, rows, prompts)
+    for bset in sets:
+        check_set_size(bench_params, bset)
+    warmup_ids = bench.render_prompts(tokenizer, warmup_rows)
+    for bset in sets:  # each configuration's server reserves its own draft slots; later turns are checked once answered
+        ids = bset.render(tokenizer, turn=1)
+        firsts = [{"id": bset.conversations[i].id} for i, t in bset.requests if t == 1]
+        for c in configurations:
+            if c.resolution is not None:
+                check_context(ids, firsts, bench_params, c.resolution.effective, info["max_position_embeddings"],
+                              prompts, Path(bset.source))
+    prompt_ids = warmup_ids + sets[0].render(tokenizer, turn=1)
     return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
-                     prompt_ids, configurations, choices)
+                     prompt_ids, configurations, choices, sets)
+
+
+def host_compiler() -> str | None:
+    """The C++ compiler a build on this machine would find: $CXX, else c++, g++ or clang++ on PATH."""
+    for name in [os.environ.get("CXX", "").split(" ")[0], "c++", "g++", "clang++"]:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def check_set_size(bench_params: BenchParams, bset) -> None:
+    """Refuse a concurrency above the requests a prompt set sends (each batch sends the whole set)."""
+    top, requests = max(bench_params.concurrency), len(bset.requests)
+    if top > requests:
+        raise UserError(f"params.yaml: bench.concurrency {top} asks for more requests in flight than the prompt set {bset.name} "
+                        f"sends ({requests}); drop concurrency {top} or measure more of the set (bench.num_prompts)")
 
 
 def check_sizes(bench_params: BenchParams, rows: list[dict], prompts: Path) -> None:
@@ -153,19 +227,20 @@ def check_sizes(bench_params: BenchParams, rows: list[dict], prompts: Path) -> N
 
 
 def check_context(prompt_ids: list[list[int]], rows: list[dict], bench_params: BenchParams, flags: SpecFlags,
-                  context: int | None, prompts: Path) -> None:
+                  context: int | None, prompts: Path, source: Path | None = None) -> None:
     """Every request fits the target's context as SGLang 0.5.14 validates it (TokenizerManager.
     _validate_one_request): the prompt, bench.max_new_tokens and, on a speculative server, the
-    reserved draft slots max(topk * num_steps, num_draft_tokens); else SGLang answers 400."""
+    reserved draft slots max(topk * num_steps, num_draft_tokens) (none for NGRAM, whose drafts take no
+    output slots); else SGLang answers 400."""
     if not context:
         return
-    reserved = max((flags.topk or 0) * (flags.num_steps or 0), flags.num_draft_tokens or 0)
+    reserved = 0 if flags.algorithm == "NGRAM" else max((flags.topk or 0) * (flags.num_steps or 0), flags.num_draft_tokens or 0)
     bad = [(r["id"], len(ids)) for r, ids in zip(rows, prompt_ids) if len(ids) + reserved + bench_params.max_new_tokens > context]
     if bad:
         listed = ", ".join(f"{i} ({n} tokens)" for i, n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         room = context - reserved - max(n for _, n in bad)
         fix = f"lower bench.max_new_tokens to at most {room}, or shorten those prompts" if room >= 1 else "shorten those prompts"
-        raise UserError(f"{len(bad)} bench prompt(s) of {prompts / 'eval.jsonl'} do not fit the target's context of {context} "
+        raise UserError(f"{len(bad)} bench prompt(s) of {source or prompts / 'eval.jsonl'} do not fit the target's context of {context} "
                         f"tokens with bench.max_new_tokens {bench_params.max_new_tokens} and the {reserved} draft tokens a "
                         f"speculative server reserves: {listed}; {fix}")
 
@@ -191,19 +266,27 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         pairings = bench_sweep.measure(plan, out, advise_first)
         adv = got["advice"]
     else:
-        baseline, spec, log = measure_served(plan, out)
+        sets, log = measure_served(plan, out)
+        baseline, spec = sets[plan.sets[0].name]
         offline, costs, physical, ranks = measure_offline(plan)
-        pairings = [bench_sweep.Pairing(plan.configurations[0], baseline, spec, log)]
+        pairings = [bench_sweep.Pairing(plan.configurations[0], baseline, spec, log, sets=sets)]
         adv = advise(plan, baseline, spec, offline, costs, ranks)
     baseline, spec, log = pairings[0].baseline, pairings[0].spec, pairings[0].log
     server_log = read_log(log) if log.exists() else None
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
     advised, speedup = adv["advised"], adv["speedup"]
-    rows = bench_sweep.rows(pairings, {_key(r): r for r in advised["candidates"]},
-                            {n: {_key(r): r for r in a["candidates"]} for n, a in adv["per"]["by_concurrency"].items()} if adv["per"] else None)
+    ngram = ngram_advice.advise(plan.bench_params.backend, [p for p in pairings if p.configuration.ngram and p.spec], costs,
+                                advised["candidates"])
+    predicted = {**{_key(r): r for r in advised["candidates"]}, **ngram["by_key"]}
+    per_n = {n: {_key(r): r for r in a["candidates"]} for n, a in adv["per"]["by_concurrency"].items()} if adv["per"] else {}
+    for n, by_key in ngram["by_concurrency_key"].items():
+        per_n.setdefault(n, {}).update(by_key)
+    rows = bench_sweep.rows(pairings, predicted, per_n or None)
     measured = [{**{k: r[k] for k in ("num_steps", "topk", "num_draft_tokens")}, "where": "served", "measured_tau": r["tau"],
-                 "measured_speedup": r["speedup"]} for r in rows if not r.get("error")]
+                 "measured_speedup": r["speedup"]} for r in rows if not r.get("error") and r.get("algorithm") != "NGRAM"]
     compared = advice.predicted_vs_measured(advised["candidates"], measured)
+    sets_report = bench_report.prompt_sets(plan.sets, pairings)
+    advised = {**advised, "advice": ngram_advice.advice_text(advised, ngram)}
     res = plan.resolution
     report = {
         "backend": bench_params.backend,
@@ -229,15 +312,22 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "advice": {**advised, "predicted_vs_measured": compared, "ran": compared[0] if compared else None,
                    "by_concurrency": adv["by_concurrency"],
                    "predicted_vs_measured_by_concurrency": bench_sweep.predicted_vs_measured_by_concurrency(rows),
-                   "served_fit": served_fit(pairings, advised["candidates"])},
+                   "served_fit": served_fit([p for p in pairings if not p.configuration.ngram], advised["candidates"]),
+                   "ngram": ngram["report"]},
         # spec.*'s configuration first, then bench.sweep's (draftlab.bench_sweep.rows)
         "configurations": rows,
         "best_configuration": bench_sweep.best(rows, advised),
+        # per prompt set of bench.prompts: each configuration by category and turn, and "does training pay?"
+        # (baseline, the best n-gram lookup and the best draft at every concurrency); the first set's here too
+        "prompt_sets": sets_report,
+        "training_pays": sets_report[0]["training_pays"],
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
-    jsonl.write(out / "requests.jsonl", ({"configuration": p.configuration.name, "mode": mode, "meta": meta} for p in pairings
-                                         for mode, source in (("baseline", p.baseline), ("speculative", p.spec)) if source
+    # per configuration, every set's requests in the order sent (the first set's first, as before)
+    jsonl.write(out / "requests.jsonl", ({"configuration": p.configuration.name, "prompt_set": name, "mode": mode, "meta": meta}
+                                         for p in pairings for name, pair in (p.sets or {plan.sets[0].name: (p.baseline, p.spec)}).items()
+                                         for mode, source in zip(("baseline", "speculative"), pair) if source
                                          for meta in source["metas"]))
     key = {"backend": bench_params.backend, "num_steps": flags.num_steps, "topk": flags.topk, "num_draft_tokens": flags.num_draft_tokens,
            "capture_physical_layers": physical, "target": plan.target_params.model, "sglang_version": plan.sglang_version}
@@ -312,14 +402,15 @@ def release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]:
-    """(baseline figures or None, speculative figures, the speculative server's log): same prompts
-    and lengths, same run; every server stopped after."""
+def measure_served(plan: BenchPlan, out: Path) -> tuple[dict, Path]:
+    """({prompt set name: (baseline figures or None, speculative figures)}, the speculative server's
+    log): same prompts and lengths, same run; every server stopped after."""
     bench_params, target_params, flags, version = plan.bench_params, plan.target_params, plan.flags, plan.sglang_version
-    backend, draft, ids, sampling = bench_params.backend, plan.draft.path, plan.prompt_ids, plan.sampling
+    backend, draft, sampling = bench_params.backend, plan.draft.path, plan.sampling
     log = out / "server-spec.log"
     base_log = out / "server-baseline.log"
     name = f"{flags.num_steps}-{flags.topk}-{flags.num_draft_tokens}"  # the progress bars' label
+    sets = {}
     print(f"bench: speculative server {flags.algorithm} steps={flags.num_steps} topk={flags.topk} draft_tokens={flags.num_draft_tokens}")
     if backend == "reference" or (backend == "sglang" and bench_params.side_by_side):
         # Both servers up at once: requests alternate between them, so a change in the machine's
@@ -328,23 +419,30 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict | None, dict, Path]
         spec_port = sglang_free_port() if backend == "sglang" else None  # the baseline has bench.port
         with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url, \
              bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port) as url:
-            got = bench.measure({"baseline": base_url, "speculative": url}, bench_params, ids, sampling, bench_params.warmup,
-                                label=name)
-        baseline, spec = got["baseline"], got["speculative"]
+            plan.answer_turns(base_url, out)
+            for bset in plan.sets:
+                got = bench.measure({"baseline": base_url, "speculative": url}, bench_params, plan.set_prompt_ids(bset), sampling,
+                                    bench_params.warmup, label=f"{name} {bset.name}")
+                sets[bset.name] = (got["baseline"], got["speculative"])
     else:
         # One server at a time (bench.side_by_side: false), baseline first.
-        baseline = None
+        baselines = {}
         if backend != "url":
             with bench.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url:
-                baseline = bench.measure({"baseline": base_url}, bench_params, ids, sampling, bench_params.warmup,
-                                         label="baseline")["baseline"]
+                plan.answer_turns(base_url, out)
+                for bset in plan.sets:
+                    baselines[bset.name] = bench.measure({"baseline": base_url}, bench_params, plan.set_prompt_ids(bset), sampling,
+                                                         bench_params.warmup, label=f"baseline {bset.name}")["baseline"]
         with bench.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True) as url:
-            spec = bench.measure({"speculative": url}, bench_params, ids, sampling, bench_params.warmup, label=name)["speculative"]
-    if not spec["spec"]:
+            plan.answer_turns(url, out)  # bench.backend url: no baseline; the server given answers (a no-op after the above)
+            for bset in plan.sets:
+                sets[bset.name] = (baselines.get(bset.name), bench.measure({"speculative": url}, bench_params, plan.set_prompt_ids(bset),
+                                                                           sampling, bench_params.warmup, label=f"{name} {bset.name}")["speculative"])
+    if not sets[plan.sets[0].name][1]["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     if backend == "url" and bench_params.server_log:
         log = Path(bench_params.server_log)  # the running server's own log, read like a launched one's
-    return baseline, spec, log
+    return sets, log
 
 
 def _ms(v):
@@ -355,7 +453,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
     in-process, fed the layers SGLang would feed it, then what each part of a round costs
     (draftlab.cost_timing), the round loop's own share calibrated on the offline run's rounds."""
-    info, warmup = plan.target, plan.bench_params.warmup
+    info = plan.target
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
     draft, _ = load_exported(plan.draft.path, embed=embed, dtype=embed.dtype, as_sglang=True)  # as served, faults included
@@ -364,8 +462,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
     reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (served_fits.round_scale)
-    offline = cost_timing.offline_run(target, draft, plan.prompt_ids[warmup:], plan.flags, physical, plan.bench_params.max_new_tokens,
-                                 eos, plan.bench_params.ignore_eos, with_baseline=reference)
+    prompts, offline = offline_decode(plan, target, draft, physical, eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
     # A sliding-window target (gpt-oss) verifies chains only in-process (spec_engine.verify_tree)
@@ -373,7 +470,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     configs = plan.candidates(trees)
     # Rounds are timed over a cache of the first prompt plus half a typical answer (its own offline
     # output cut there): a round's draft steps and verify attend over the whole cache.
-    first = plan.prompt_ids[warmup]
+    first = prompts[0]
     context = offline["outputs"][0][:len(first) + int(offline["tokens_per_request"] / 2)]
     costs = cost_timing.measure_costs(target, draft, context, physical, configs, prompt_len=len(first))
     costs["trees"] = trees
@@ -391,8 +488,27 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     costs["loop_s"] = round_s - parts["round"]
     costs["tokens_per_request"] = offline["tokens_per_request"]
     costs["baseline_run_step_s"] = offline.pop("baseline_step_s") or costs["baseline_step_s"]
-    ranks = cost_timing.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in plan.prompt_ids[warmup:warmup + 8]], physical)
+    grams = ngram_advice.timed_configs([c.key for c in plan.configurations if c.ngram])
+    if grams:  # n-gram lookup's rounds, over a cache of the other offline answers (not the one the context is cut from)
+        costs.update(cost_timing.measure_ngram_costs(target, context, len(first), grams, offline["outputs"][1:]))
+    ranks = cost_timing.measure_rank_shares(target, draft, offline.pop("outputs")[:8], [len(p) for p in prompts[:8]], physical)
     return offline, costs, physical, ranks
+
+
+def offline_decode(plan: BenchPlan, target, draft, physical: list[int], eos: set[int], with_baseline: bool) -> tuple[list, dict]:
+    """(the prompts decoded, cost_timing.summarize's figures): the first prompt set in-process, each
+    later turn after the engine's own answer to the turn before (greedy: the target's own answer)."""
+    bp = plan.bench_params
+    bset = dataclasses.replace(plan.sets[0], answers={})  # its own answers, not the baseline server's
+    prompts, results, baselines = [], [], []
+    for turn in range(1, bset.turns + 1):
+        keys = [i for i, t in bset.requests if t == turn]
+        ids = bset.render(plan.tokenizer, turn=turn)
+        got, base = cost_timing.decode_each(target, draft, ids, plan.flags, physical, bp.max_new_tokens, eos, bp.ignore_eos, with_baseline)
+        for i, r in zip(keys, got):
+            bset.answers[(i, turn)] = plan.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        prompts, results, baselines = prompts + ids, results + got, baselines + base
+    return prompts, cost_timing.summarize(prompts, results, baselines)
 
 
 def summary(report: dict) -> str:
@@ -419,6 +535,9 @@ def summary(report: dict) -> str:
                      + (f" (measured {best['advised_measured_speedup']:.2f}x)" if best.get("advised_measured_speedup") else ""))
     if best.get("configurations_failed"):
         ran_text += f"; failed: {', '.join(best['configurations_failed'])} (their errors: bench.json configurations)"
+    pays = bench_report.verdict_line(report.get("training_pays") or [])
+    if pays:
+        ran_text += f"; does training pay? {pays}"
     return (f"tau {report['spec']['tau']:.2f} served, {report['offline']['tau']:.2f} offline; "
             f"{report['spec']['tokens_per_s']['median']:.1f} tok/s vs "
             f"{baseline['tokens_per_s']['median'] if baseline else float('nan'):.1f} baseline "

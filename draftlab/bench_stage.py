@@ -6,15 +6,17 @@
 
 stages/bench.py (what `dvc repro` runs) calls it with params.yaml's bench.sweep; a command line that
 names the configurations itself passes `sweep` (checked as params.yaml's would be, errors naming
-`sweep`), and the manifest records the configurations that ran.
+`sweep`), and the manifest records the configurations that ran. Beside bench.json it writes
+reports/bench/report.md ("does training pay?" first, then every prompt set by turn and category)
+and categories.png (tau by category for each configuration).
 """
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from draftlab import bench_plots, bench_run
-from draftlab.fsutil import atomic_write_json
+from draftlab import bench_plots, bench_report, bench_run
+from draftlab.fsutil import atomic_write_json, atomic_write_text
 from draftlab.manifest import ROOT, build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.errors import UserError
 from draftlab.params import PARAMS_FILE, as_dict, check_sweep, load_params
@@ -40,6 +42,9 @@ def bench(draft_dir: Path, prompts: Path, out: Path, metrics: Path, sweep: list[
     draft = read_exported(draft_dir)
     plan = bench_run.prepare(params.target, params.spec, params.bench, version, draft, prompts)
     inputs = {"export": export_manifest["config_hash"], "prompts": read_verified(prompts)["config_hash"]}
+    for bset in plan.sets:  # a set read from elsewhere than the prompts stage (mt-bench, a file): its content
+        if bset.name != "heldout":
+            inputs[f"prompt_set:{bset.name}"] = bset.sha256
     used = as_dict(params)
     used["export"] = {"sglang_version": version}  # the one export key bench reads (as dvc.yaml lists it)
     manifest = build_manifest("bench", used, inputs, script)
@@ -47,10 +52,14 @@ def bench(draft_dir: Path, prompts: Path, out: Path, metrics: Path, sweep: list[
     result = bench_run.run(plan, out)
     bench_plots.write_plots(out, result.report)
     bench_plots.write_configuration_plots(out, result.report)
+    bench_plots.write_category_plots(out, result.report)
     manifest["info"] = {"figures": result.figures, "flags": result.report["flags"],
-                        "configurations": [r["configuration"] for r in result.report["configurations"]]}
+                        "configurations": [r["configuration"] for r in result.report["configurations"]],
+                        "prompt_sets": [{k: v for k, v in s.items() if k not in ("configurations", "training_pays")}
+                                        for s in result.report["prompt_sets"]]}
     write_manifest(out, manifest)
     report = with_lineage({**result.figures, **result.report}, manifest, result.key)
     atomic_write_json(metrics, report)
+    atomic_write_text(out / "report.md", bench_report.markdown(report))
     print(f"bench: {bench_run.summary(result.report)} -> {metrics}")
     return report

@@ -8,7 +8,12 @@ configuration started beside it in turn, measured paired against it, and stopped
 
 spec.*'s configuration is always measured first: the offline run, the tau triangle, the headline
 figures and the check use it, and its pairing calibrates the advice. `advised` in bench.sweep is
-the configuration that advice recommends (bs=1), measured unless it was measured already.
+the configuration that advice recommends (bs=1), measured unless it was measured already. `ngram`
+and `ngram-N-B` are SGLang's NGRAM (drafts looked up in a cache of earlier text, no draft model),
+paired against the same baseline; its caches are emptied before every measured pass
+(draftlab.bench.measure, fresh), so it never answers prompts its cache has answered already.
+Every prompt set of bench.prompts is measured on each configuration's server, in turn, the first
+set's figures being the configuration's own (Pairing.baseline, .spec), every set's in Pairing.sets.
 
 A pairing (draftlab.bench.measure with abba): at bs=1 the two servers take the same prompts one
 request at a time in ABBA order (baseline first on even prompts, speculative first on odd ones);
@@ -19,6 +24,7 @@ prefill probe). Per configuration (`rows`):
     speedup           = median speculative tokens/s per request / the baseline's (bs=1, as bench's headline)
     speedup at n      = speculative batch tokens/s / baseline batch tokens/s, pooled over the repeats
     repeat_speedups   = that ratio for each ABBA pair of batches; repeat_spread = max / min - 1
+    repeat_taus       = the speculative server's tau in each of those batches
     greedy_identical  = share of prompts whose greedy text is the same on both servers
 """
 from __future__ import annotations
@@ -29,16 +35,24 @@ from pathlib import Path
 
 from draftlab import bench
 from draftlab.errors import UserError
-from draftlab.params import ADVISED, parse_configuration
+from draftlab.params import ADVISED, is_ngram, parse_configuration, parse_ngram
 from draftlab.sglang.flags import Resolution
 from draftlab.sglang.launch import free_port as sglang_free_port
 
 SPEC, LISTED = "spec", "listed"  # the roles of a configuration; ADVISED is the third
 
 
+NGRAM = "NGRAM"  # the first item of an n-gram configuration's key: ("NGRAM", draft tokens, max BFS breadth)
+
+
 def name_of(key) -> str:
-    """(num_steps, topk, num_draft_tokens) -> '5-1-6'."""
-    return "-".join(str(x) for x in key)
+    """(num_steps, topk, num_draft_tokens) -> '5-1-6'; ("NGRAM", 4, 1) -> 'ngram-4-1'."""
+    return "-".join(str(x).lower() for x in key)
+
+
+def key_of(item: str) -> tuple:
+    """A bench.sweep item (not `advised`) as its configuration key."""
+    return (NGRAM, *parse_ngram(item)) if is_ngram(item) else parse_configuration(item)
 
 
 @dataclass
@@ -50,8 +64,16 @@ class Configuration:
     resolution: Resolution | None = None  # None: the advised placeholder
 
     @property
-    def key(self) -> tuple[int, int, int]:
+    def ngram(self) -> bool:
+        """Whether it is n-gram lookup (NGRAM), not the trained draft."""
+        return self.resolution is not None and self.resolution.effective.algorithm == NGRAM
+
+    @property
+    def key(self) -> tuple:
+        """(num_steps, topk, num_draft_tokens) of a draft; ("NGRAM", draft tokens, max BFS breadth) of n-gram lookup."""
         f = self.resolution.effective
+        if f.algorithm == NGRAM:
+            return NGRAM, f.num_draft_tokens, f.ngram_max_bfs_breadth
         return f.num_steps, f.topk, f.num_draft_tokens
 
 
@@ -60,26 +82,28 @@ class Pairing:
     """What one configuration measured beside the baseline (figures as draftlab.bench.measure gives them)."""
 
     configuration: Configuration
-    baseline: dict | None  # None: no baseline (bench.backend url)
+    baseline: dict | None  # None: no baseline (bench.backend url); the first prompt set's
     spec: dict | None  # None: it failed (error says why)
     log: Path
     urls: dict = field(default_factory=dict)
     error: str | None = None
+    sets: dict = field(default_factory=dict)  # prompt set name -> (baseline, speculative) figures, the first set's included
 
 
 def plan_configurations(spec_resolution: Resolution, items: list[str], resolve_one, on_adjust: str,
                         candidates) -> tuple[list[Configuration], dict]:
     """(configurations in the order they are measured, {key: Resolution or why it is refused} for
     `advised`): spec.*'s first, then bench.sweep's. resolve_one(key) -> Resolution of that
-    configuration with every other flag as spec.* and bench.* give it; every listed one must pass
-    spec.on_adjust here, before anything starts. `candidates`: the keys the advice may recommend."""
+    configuration (a draft's (s, k, w) or n-gram lookup's ("NGRAM", N, B)) with every other flag as
+    spec.* and bench.* give it; every listed one must pass spec.on_adjust here, before anything
+    starts. `candidates`: the keys the advice may recommend."""
     first = Configuration(name_of(_key(spec_resolution)), [SPEC], spec_resolution)
     out, by_key = [first], {first.key: first}
     for item in items:
         if item == ADVISED:
             out.append(Configuration(ADVISED, [ADVISED]))
             continue
-        key = parse_configuration(item)
+        key = key_of(item)
         if key in by_key:  # spec.*'s own: measured first already
             by_key[key].roles.append(LISTED)
             continue
@@ -88,11 +112,11 @@ def plan_configurations(spec_resolution: Resolution, items: list[str], resolve_o
             res.enforce(on_adjust)
         except UserError as e:
             raise UserError(f"bench.sweep lists {item}: {e}") from None
-        by_key[key] = Configuration(name_of(key), [LISTED], res)
+        by_key[key] = Configuration(item if is_ngram(item) else name_of(key), [LISTED], res)
         out.append(by_key[key])
     choices = {}
     if any(c.name == ADVISED for c in out):
-        for key in list(candidates) + [k for k in by_key if k not in candidates]:
+        for key in list(candidates) + [k for k in by_key if k not in candidates and k[0] != NGRAM]:
             res = by_key[key].resolution if key in by_key else resolve_one(key)
             try:
                 choices[key] = res.enforce(on_adjust)
@@ -116,6 +140,7 @@ def measure(plan, out: Path, advise_first) -> list[Pairing]:
     print("bench: a baseline server (no speculation), kept up for every configuration")
     with bench.start(bp.backend, bp, plan.target_params, plan.draft.path, plan.flags, plan.sglang_version, base_log,
                      speculative=False) as base_url:
+        plan.answer_turns(base_url, out)  # the answers later turns follow, once, by the baseline
         first, *rest = plan.configurations
         pairings = [_pair(plan, base_url, first, out / "server-spec.log")]
         pick = advise_first(pairings[0])
@@ -157,15 +182,20 @@ def _pair(plan, base_url: str, config: Configuration, log: Path) -> Pairing:
     bp = plan.bench_params
     flags = config.resolution.effective
     print(f"bench: {config.name} ({', '.join(config.roles)}): speculative server {flags.algorithm} steps={flags.num_steps} "
-          f"topk={flags.topk} draft_tokens={flags.num_draft_tokens} beside the baseline; requests in ABBA order")
+          f"topk={flags.topk} draft_tokens={flags.num_draft_tokens} beside the baseline; requests in ABBA order"
+          + ("; both servers' caches emptied before every measured pass" if config.ngram else ""))
     port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
+    sets = {}
     with bench.start(bp.backend, bp, plan.target_params, plan.draft.path, flags, plan.sglang_version, log,
                      speculative=True, port=port) as url:
-        got = bench.measure({"baseline": base_url, "speculative": url}, bp, plan.prompt_ids, plan.sampling, bp.warmup, abba=True,
-                            label=config.name)
-    if not got["speculative"]["spec"]:
-        raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
-    return Pairing(config, got["baseline"], got["speculative"], log, {"baseline": base_url, "speculative": url})
+        for bset in plan.sets:
+            got = bench.measure({"baseline": base_url, "speculative": url}, bp, plan.set_prompt_ids(bset), plan.sampling,
+                                bp.warmup, abba=True, label=f"{config.name} {bset.name}", fresh=config.ngram)
+            if not got["speculative"]["spec"]:
+                raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
+            sets[bset.name] = (got["baseline"], got["speculative"])
+    base, spec = sets[plan.sets[0].name]
+    return Pairing(config, base, spec, log, {"baseline": base_url, "speculative": url}, sets=sets)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,10 +211,14 @@ def rows(pairings: list[Pairing], predicted: dict, by_concurrency: dict | None) 
     for p in pairings:
         c = p.configuration
         res = c.resolution
-        row = {"configuration": c.name, "roles": c.roles, "num_steps": c.key[0], "topk": c.key[1], "num_draft_tokens": c.key[2],
-               "flags": {"requested": dataclasses.asdict(res.requested), "effective": dataclasses.asdict(res.effective),
+        eff = res.effective
+        row = {"configuration": c.name, "roles": c.roles, "algorithm": eff.algorithm, "num_steps": eff.num_steps, "topk": eff.topk,
+               "num_draft_tokens": eff.num_draft_tokens,
+               "flags": {"requested": dataclasses.asdict(res.requested), "effective": dataclasses.asdict(eff),
                          "adjustments": [f.rule for f in res.adjustments]},
                "server_log": p.log.name, "servers": p.urls}
+        if c.ngram:
+            row["ngram"] = {"draft_tokens": eff.num_draft_tokens, "max_bfs_breadth": eff.ngram_max_bfs_breadth}
         if p.error:
             out.append({**row, "error": p.error})
             continue
@@ -231,6 +265,7 @@ def _point(n: int, base: dict, spec: dict, candidate: dict | None) -> dict:
     speedup = spec["throughput"] / base["throughput"]
     return {"concurrency": n, "speedup": speedup, "repeat_speedups": pairs,
             "repeat_spread": max(pairs) / min(pairs) - 1.0 if pairs else None,
+            "repeat_taus": [b.get("tau") for b in spec.get("batches", [])],  # a repeat that saw its own answers: a higher tau
             "baseline_tokens_per_s": base["throughput"], "tokens_per_s": spec["throughput"], "tau": spec.get("tau"),
             "prompt_only_ms_per_request": {"baseline": _ms(base.get("prompt_only_s_per_request")),
                                            "speculative": _ms(spec.get("prompt_only_s_per_request"))},
@@ -256,8 +291,9 @@ def predicted_vs_measured_by_concurrency(rows_: list[dict]) -> list[dict]:
 
 
 def best(rows_: list[dict], advised: dict) -> dict:
-    """The best configuration measured (bs=1 speedup) and the advice's, named side by side."""
-    done = [r for r in rows_ if r.get("speedup") is not None]
+    """The best draft configuration measured (bs=1 speedup) and the advice's, named side by side
+    (n-gram lookup is compared in the headline table, draftlab.bench_report)."""
+    done = [r for r in rows_ if r.get("speedup") is not None and r.get("algorithm") != NGRAM]
     top = max(done, key=lambda r: r["speedup"]) if done else None
     rec = advised.get("recommended")
     pick = name_of((rec["num_steps"], rec["topk"], rec["num_draft_tokens"])) if rec else None

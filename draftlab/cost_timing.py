@@ -6,6 +6,7 @@ top-k shares. What the cost model (draftlab.advice) is fed; everything here runs
     costs = cost_timing.measure_costs(target, draft, context, physical, configs, prompt_len=len(prompt))
     costs["gemm_s"] = cost_timing.measure_gemm_s(target, token_counts)
     ranks = cost_timing.measure_rank_shares(target, draft, outputs, prompt_lens, physical)
+    costs.update(cost_timing.measure_ngram_costs(target, context, prompt_len, [(12, 10), (4, 1)], history))
 
 A round's drafting and verify (DV in draftlab.advice) is timed as a round runs it, the draft's
 forwards and the target's verify one after the other over a cache of a prompt plus half an answer
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from draftlab import spec_engine
+from draftlab import ngram, spec_engine
 from draftlab.advice import CHAINS, TREES
 from draftlab.draft import KVCache
 from draftlab.extract import AuxCapture
@@ -34,6 +35,13 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
     decode each prompt without speculation, for the in-process decode step (baseline_step_s, None
     without); a server of another engine is scaled on its own rounds instead (`served_fits.round_scale`), and an
     eager 8B baseline costs a minute."""
+    return summarize(prompts, *decode_each(target, draft, prompts, flags, physical, max_new_tokens, eos, ignore_eos, with_baseline))
+
+
+def decode_each(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
+                eos: set[int], ignore_eos: bool, with_baseline: bool = True) -> tuple[list, list]:
+    """(spec_engine results, baseline results) of `offline_run`, for callers that decode in parts
+    (the turns of a conversation) and `summarize` them together."""
     results, baselines = [], []
     for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
         results.append(spec_engine.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
@@ -41,6 +49,11 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
                                             eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
         if with_baseline:
             baselines.append(spec_engine.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
+    return results, baselines
+
+
+def summarize(prompts: list[list[int]], results: list, baselines: list) -> dict:
+    """offline_run's figures from the results of every prompt (in the order of `prompts`)."""
     base_steps = sum(len(b.output_ids) - 1 for b in baselines)
     proposed = [sum(x) for x in zip(*(r.proposed for r in results))]
     accepted = [sum(x) for x in zip(*(r.accepted for r in results))]
@@ -254,3 +267,52 @@ def measure_rank_shares(target, draft, sequences: list[list[int]], prompt_lens: 
         for r, c in enumerate(hits.sum(0).tolist()):
             counts[r] += c
     return [c / total for c in counts] if total else []
+
+
+@torch.inference_mode()
+def measure_ngram_costs(target, prompt: list[int], prompt_len: int, configs, history: list[list[int]], repeats: int = 15) -> dict:
+    """What n-gram lookup's rounds cost in-process (draftlab.ngram, seconds): for each (draft tokens,
+    max breadth) of `configs`, a whole round (the lookup, the verify of the padded tree, acceptance,
+    KV keep) and the lookup alone, over a cache holding `history` (earlier sequences, e.g. the offline
+    run's) and `prompt` (a prompt plus about half an answer, as measure_costs'); the target's decode
+    step and prefill timed in the same interleaved loop, so that the in-process speedup of n-gram
+    lookup is a ratio of timings from one minute (draftlab.ngram_advice). There is no draft forward."""
+    device = target.device
+    cache = ngram.NgramCache()
+    for seq in history:
+        cache.start(seq)
+    spec_engine.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
+    with spec_engine.attention_kernels(device):
+        ids = torch.tensor([prompt], device=device)
+        kv = spec_engine.new_cache(target)
+        x = int(spec_engine.target_forward(target, ids, kv, logits_to_keep=1)[0, -1].argmax())
+        cache.start(prompt)
+        cache.extend([x])
+        n = len(prompt)
+
+        def prefill():
+            spec_engine.target_forward(target, torch.tensor([prompt[:prompt_len]], device=device), spec_engine.new_cache(target),
+                                       logits_to_keep=1)
+
+        def decode_step():
+            logits = spec_engine.target_forward(target, torch.tensor([[x]], device=device), kv, logits_to_keep=1)
+            spec_engine.pick(logits[0, -1], True, 0.0, -1, 1.0, None)
+            _rollback(kv, n)
+
+        def whole(width, breadth):
+            def run():
+                tree = cache.propose(x, width, breadth)
+                logits = spec_engine.verify_tree(target, kv, tree, n)
+                path, _ = spec_engine.accept_path(tree, logits, True, 0.0, -1, 1.0, None)
+                spec_engine.keep_kv(kv, n, path)
+                _rollback(kv, n)
+            return run
+
+        timers = {("prefill", ""): _timed(prefill, device), ("decode", ""): _timed(decode_step, device)}
+        for width, breadth in configs:
+            timers[("round", f"{width}-{breadth}")] = _timed(whole(width, breadth), device)
+            timers[("lookup", f"{width}-{breadth}")] = _timed(lambda w=width, b=breadth: cache.propose(x, w, b), device)
+        med = _interleaved_medians(timers, repeats)
+    return {"ngram_prefill_s": med[("prefill", "")], "ngram_decode_step_s": med[("decode", "")],
+            "ngram_round_s": {k: t for (name, k), t in med.items() if name == "round"},
+            "ngram_lookup_s": {k: t for (name, k), t in med.items() if name == "lookup"}}

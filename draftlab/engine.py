@@ -2,6 +2,7 @@
 
     Engine      plain decoding of a transformers causal LM: spec_engine.baseline_generate
     SpecEngine  EAGLE-3 speculative decoding of an exported draft: spec_engine.generate
+    NgramEngine training-free speculation, drafts from a cache of earlier text: ngram.generate
 
 Both run draftlab.spec_engine's cache, forward and sampler (spec_engine.pick), so the reference
 server, the bench's offline run and the parity check decode with one implementation. Greedy
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftlab import spec_engine
+from draftlab import ngram, spec_engine
 from draftlab.errors import UserError, shown
 from draftlab.extract import AuxCapture, decoder_layers
 from draftlab.metrics import pooled_tau
@@ -67,6 +68,9 @@ class Engine:
 
     def info(self) -> dict:
         return {"context_length": self.context_length, "speculative_algorithm": None}
+
+    def flush(self) -> None:
+        """Drop what the engine keeps between requests (the server's /flush_cache); nothing here."""
 
     @torch.inference_mode()
     def generate(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
@@ -214,5 +218,54 @@ class SpecEngine(Engine):
             "spec_accepted_per_depth": list(result.accepted),
         }
         if not result.spec_verify_ct:  # one token from the prefill alone: no verify step, tau undefined (JSON has no NaN)
+            meta["spec_accept_length"] = None
+        return Completion(result.output_ids, self.decode(result.output_ids), result.finish_reason, meta)
+
+
+class NgramEngine(Engine):
+    """NGRAM speculation (draftlab.ngram) behind the same interface: no draft model; one n-gram cache
+    shared by every request, emptied by flush(). Flags with SGLang's meaning: num_draft_tokens tokens
+    verified per round, max_breadth the widest level of the tree (SGLang's topk), max_match the
+    longest suffix matched (SGLang's max trie depth)."""
+
+    def __init__(self, model, tokenizer, device, context_length, num_draft_tokens: int, max_breadth: int,
+                 min_breadth: int = 1, max_match: int = 18, num_steps: int | None = None):
+        super().__init__(model, tokenizer, device, context_length)
+        self.cache = ngram.NgramCache(max_match)
+        self.flags = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": num_draft_tokens,
+                      "speculative_eagle_topk": max_breadth, "speculative_num_steps": num_steps or num_draft_tokens // max_breadth,
+                      "speculative_ngram_min_bfs_breadth": min_breadth, "speculative_ngram_max_bfs_breadth": max_breadth,
+                      "speculative_ngram_max_trie_depth": max_match}
+        self.totals = {"completion_tokens": 0, "verify_ct": 0}  # SGLang reserves no context slots for NGRAM
+
+    def info(self) -> dict:
+        totals = self.totals
+        avg = pooled_tau([totals["completion_tokens"]], [totals["verify_ct"]]) if totals["verify_ct"] else None
+        return {"context_length": self.context_length, **self.flags, "avg_spec_accept_length": avg}
+
+    def flush(self) -> None:
+        self.cache.clear()
+
+    @torch.inference_mode()
+    def generate(self, input_ids: list[int], sampling: SamplingParams) -> Completion:
+        self._check_length(input_ids)
+        if sampling.stop:
+            raise ValueError("stop strings are not supported with speculative decoding by the reference server")
+        width = self.flags["speculative_num_draft_tokens"]
+        max_new = min(sampling.max_new_tokens, self.context_length - len(input_ids) - width)  # the verify block stays in the context
+        result = ngram.generate(self.model, self.cache, input_ids, num_draft_tokens=width,
+                                max_breadth=self.flags["speculative_ngram_max_bfs_breadth"], max_new_tokens=max(1, max_new),
+                                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                eos_token_id=set(sampling.stop_token_ids) | self.eos_ids, ignore_eos=sampling.ignore_eos,
+                                generator=self._generator(sampling))
+        self.totals["completion_tokens"] += len(result.output_ids)
+        self.totals["verify_ct"] += result.spec_verify_ct
+        correct = sum(a * n for a, n in enumerate(result.accept_hist))
+        proposed = result.spec_verify_ct * (width - 1)  # as SGLang counts NGRAM's: every slot of the block
+        meta = {**result.meta(), "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
+                "spec_accept_rate": correct / proposed if proposed else 0.0,
+                "spec_correct_drafts_histogram": list(result.accept_hist),
+                "spec_proposed_per_depth": list(result.proposed), "spec_accepted_per_depth": list(result.accepted)}
+        if not result.spec_verify_ct:
             meta["spec_accept_length"] = None
         return Completion(result.output_ids, self.decode(result.output_ids), result.finish_reason, meta)

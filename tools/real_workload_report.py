@@ -5,8 +5,11 @@
 RUN is a project root after `draftlab exp run configs/real-gpu.yaml` (or `draftlab run-stages ...`),
 or the unpacked results.tar.gz of tools/offline_gpu_run.sh. OUT gets the run's measured files
 (bench.json, the bench CSVs and plots, the train metrics and curves, check.md, the stage manifests'
-counts, the stage times) and results.md: the tau triangle with acceptance by draft position, every
-configuration at every concurrency, the advice against the measurement, and tau by kind of prompt.
+counts, the stage times) and results.md: first "does training pay?" (the baseline, the best n-gram
+lookup and the best trained draft at every concurrency, per prompt set of bench.prompts, and the
+held-out set against an earlier measurement of the same prompts), then the tau triangle with
+acceptance by draft position, every configuration at every concurrency, the advice against the
+measurement, every prompt set by turn and category (MT-bench), and tau by kind of prompt.
 
 OUT defaults to a new folder, reports/real-workload/run-YYYYMMDD-HHMMSS (under the current
 directory). An OUT that already holds files (a committed report) is refused unless --force is given,
@@ -34,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from draftlab import jsonl, metrics
+from draftlab.bench_report import groups_markdown, headline_markdown
 
 CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "c#", "sql", "html", "css", "bash", "regex",
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
@@ -41,10 +45,15 @@ CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
 REPORTS = Path("reports/real-workload")  # where a new report folder goes by default
 STAGES = ("target", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench", "check")  # the DAG's order
 FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
+# An earlier measurement with SGLang 0.5.14 on one H200: SmolLM2-135M-Instruct (bf16, triton attention,
+# CUDA graphs), the 32 held-out bench prompts of reports/real-workload/real-gpu/bench-prompts.jsonl after
+# its 2 warm-up prompts, 256 new tokens, greedy, bs=1: (served tau, speedup).
+EARLIER = {"ngram": (2.06, 0.84), "ngram-4-1": (1.77, 0.74), "3-1-4": (1.83, 0.66), "7-1-8": (1.91, 0.72)}
 COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json reports/train/plots/accept.png "
           "reports/train/plots/loss.png reports/bench/configurations.csv reports/bench/concurrency.csv "
           "reports/bench/acceptance.csv reports/bench/configurations.png reports/bench/bench.png "
-          "reports/bench/requests.jsonl params.yaml").split()
+          "reports/bench/requests.jsonl reports/bench/report.md reports/bench/categories.png reports/bench/categories.csv "
+          "params.yaml").split()
 
 
 def kind(row: dict) -> str:
@@ -86,8 +95,9 @@ def tau_by_kind(run: Path, rows: list[dict], bench_params: dict) -> dict:
     measured = rows[bench_params["warmup"]: bench_params["warmup"] + bench_params["num_prompts"]]
     groups: dict = {}  # (configuration, kind) -> [(tokens, rounds) per request]
     seen: dict = {}  # configuration -> speculative requests so far (the i-th answers measured[i])
+    first = ((read(run, "reports/bench.json") or {}).get("prompt_sets") or [{"name": "heldout"}])[0]["name"]
     for _, r in jsonl.read(run / "reports/bench/requests.jsonl", "it is the bench stage's own record: re-run the bench"):
-        if r["mode"] == "speculative":
+        if r["mode"] == "speculative" and r.get("prompt_set", first) == first:  # the first prompt set's requests
             i = seen[r["configuration"]] = seen.get(r["configuration"], -1) + 1
             groups.setdefault((r["configuration"], kind(measured[i])), []).append(
                 (r["meta"]["completion_tokens"], r["meta"]["spec_verify_ct"]))
@@ -120,6 +130,35 @@ def table(header: list[str], rows: list[list]) -> str:
                      ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows])
 
 
+def training_pays_md(bench: dict) -> list[str]:
+    """"Does training pay?" per prompt set, and the held-out set against the earlier measurement (EARLIER)."""
+    sets = bench.get("prompt_sets") or []
+    if not sets:
+        return []
+    out = ["## Does training pay?", "",
+           "The baseline, the best n-gram lookup (SGLang's NGRAM, no draft model) and the best trained-draft configuration, each "
+           "paired against the same baseline server (bs=1: median tokens/s per request; more in flight: whole batches).", ""]
+    for s in sets:
+        out += [f"### {s['name']} ({s['conversations']} conversations, {s['requests']} requests)", "", headline_markdown(s["training_pays"]), ""]
+    held = next((s for s in sets if s["name"] == "heldout"), None)
+    if held:
+        rows = [[c["configuration"], c["pooled"]["tau"], EARLIER[c["configuration"]][0], c["pooled"]["speedup"], EARLIER[c["configuration"]][1]]
+                for c in held["configurations"] if c["configuration"] in EARLIER]
+        if rows:
+            out += ["### The held-out set against an earlier measurement of the same prompts (SGLang 0.5.14, one H200, bs=1)", "",
+                    table(["configuration", "served tau", "earlier tau", "speedup", "earlier speedup"], rows), ""]
+    return out
+
+
+def by_group_md(bench: dict) -> list[str]:
+    """Every prompt set by turn and category (tau, a_i, speedup at bs=1)."""
+    out = []
+    for s in bench.get("prompt_sets") or []:
+        if s["turns"] > 1 or s.get("categories"):
+            out += [f"## {s['name']}: every configuration by turn and category", "", groups_markdown(s), ""]
+    return out
+
+
 def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
@@ -130,11 +169,13 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     offline = bench["offline"]["acceptance"]
     plot_triangle(out_dir, trained, offline, served)
     times = stage_times(run)
+    measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
            f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
            f"({(synth.get('finish_reasons') or {}).get('length')} answers cut at synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s.", "",
+           *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],
                  [["train-predicted (eval split, teacher-forced)", train["tau_by_steps"][f"steps_{steps}"], *trained],
@@ -144,10 +185,12 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
                   "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
                  [[c["configuration"], c["tau"], c["predicted_tau"], 1, c["speedup"], c["predicted_speedup"],
-                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in bench["configurations"]] +
+                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in measured] +
                  [[c["configuration"], p["tau"], p["predicted_tau"], p["concurrency"], p["speedup"], p["predicted_speedup"],
-                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in bench["configurations"] for p in c["concurrency"]]),
+                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in measured for p in c["concurrency"]]),
+           *[f"Failed: {c['configuration']}: {c['error'].splitlines()[0]}" for c in bench["configurations"] if c.get("error")],
            "", f"Advice: {bench['advice']['advice']}", "",
+           *by_group_md(bench),
            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
            table(["configuration", "kind", "prompts", "served tau"],
                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",

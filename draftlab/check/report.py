@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from draftlab.bench_report import headline_markdown
 from draftlab.check.findings import ERROR, INFO, WARNING, Finding
 from draftlab.sglang.loading import config_dtype
 
@@ -112,8 +113,10 @@ def summary_markdown(run, findings: list[Finding], config_hash: str, out_dir: Pa
     """The run on one page; `plots` (pipeline_plots) are linked relative to `out_dir`."""
     t, b = run.train_metrics or {}, run.bench or {}
     spec, base, off = b.get("spec") or {}, b.get("baseline") or {}, b.get("offline") or {}
-    lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Check: {_counts(findings)} (details: [check.md](check.md)).", "",
-             "## What ran", "", "| stage | config hash | facts |", "|---|---|---|", *stage_rows(run), "",
+    lines = ["# Run summary", "", f"Check config_hash `{config_hash}`. Check: {_counts(findings)} (details: [check.md](check.md)).", ""]
+    for s in b.get("prompt_sets") or []:  # the bench's headline: baseline, the best n-gram lookup and the best draft
+        lines += [f"## Does training pay? ({s['name']}: {s['requests']} requests)", "", headline_markdown(s["training_pays"]), ""]
+    lines += ["## What ran", "", "| stage | config hash | facts |", "|---|---|---|", *stage_rows(run), "",
              "## Key figures", "", "| figure | value |", "|---|---|",
              f"| tau predicted by training | {_fmt(t.get('tau_pred'))} |",
              f"| tau offline (in-process engine) | {_fmt(off.get('tau'))} |",

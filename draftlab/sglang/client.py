@@ -106,7 +106,9 @@ def pooled_accept_rate(metas: Sequence[GenerateMeta]) -> float:
 
 
 def flags_from_server_info(info: dict) -> SpecFlags:
-    """The flags a running server reports in /server_info (its resolved server_args)."""
+    """The flags a running server reports in /server_info (its resolved server_args); the n-gram
+    settings only for an NGRAM server (SGLang reports their defaults whatever the algorithm)."""
+    ngram = info.get("speculative_algorithm") == "NGRAM"
     return SpecFlags(
         algorithm=info.get("speculative_algorithm"),  # None: no speculation
         num_steps=info.get("speculative_num_steps"),
@@ -115,6 +117,9 @@ def flags_from_server_info(info: dict) -> SpecFlags:
         max_running_requests=info.get("max_running_requests"),
         page_size=info.get("page_size"),
         attention_backend=info.get("attention_backend"),
+        ngram_min_bfs_breadth=info.get("speculative_ngram_min_bfs_breadth") if ngram else None,
+        ngram_max_bfs_breadth=info.get("speculative_ngram_max_bfs_breadth") if ngram else None,
+        ngram_max_trie_depth=info.get("speculative_ngram_max_trie_depth") if ngram else None,
     )
 
 
@@ -176,6 +181,15 @@ class Client:
         if r.status_code == 404:
             r = self._request("GET", "/get_server_info")
         return self._json(r, "/server_info")
+
+    def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """POST /flush_cache: the server drops its caches once idle (waiting up to timeout_s). On an
+        NGRAM server this empties the n-gram cache (SGLang 0.5.14: Scheduler.flush_cache ->
+        NGRAMWorker.clear_cache_pool -> NgramCorpus.reset; the reference server likewise). UserError
+        when the server refuses (requests still running after timeout_s)."""
+        r = self._request("POST", f"/flush_cache?timeout={timeout_s:g}")
+        if r.status_code != 200:
+            raise UserError(f"{self.url}/flush_cache: HTTP {r.status_code}: {_error_message(r)}")
 
     def generate(self, prompt: str | Sequence[int], sampling_params: dict | None = None, **body) -> tuple[str, GenerateMeta]:
         """POST /generate for one prompt (text, or token ids); returns (text, meta)."""

@@ -26,6 +26,13 @@ places, except the list of attention backends of rule paged_tree_backend. What c
 by release from 0.5.18 to 0.5.23 is in reports/sglang-releases.md; the flags that no SpecFlags
 field holds (--enable-mixed-chunk, --speculative-use-block-verification, ...) are read from the
 extra server arguments (Setup.extra_server_args, bench.extra_server_args).
+
+NGRAM (training-free: draft tokens looked up in a cache of earlier text, no draft model) has rules
+of its own, read from SGLang 0.5.14's `_handle_ngram` (python/sglang/srt/arg_groups/speculative_hook.py):
+max running requests 48 when unset, mixed chunked prefill off, topk := the maximum BFS breadth
+(whatever --speculative-eagle-topk says), 12 draft tokens when unset, num_steps := draft tokens //
+topk when unset, and a tree (breadth > 1) on pages > 1 token only on flashinfer. A Rule applies to
+the algorithms it lists (`algorithms`); the EAGLE rules never fire for NGRAM.
 """
 from __future__ import annotations
 
@@ -37,7 +44,16 @@ from typing import Callable
 from draftlab.errors import UserError
 from draftlab.sglang.layers import parse_version
 
-ALGORITHMS = ("EAGLE3", "EAGLE")
+ALGORITHMS = ("EAGLE3", "EAGLE", "NGRAM")
+EAGLE_FAMILY = ("EAGLE3", "EAGLE")
+NGRAM = "NGRAM"
+# SGLang 0.5.14's NGRAM defaults (ServerArgs.speculative_ngram_*, and _handle_ngram's 12 draft tokens)
+NGRAM_DRAFT_TOKENS = 12
+NGRAM_MIN_BFS_BREADTH = 1
+NGRAM_MAX_BFS_BREADTH = 10
+NGRAM_MAX_TRIE_DEPTH = 18  # tokens of context matched and stored per window
+NGRAM_CAPACITY = 10_000_000  # trie nodes, shared by every request (not a SpecFlags field: memory only)
+NGRAM_PAGE_TREE_BACKENDS = ("flashinfer",)  # a breadth > 1 on pages > 1 token: only this backend
 SPEC_MAX_RUNNING_REQUESTS = 48  # SGLang's cap on running requests when speculating
 # Attention backends that implement topk > 1 trees on pages > 1 token (newest list; older
 # releases allowed ["flashinfer"] then ["flashinfer", "fa3"]).
@@ -83,6 +99,10 @@ class SpecFlags:
     max_running_requests: int | None = None  # --max-running-requests
     page_size: int | None = None  # --page-size: tokens per KV-cache page (SGLang's default is 1)
     attention_backend: str | None = None  # --attention-backend; None = SGLang picks from the GPU
+    # NGRAM only (None otherwise): --speculative-ngram-{min,max}-bfs-breadth, --speculative-ngram-max-trie-depth
+    ngram_min_bfs_breadth: int | None = None
+    ngram_max_bfs_breadth: int | None = None  # the widest level of the draft tree; SGLang sets topk to it
+    ngram_max_trie_depth: int | None = None  # longest context suffix matched (and window stored), tokens
 
 
 SPEC_KEYS = ("algorithm", "num_steps", "topk", "num_draft_tokens")  # the flags that decide speculation itself
@@ -138,8 +158,11 @@ class Rule:
     source: str
     # check(state, setup) -> (kind, what, fix) or None; it may update `state` as SGLang does
     check: Callable[[dict, Setup], tuple[str, str, str] | None]
+    algorithms: tuple[str, ...] = EAGLE_FAMILY  # the --speculative-algorithm values this rule is read for
 
     def apply(self, state: dict, setup: Setup) -> RuleOutcome | None:
+        if state["algorithm"] not in self.algorithms:
+            return None
         hit = self.check(state, setup)
         if hit is None:
             return None
@@ -289,10 +312,65 @@ def _concurrency_above_running(s, setup):
         return "adjusted", what, f"set bench.max_running_requests: {want} or keep bench.concurrency <= {cap}"
 
 
+def _ngram_mixed_chunk(s, setup):
+    if setup.passes(MIXED_CHUNK_FLAG):
+        return "adjusted", "SGLang turns --enable-mixed-chunk off for NGRAM (WARNING)", f"remove {MIXED_CHUNK_FLAG} from bench.extra_server_args"
+    return "default", "SGLang runs NGRAM without mixed chunked prefill", None
+
+
+def _ngram_breadth_defaults(s, setup):
+    """The NGRAM settings left unset take SGLang's defaults (recorded, never refused)."""
+    filled = []
+    for key, value in (("ngram_min_bfs_breadth", NGRAM_MIN_BFS_BREADTH), ("ngram_max_bfs_breadth", NGRAM_MAX_BFS_BREADTH),
+                       ("ngram_max_trie_depth", NGRAM_MAX_TRIE_DEPTH)):
+        if s[key] is None:
+            s[key] = value
+            filled.append(f"{key.replace('ngram_', '')} {value}")
+    if filled:
+        return "default", f"SGLang {setup.sglang_version} takes its NGRAM defaults: {', '.join(filled)}", "name them in the configuration (ngram-N-B)"
+
+
+def _ngram_breadth_range(s, setup):
+    low, high = s["ngram_min_bfs_breadth"], s["ngram_max_bfs_breadth"]
+    if low < 1 or low > high:
+        what = f"SGLang's n-gram cache refuses min BFS breadth {low} with max {high} at start-up (RuntimeError)"
+        return "error", what, "keep 1 <= min BFS breadth <= max BFS breadth"
+
+
+def _ngram_topk(s, setup):
+    breadth, asked = s["ngram_max_bfs_breadth"], s["topk"]
+    s["topk"] = breadth
+    if asked is not None and asked != breadth:
+        return "adjusted", f"SGLang would run topk {breadth} (the maximum BFS breadth), not {asked}", "leave topk unset for NGRAM"
+    return "default", f"SGLang sets topk to the maximum BFS breadth, {breadth}", None
+
+
+def _ngram_draft_tokens(s, setup):
+    if s["num_draft_tokens"] is None:
+        s["num_draft_tokens"] = NGRAM_DRAFT_TOKENS
+        return "default", f"SGLang runs {NGRAM_DRAFT_TOKENS} draft tokens", "name the draft tokens (ngram-N-B)"
+
+
+def _ngram_num_steps(s, setup):
+    if s["num_steps"] is None:
+        s["num_steps"] = s["num_draft_tokens"] // s["topk"]
+        return "default", f"SGLang sets num_steps to draft tokens // topk = {s['num_steps']}", None
+
+
+def _ngram_paged_tree(s, setup):
+    topk, pages, backend = s["topk"], s["page_size"] or 1, s["attention_backend"]
+    if topk <= 1 or pages <= 1 or backend in NGRAM_PAGE_TREE_BACKENDS:
+        return None
+    what = f"SGLang refuses an NGRAM tree (breadth {topk}) with page_size={pages} on attention backend {backend or '(its pick)'} (ValueError)"
+    return "error", what, "set bench.page_size: 1, bench.attention_backend: flashinfer, or a breadth of 1 (ngram-N-1)"
+
+
 _ARGS = ("python/sglang/srt/server_args.py ServerArgs._handle_speculative_decoding (0.5.x up to 0.5.14); "
          "python/sglang/srt/arg_groups/speculative_hook.py _handle_eagle_family (0.5.17..0.5.23); "
          "python/sglang/srt/speculative/spec_info.py _handle_eagle_family (main)")
 _HOOK = "sgl-project/sglang v0.5.23 python/sglang/srt/arg_groups/speculative_hook.py"
+_NGRAM = "python/sglang/srt/arg_groups/speculative_hook.py _handle_ngram (the sglang 0.5.14 wheel)"
+_ALL = ALGORITHMS
 
 RULES: tuple[Rule, ...] = (
     Rule("eagle_with_eagle3_draft",
@@ -306,13 +384,14 @@ RULES: tuple[Rule, ...] = (
          effect="up to 0.5.21: unknown argument, SGLang refuses to start; from 0.5.22: EAGLE/EAGLE3 verify by rejection sampling "
                 f"({REJECTION_SAMPLING_FLAG} turned on, no message)",
          sglang_message=None, log_pattern=None, fix=f"pass {REJECTION_SAMPLING_FLAG} too, or drop {BLOCK_VERIFICATION_FLAG}",
-         source=f"{_HOOK} handle_speculative_decoding (added in v0.5.22)", check=_block_verification),
+         source=f"{_HOOK} handle_speculative_decoding (added in v0.5.22)", check=_block_verification, algorithms=_ALL),
     Rule("max_running_requests_default",
          condition="max_running_requests unset",
          effect=f"max_running_requests := {SPEC_MAX_RUNNING_REQUESTS}, which also caps the CUDA-graph batch sizes",
          sglang_message=f"Max running requests is reset to {SPEC_MAX_RUNNING_REQUESTS} for speculative decoding",
          log_pattern=r"Max running requests is reset to \d+ for speculative decoding",
-         fix="set bench.max_running_requests", source=_ARGS, check=_max_running_requests_default),
+         fix="set bench.max_running_requests", source=f"{_ARGS}; {_NGRAM}", check=_max_running_requests_default,
+         algorithms=_ALL),
     Rule("mixed_chunk",
          condition=f"{MIXED_CHUNK_FLAG} in bench.extra_server_args",
          effect="0.5.5: turned off (WARNING); 0.5.14: AssertionError; 0.5.17-0.5.18: turned off (WARNING); from 0.5.19: kept "
@@ -323,6 +402,44 @@ RULES: tuple[Rule, ...] = (
          source=f"python/sglang/srt/server_args.py (v0.5.5, v0.5.14); {_HOOK} _handle_eagle_family and "
                 "python/sglang/srt/speculative/spec_info.py SpeculativeAlgorithm.supports_mixed_chunk (v0.5.19+)",
          check=_mixed_chunk),
+    Rule("ngram_mixed_chunk",
+         condition="NGRAM",
+         effect="enable_mixed_chunk := False (a WARNING at every NGRAM start-up)",
+         sglang_message="The mixed chunked prefill are disabled because of using ngram speculative decoding.",
+         log_pattern=r"The mixed chunked prefill are disabled because of using ngram speculative decoding",
+         fix=f"drop {MIXED_CHUNK_FLAG}", source=_NGRAM, check=_ngram_mixed_chunk, algorithms=(NGRAM,)),
+    Rule("ngram_defaults",
+         condition="NGRAM with min/max BFS breadth or trie depth unset",
+         effect=f"min BFS breadth {NGRAM_MIN_BFS_BREADTH}, max {NGRAM_MAX_BFS_BREADTH}, trie depth {NGRAM_MAX_TRIE_DEPTH}, "
+                f"capacity {NGRAM_CAPACITY} trie nodes, match type BFS",
+         sglang_message=None, log_pattern=None, fix="name them", source="python/sglang/srt/server_args.py ServerArgs (0.5.14)",
+         check=_ngram_breadth_defaults, algorithms=(NGRAM,)),
+    Rule("ngram_breadth_range",
+         condition="NGRAM with min BFS breadth < 1 or > max BFS breadth",
+         effect="RuntimeError when the n-gram cache is built", sglang_message="min_bfs_breadth must be",
+         log_pattern=r"min_bfs_breadth must be", fix="keep 1 <= min <= max",
+         source="python/sglang/jit_kernel/csrc/ngram_corpus/ngram.cpp (0.5.14)", check=_ngram_breadth_range, algorithms=(NGRAM,)),
+    Rule("ngram_topk",
+         condition="NGRAM",
+         effect="speculative_eagle_topk := speculative_ngram_max_bfs_breadth (any topk given is overwritten, no message)",
+         sglang_message=None, log_pattern=None, fix="leave topk unset", source=_NGRAM, check=_ngram_topk, algorithms=(NGRAM,)),
+    Rule("ngram_draft_tokens",
+         condition="NGRAM and num_draft_tokens unset",
+         effect=f"num_draft_tokens := {NGRAM_DRAFT_TOKENS} (WARNING)",
+         sglang_message=f"speculative_num_draft_tokens is set to {NGRAM_DRAFT_TOKENS} by default for ngram speculative decoding.",
+         log_pattern=r"speculative_num_draft_tokens is set to \d+ by default for ngram speculative decoding",
+         fix="set the draft tokens", source=_NGRAM, check=_ngram_draft_tokens, algorithms=(NGRAM,)),
+    Rule("ngram_num_steps",
+         condition="NGRAM and num_steps unset",
+         effect="num_steps := num_draft_tokens // topk (no message)",
+         sglang_message=None, log_pattern=None, fix="none needed", source=_NGRAM, check=_ngram_num_steps, algorithms=(NGRAM,)),
+    Rule("ngram_paged_tree",
+         condition="NGRAM, topk (max BFS breadth) > 1, page_size > 1, attention backend not flashinfer",
+         effect="ValueError at start-up",
+         sglang_message="speculative_eagle_topk(K) > 1 with page_size(P) > 1 is unstable and produces incorrect results for paged attention backends.",
+         log_pattern=r"speculative_eagle_topk\(\S+\) > 1 with page_size\(\S+\) > 1 is unstable",
+         fix="set bench.page_size: 1 or bench.attention_backend: flashinfer", source=_NGRAM, check=_ngram_paged_tree,
+         algorithms=(NGRAM,)),
     Rule("defaults_need_num_steps",
          condition="num_steps unset but topk or num_draft_tokens set",
          effect="start-up stops: assert speculative_eagle_topk is None and speculative_num_draft_tokens is None",
@@ -393,7 +510,7 @@ RULES: tuple[Rule, ...] = (
          condition="bench concurrency > effective max_running_requests (the project's rule, not SGLang's)",
          effect="requests beyond the cap wait in SGLang's queue; the sweep point measures queueing",
          sglang_message=None, log_pattern=None, fix="raise bench.max_running_requests or lower bench.concurrency",
-         source="this project: bench", check=_concurrency_above_running),
+         source="this project: bench", check=_concurrency_above_running, algorithms=_ALL),
 )
 RULES_BY_NAME = {r.name: r for r in RULES}
 

@@ -42,6 +42,9 @@ MANAGED_FLAGS = {
     "--speculative-num-steps": "spec.num_steps",
     "--speculative-eagle-topk": "spec.topk",
     "--speculative-num-draft-tokens": "spec.num_draft_tokens",
+    "--speculative-ngram-min-bfs-breadth": "the ngram configuration of bench.sweep (ngram-N-B)",
+    "--speculative-ngram-max-bfs-breadth": "the ngram configuration of bench.sweep (ngram-N-B)",
+    "--speculative-ngram-max-trie-depth": "the ngram configuration of bench.sweep (ngram-N-B)",
 }
 
 
@@ -68,6 +71,8 @@ def launch_argv(target_model: str, port: int, *, draft_model: str | None = None,
     left to change and the report shows exactly what ran. baseline=True launches the same target
     with no speculative flag at all; the server-wide flags in `flags` (max_running_requests,
     page_size, attention_backend) still apply, so both servers differ only in speculation.
+    NGRAM (flags.algorithm) needs no draft model: --speculative-num-draft-tokens and the n-gram
+    settings; SGLang sets topk and num_steps from them (draftlab.sglang.flags, rule ngram_topk).
     """
     check_extra_args(extra_args, extra_key, managed)
     if port > MAX_PORT and not os.environ.get("SGLANG_GRPC_PORT"):
@@ -75,7 +80,15 @@ def launch_argv(target_model: str, port: int, *, draft_model: str | None = None,
                         f"<= 65535; use a port <= {MAX_PORT} (bench.port) or set SGLANG_GRPC_PORT")
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(target_model), "--host", host,
             "--port", str(port), "--tp-size", str(tp_size), "--dtype", dtype]
-    if not baseline:
+    if not baseline and flags is not None and flags.algorithm == "NGRAM":
+        argv += ["--speculative-algorithm", "NGRAM"]
+        for flag, value in (("--speculative-num-draft-tokens", flags.num_draft_tokens),
+                            ("--speculative-ngram-min-bfs-breadth", flags.ngram_min_bfs_breadth),
+                            ("--speculative-ngram-max-bfs-breadth", flags.ngram_max_bfs_breadth),
+                            ("--speculative-ngram-max-trie-depth", flags.ngram_max_trie_depth)):
+            if value is not None:
+                argv += [flag, str(value)]
+    elif not baseline:
         if draft_model is None or flags is None:
             raise ValueError("a speculative launch needs draft_model and flags (or baseline=True)")
         argv += ["--speculative-algorithm", flags.algorithm, "--speculative-draft-model-path", str(draft_model)]
