@@ -95,7 +95,7 @@ def make_features(P: dict, work: Path) -> None:
     """Random features in the standardize stage's format, a random target embedding and lm_head."""
     from safetensors.torch import save_file
 
-    from draftlab.features import pack_sequences, save_draft_vocab, shard_name, write_shard
+    from draftlab.features.dataset import pack_sequences, save_draft_vocab, shard_name, write_shard
     from draftlab.sglang.layers import physical_from_user_layers
 
     t, H, k = P["target"], P["target"]["hidden_size"], len(P["layers"])
@@ -127,25 +127,25 @@ def worker_train(work: Path, result: Path) -> None:
     from safetensors.torch import load_file
 
     from draftlab import parallel
-    from draftlab import train
-    from draftlab.draft import DraftConfig
-    from draftlab.features import FeatureDataset, load_draft_vocab
+    from draftlab.train import loop
+    from draftlab.train.draft import DraftConfig
+    from draftlab.features.dataset import FeatureDataset, load_draft_vocab
     from draftlab.params import TrainParams
 
     facts = json.loads((work / "facts.json").read_text())
-    device = train.resolve_device("auto")
+    device = loop.resolve_device("auto")
     rank, world = parallel.setup_distributed(device.type)
     d2t, t2d = load_draft_vocab(work / "features" / "draft_vocab.safetensors")
     w = load_file(str(work / "target_head.safetensors"))
     cfg = DraftConfig.from_target(facts, 3, len(d2t))
-    draft = train.init_draft(cfg, w["embed"].float(), w["head"].float(), d2t, t2d, seed=0)
+    draft = loop.init_draft(cfg, w["embed"].float(), w["head"].float(), d2t, t2d, seed=0)
     tp = TrainParams(seed=0, epochs=1, batch_size=facts["batch"], max_length=facts["seq"], lr=3e-4, min_lr_ratio=0.1,
                      warmup_ratio=0.0, weight_decay=0.0, grad_clip=0.5, ttt_steps=facts["ttt"], ttt_decay=0.8,
                      intermediate_size=None, checkpoint_every=0, device="auto", autocast="auto")
     resume = work / f"resume-{world}.pt"
     resume.unlink(missing_ok=True)
     steps: list[list[float]] = []
-    train.fit(draft, w["head"].float(), FeatureDataset(work / "features" / "train"), FeatureDataset(work / "features" / "eval"),
+    loop.fit(draft, w["head"].float(), FeatureDataset(work / "features" / "train"), FeatureDataset(work / "features" / "eval"),
           tp, resume, f"scale-{world}", device, rank, world, stop_after_steps=facts["steps"],
           on_step=lambda s, loss, sec: steps.append([s, loss, sec]))
     if rank == 0:
@@ -210,7 +210,7 @@ def make_target(P: dict, work: Path, quick: bool) -> Path:
 
 def make_answers(P: dict, work: Path, target: Path) -> None:
     """Synthetic conversations of about row_tokens tokens each, as the synthesize stage writes them."""
-    from draftlab.target import load_tokenizer
+    from draftlab.target.load import load_tokenizer
 
     tok = load_tokenizer(str(target))
     g = torch.Generator().manual_seed(1)

@@ -5,13 +5,13 @@
     python benchmarks/feature_loader.py --profile         # cProfile of one pass, top 15 by cumtime
 
 Method. Synthetic feature shards are written to a temporary directory with the project's own
-writer (draftlab.features.pack_sequences + write_shard, the calls standardize and the test
+writer (draftlab.features.dataset.pack_sequences + write_shard, the calls standardize and the test
 fixtures make): `--layers` captured layers plus the final state at `--hidden` width in bf16
 ((k+1)*H*2 bytes per token: 32 KiB at H=4096, k=3), rows of `--row-tokens` tokens +-
 `--jitter` (uniform), `--shard-tokens` tokens per shard (params.yaml extract.shard_tokens),
-`--gb` GB of states in all. The reader is then timed exactly as draftlab.train.fit drives it in
+`--gb` GB of states in all. The reader is then timed exactly as draftlab.train.loop.fit drives it in
 offline mode: FeatureDataset(split, max_length).batch(indices, device) on the shuffled batches of
-draftlab.train.epoch_batches(len, batch, seed, epoch), one after the other (fit builds no
+draftlab.train.loop.epoch_batches(len, batch, seed, epoch), one after the other (fit builds no
 DataLoader: batch() is its only reader), with prefetch(next indices, device) after each batch
 as fit calls it. `--sleep` seconds per step stand in for the device's training step (0: none),
 so the prefetch overlap shows up as it would beside a GPU.
@@ -20,7 +20,7 @@ Three readers are timed in the same run, alternately, `--repeats` times each ove
 batches: `legacy` (the reader as it was before this tool: per row get_slice from a
 memory-mapped safe_open, then collate: F.pad every row, torch.stack, .to(device), .float())
 `sync` (the current reader without prefetch: host_batch, then .to(device) and .float(), timed
-apart) and `current` (draftlab.features.FeatureDataset.batch with prefetch, as fit drives it). Per reader and repeat:
+apart) and `current` (draftlab.features.dataset.FeatureDataset.batch with prefetch, as fit drives it). Per reader and repeat:
 rows/s, real tokens/s (tokens of the rows, padding excluded) and MB/s of states read
 (real tokens x (k+1)*H*2 bytes, 1 MB = 1e6 bytes), all over the time spent in batch() (for
 `current`: waiting for the prefetch included), and where the time goes, in ms per batch (legacy:
@@ -47,9 +47,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftlab.features import FeatureDataset, pack_sequences, shard_name, write_shard  # noqa: E402
+from draftlab.features.dataset import FeatureDataset, pack_sequences, shard_name, write_shard  # noqa: E402
 try:
-    from draftlab.train import epoch_batches  # noqa: E402
+    from draftlab.train.loop import epoch_batches  # noqa: E402
 except ImportError:  # a machine without the train stage's other dependencies (tqdm, ...): the same shuffle
     def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)

@@ -1,4 +1,4 @@
-"""How fast the reference server refuses a prompt text too long for its context (draftlab.server_limits),
+"""How fast the reference server refuses a prompt text too long for its context (draftlab.engine.text_limits),
 against tokenizing the text whole as it did before, per text shape and context length.
 
     python benchmarks/oversize_text.py [--target models/tiny-target] [--mib 10] [--contexts 512,131072]
@@ -26,8 +26,8 @@ def main() -> None:
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftlab.engine import Engine
-    from draftlab.server import build_app
+    from draftlab.engine.runners import Engine
+    from draftlab.engine.server import build_app
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="models/tiny-target")

@@ -6,11 +6,11 @@
 Sections, each in its own try/except, each in its own module of benchmarks/paths/ with its method;
 DIR/results.json is rewritten after every figure:
   ceilings        bf16 matmul rate and device copy bandwidth                        (perf/ceilings.py)
-  extraction      draftlab.extract.capture and extract_shard: tokens/s vs the compute floor (perf/extraction.py)
+  extraction      draftlab.features.extract.capture and extract_shard: tokens/s vs the compute floor (perf/extraction.py)
   decode_profile  one decode step, host vs GPU; the cuDNN A/B; soft labels fp32 vs bf16 (perf/decode.py, cudnn.py)
   decode_graph    decode over a static KV cache, eager and as a CUDA graph          (perf/graph.py)
-  spec            draftlab.spec_engine: baseline decode vs the bandwidth floor; oracle / null drafts (perf/spec.py)
-  training        one draftlab.train.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py)
+  spec            draftlab.engine.speculative: baseline decode vs the bandwidth floor; oracle / null drafts (perf/spec.py)
+  training        one draftlab.train.loop.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py)
   embedded        models/tiny-target with models/draft: tau and speedup on held-out prompts (perf/embedded.py)
 DIR/notes.md states the method and the FLOP / byte formulas (tools/templates/perf_notes.md filled in).
 """

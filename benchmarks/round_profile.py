@@ -1,4 +1,4 @@
-"""Where the time of one speculative round goes: the reference engine (draftlab.spec_engine) on
+"""Where the time of one speculative round goes: the reference engine (draftlab.engine.speculative) on
 the pipeline's own target, draft and eval prompts, in-process, one thread.
 
     PYTHONPATH=. python benchmarks/round_profile.py --root . --out reports/profile/after.json
@@ -77,7 +77,9 @@ def main(root: Path, out: Path, num_prompts: int, max_new_tokens: int, num_steps
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftlab import bench, extract, spec_engine
+    from draftlab.bench import servers
+    from draftlab.features import extract
+    from draftlab.engine import speculative as spec_engine
     from draftlab.sglang.checkpoint import load_exported, read_exported
 
     target = AutoModelForCausalLM.from_pretrained(root / "models/tiny-target", dtype=torch.float32).eval()
@@ -86,7 +88,7 @@ def main(root: Path, out: Path, num_prompts: int, max_new_tokens: int, num_steps
     embed = target.get_input_embeddings().weight
     draft, _ = load_exported(exported.path, embed=embed, dtype=embed.dtype, as_sglang=True)
     physical = exported.served_physical("LlamaForCausalLM", target.config.num_hidden_layers, "0.5.14")
-    prompts = bench.render_prompts(tok, bench.read_eval_prompts(root / "data/prompts", num_prompts + 2))
+    prompts = servers.render_prompts(tok, servers.read_eval_prompts(root / "data/prompts", num_prompts + 2))
     eos = {target.generation_config.eos_token_id, tok.eos_token_id} - {None}
     kw = dict(num_steps=num_steps, topk=1, num_draft_tokens=num_steps + 1, max_new_tokens=max_new_tokens, eos_token_id=eos,
               physical_layers=physical)

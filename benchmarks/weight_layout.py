@@ -1,4 +1,4 @@
-"""Time of the target stage's weight check (draftlab.target_check.check_weight_layout) on an 8B checkpoint.
+"""Time of the target stage's weight check (draftlab.target.check.check_weight_layout) on an 8B checkpoint.
 
     python benchmarks/weight_layout.py              # Llama-3-8B's shapes, bf16, 4 shards
     python benchmarks/weight_layout.py --repeats 5
@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoConfig
 
-    from draftlab.target_check import check_weight_layout
+    from draftlab.target.check import check_weight_layout
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama-3-8b"

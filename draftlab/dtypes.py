@@ -3,7 +3,7 @@
     TORCH_DTYPES["bfloat16"]      # torch.bfloat16: params target/extract/export dtype, config.json torch_dtype
     SAFETENSORS_DTYPES["BF16"]    # torch.bfloat16: a safetensors header's dtype code
 
-(draftlab.features.SHARD_DTYPES is a different thing: the schema of a feature shard.)
+(draftlab.features.dataset.SHARD_DTYPES is a different thing: the schema of a feature shard.)
 """
 from __future__ import annotations
 

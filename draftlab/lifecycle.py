@@ -1,6 +1,6 @@
 """Start a server process, wait until it is healthy, and always stop it: the one way we run servers.
 
-    with serve(["python", "-m", "draftlab.server", "--model-path", m, "--port", str(port)],
+    with serve(["python", "-m", "draftlab.engine.server", "--model-path", m, "--port", str(port)],
                f"http://127.0.0.1:{port}", log_path="logs/server.log", startup_timeout_s=60) as srv:
         httpx.post(srv.url + "/generate", json=...)
 

@@ -8,7 +8,7 @@
 
 Exit codes: 0 ok, 1 findings with errors, 2 bad input (one line on stderr, no traceback); exp run
 passes on dvc's own, and after a failed run puts params.yaml, dvc.lock and the outputs back as the
-run found them (draftlab/workspace.py; --keep-failed leaves them and lists what changed). `python -m draftlab.check draft|parity` and `python -m draftlab.server` run
+run found them (draftlab/experiments/workspace.py; --keep-failed leaves them and lists what changed). `python -m draftlab.check draft|parity` and `python -m draftlab.engine.server` run
 the same functions.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ def parity(args) -> int:
 
 
 def serve(argv: list[str]) -> None:
-    """python -m draftlab.server's options, passed on as given (its --help lists them)."""
-    from draftlab import server  # loads torch: only when serving
+    """python -m draftlab.engine.server's options, passed on as given (its --help lists them)."""
+    from draftlab.engine import server  # loads torch: only when serving
 
     server.main(argv)
 
@@ -49,7 +49,7 @@ def add_profile_arguments(parser, required: bool = True) -> None:
 
 
 def exp_run(args) -> int:
-    from draftlab.profiles import apply_profiles, command_line, dvc_exp_run
+    from draftlab.experiments.profiles import apply_profiles, command_line, dvc_exp_run
 
     applied = apply_profiles(args.profiles, args.sets, args.params)
     argv = dvc_exp_run(applied, args.queue, args.name, args.dvc_args)
@@ -59,7 +59,7 @@ def exp_run(args) -> int:
     in_workspace = not args.queue and "--temp" not in args.dvc_args  # else DVC runs in a copy and the workspace stays
     snapshot = None
     if in_workspace:
-        from draftlab.workspace import Snapshot
+        from draftlab.experiments.workspace import Snapshot
 
         snapshot = Snapshot.take(applied.params_file)
     proc = subprocess.Popen([sys.executable, "-m", "dvc", *argv[1:]])  # the dvc of this Python
@@ -81,14 +81,14 @@ def exp_run(args) -> int:
 
 
 def exp_show_profile(args) -> int:
-    from draftlab.profiles import apply_profiles, show
+    from draftlab.experiments.profiles import apply_profiles, show
 
     print(show(apply_profiles(args.profiles, args.sets, args.params)))
     return 0
 
 
 def run_stages(args) -> int:
-    from draftlab.run_stages import run_stages as run
+    from draftlab.experiments.run_stages import run_stages as run
 
     run(args.profiles, args.sets, args.until, args.force, args.params)
     return 0

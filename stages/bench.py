@@ -7,14 +7,14 @@ One client for every backend: `reference` starts the project's own server (CPU o
 `sglang` launches `python -m sglang.launch_server`, `url` measures a server already running.
 Before anything starts, the flags SGLang would really run are computed (draftlab.sglang.flags);
 with spec.on_adjust: error a request SGLang would silently change stops here. bench.sweep adds
-configurations, each served beside the same baseline (draftlab.bench_sweep).
-The stage's body is draftlab.bench_stage.bench, the run itself draftlab.bench_run.
+configurations, each served beside the same baseline (draftlab.bench.sweep).
+The stage's body is draftlab.bench.stage.bench, the run itself draftlab.bench.run.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from draftlab.bench_stage import bench
+from draftlab.bench.stage import bench
 from draftlab.cli import run_stage_cli
 
 

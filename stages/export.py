@@ -13,13 +13,13 @@ from pathlib import Path
 
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.features import check_manifest_target, physical_layers_of
+from draftlab.features.dataset import check_manifest_target, physical_layers_of
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, read_manifest, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.checkpoint import export_sglang
 from draftlab.sglang.layers import release_warning, user_layers_from_physical
-from draftlab.train import load_draft
+from draftlab.train.loop import load_draft
 
 FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked against a real vLLM
 

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from draftlab import extract, jsonl
+from draftlab import jsonl
+from draftlab.features import extract
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
 from draftlab.cli import run_stage_cli
@@ -35,7 +36,7 @@ from draftlab.fsutil import canonicalize_safetensors_file
 from draftlab.manifest import build_manifest, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.parallel import resolve_device
-from draftlab.target import chat_template_hash, load_target, target_fingerprint, target_info, tokenizer_hash
+from draftlab.target.load import chat_template_hash, load_target, target_fingerprint, target_info, tokenizer_hash
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from draftlab import jsonl, prompts
+from draftlab import jsonl
+from draftlab.data import prompts
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, dir_hash, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import load_tokenizer
+from draftlab.target.load import load_tokenizer
 
 MAX_LISTED = 20  # bad rows printed in full; the rest are counted
 

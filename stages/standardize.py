@@ -12,7 +12,7 @@ Reads params section: standardize.
 
 The physical layers come from the extract manifest (info.target.physical_layers, their one place
 among the manifests) and go into every feature shard's header; the features manifest does not
-repeat them (readers take them from the shards: draftlab.features.physical_layers_of).
+repeat them (readers take them from the shards: draftlab.features.dataset.physical_layers_of).
 
 train.features online (the extract manifest's info.mode): the shards are a sample, used for the
 norm statistics and the check; the draft vocabulary and token counts come from every row's
@@ -27,10 +27,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from draftlab import features
+from draftlab.features import dataset
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
-from draftlab.extract import TOKENS_FILE, layer_key, read_tokens_record
+from draftlab.features.extract import TOKENS_FILE, layer_key, read_tokens_record
 from draftlab.fsutil import atomic_write_json
 from draftlab.manifest import build_manifest, output_files, read_verified, with_lineage, write_manifest
 from draftlab.params import as_dict, load_params
@@ -73,7 +73,7 @@ def copy_tokens(hidden: Path, out: Path, split: str, config_hash: str, shard_met
     arrays, meta = read_tokens_record(path)
     if meta.get("config_hash") != upstream_hash:
         raise UserError(f"{path}: written by another extract run than {hidden}/manifest.json; re-run extract")
-    features.write_tokens(out / split / TOKENS_FILE, arrays, {**shard_meta, "row_ids": json.loads(meta["row_ids"]),
+    dataset.write_tokens(out / split / TOKENS_FILE, arrays, {**shard_meta, "row_ids": json.loads(meta["row_ids"]),
                                                               "dtype": meta["dtype"], "config_hash": config_hash})
     return arrays
 
@@ -123,12 +123,12 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             aux = torch.cat([t[layer_key(i)] for i in physical], dim=-1)  # ascending physical order
             arrays = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"], "aux_hidden": aux,
                       "final_hidden": t["final_hidden"], "seq_offsets": t["seq_offsets"]}
-            features.write_shard(out / split / path.name, arrays,
+            dataset.write_shard(out / split / path.name, arrays,
                                  {**shard_meta, "row_ids": json.loads(meta["row_ids"]), "config_hash": manifest["config_hash"]})
             if not online:
                 masked_ids[split].append(t["input_ids"][t["loss_mask"]])
                 if split == "train":
-                    counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
+                    counts += dataset.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
             if split == "train":
                 for i in physical:
                     norms[str(i)].append(t[layer_key(i)].float().norm(dim=-1))
@@ -138,17 +138,17 @@ def main(hidden: Path, out: Path, metrics: Path) -> None:
             t = copy_tokens(hidden, out, split, manifest["config_hash"], shard_meta, upstream["config_hash"])
             masked_ids[split].append(t["input_ids"][t["loss_mask"]])
             if split == "train":  # the same count as offline, over every row
-                counts += features.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
+                counts += dataset.count_tokens(t["input_ids"], t["loss_mask"], len(counts))
             n_tok = len(t["input_ids"])
         else:
             (out / split / TOKENS_FILE).unlink(missing_ok=True)  # of an earlier online run
         split_tokens[split] = n_tok
-    d2t, t2d = features.build_draft_vocab(counts, n_vocab)
-    features.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
+    d2t, t2d = dataset.build_draft_vocab(counts, n_vocab)
+    dataset.save_draft_vocab(out / "draft_vocab.safetensors", d2t, t2d)
     # Share of answer tokens the draft can propose at all: an upper bound on acceptance.
     coverage = {s: (t2d[torch.cat(ids)].float().mean().item() if ids else None) for s, ids in masked_ids.items()}
     stats = {
-        "norms": {k: features.norm_summary(torch.cat(v)) for k, v in norms.items()},
+        "norms": {k: dataset.norm_summary(torch.cat(v)) for k, v in norms.items()},
         "draft_vocab_size": int(len(d2t)),
         "draft_vocab_coverage": coverage,
         "tokens": split_tokens,

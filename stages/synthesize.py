@@ -18,14 +18,14 @@ import dataclasses
 import os
 from pathlib import Path
 
-from draftlab import synth
+from draftlab.data import synth
 from draftlab.cli import run_stage_cli
 from draftlab.errors import UserError
 from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.parallel import resolve_device
 from draftlab.progress import bar
-from draftlab.target import (chat_template_hash, load_config, load_target, load_tokenizer, model_path,
+from draftlab.target.load import (chat_template_hash, load_config, load_target, load_tokenizer, model_path,
                              target_fingerprint, tokenizer_hash)
 
 

@@ -1,11 +1,11 @@
-"""Stage target: pin the target LLM that target.model names (draftlab/target_pin.py).
+"""Stage target: pin the target LLM that target.model names (draftlab/target/pin.py).
 
     python -m stages.target --out models/target-pin.json
 Reads params keys: target.model, target.revision.
 
 A local folder is pinned by the content hash of its model files, a hub id by the commit its
 revision resolves to (offline from the local Hugging Face cache). A GGUF file is pinned by its
-sha256 and dequantized once into models/target-dequantized (draftlab/gguf_target.py: DEQUANTIZED_DIR,
+sha256 and dequantized once into models/target-dequantized (draftlab/target/gguf.py: DEQUANTIZED_DIR,
 the folder every stage then loads and SGLang serves; its manifest.json records the stage, its wall time
 included); for any other target that folder holds only a note. Every stage that loads the
 target depends on the pin, not on the target's files, so another target is one params edit:
@@ -19,7 +19,7 @@ price: files of a local target edited in place, or a hub branch that moved, are 
 `dvc repro --force target` (then a plain `dvc repro` re-runs what the new pin changes).
 
 A local folder that transformers cannot load as a target is refused before anything is pinned
-(draftlab.target_check.check_loadable: its files, config.json, the tokenizer and chat template,
+(draftlab.target.check.check_loadable: its files, config.json, the tokenizer and chat template,
 the weights' names and shapes from the safetensors headers), so that no later stage trips on it.
 """
 from __future__ import annotations
@@ -28,12 +28,12 @@ from pathlib import Path
 
 from draftlab.cli import run_stage_cli
 from draftlab.fsutil import atomic_write_json
-from draftlab.gguf_target import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
+from draftlab.target.gguf import DEQUANTIZED_DIR, gguf_file, materialize, placeholder
 from draftlab.manifest import build_manifest, write_manifest
 from draftlab.params import as_dict, load_params
-from draftlab.target import check_model_name
-from draftlab.target_check import check_loadable
-from draftlab.target_pin import pin_local, pin_target
+from draftlab.target.load import check_model_name
+from draftlab.target.check import check_loadable
+from draftlab.target.pin import pin_local, pin_target
 
 
 def main(out: Path) -> None:

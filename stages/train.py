@@ -5,7 +5,7 @@
 Reads params sections: target, train.
 train.features online (the features' manifest says so too): no stored hidden states; every
 process loads the target once on its training device and computes each batch's states
-(draftlab.online). The training rate (tokens/s) is printed and recorded either way.
+(draftlab.features.online). The training rate (tokens/s) is printed and recorded either way.
 Resumable: a checkpoint is written every train.checkpoint_every steps under --resume-dir; a re-run
 with the same configuration continues from it and ends with the same weights as an
 uninterrupted run. It is deleted once the stage completes.
@@ -19,18 +19,18 @@ from pathlib import Path
 import torch.distributed as dist
 
 from draftlab import parallel
-from draftlab import train
+from draftlab.train import loop as train
 from draftlab.cli import run_stage_cli
-from draftlab.draft import DraftConfig
+from draftlab.train.draft import DraftConfig
 from draftlab.errors import UserError
-from draftlab.features import FeatureDataset, check_manifest_target, load_draft_vocab
+from draftlab.features.dataset import FeatureDataset, check_manifest_target, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
-from draftlab.online import OnlineFeatures, OnlineTarget
+from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.layers import user_layers_from_physical
-from draftlab.target import target_fingerprint
-from draftlab.target_weights import load_target_head
+from draftlab.target.load import target_fingerprint
+from draftlab.target.weights import load_target_head
 
 
 def physical_layers(train_ds: FeatureDataset, eval_ds: FeatureDataset) -> list[int]:

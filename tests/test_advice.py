@@ -1,11 +1,11 @@
-"""The speedup model of draftlab.advice on synthetic costs: the fitted terms, chains, trees,
+"""The speedup model of draftlab.bench.advice on synthetic costs: the fitted terms, chains, trees,
 "don't speculate", per-concurrency advice and its crossover, predicted against measured."""
 import math
 import random
 
 import pytest
 
-from draftlab import advice, cost_timing, served_fits
+from draftlab.bench import advice, offline, fits
 from draftlab.metrics import chain_tau
 
 MS = 1e-3
@@ -69,7 +69,7 @@ def test_a_depth_past_the_acceptance_measured_is_named_worth_measuring_never_rec
 def test_served_chains_make_their_depths_measured_and_interpolate_the_ones_between():
     cands = [{"num_steps": s, "topk": 1, "num_draft_tokens": s + 1, "predicted_tau": 1.0 + 0.9 * s, "extrapolated": s > 5}
              for s in range(1, 9)] + [{"num_steps": 6, "topk": 8, "num_draft_tokens": 32, "predicted_tau": 6.0}]
-    got = {(c["num_steps"], c["topk"]): c for c in served_fits.known_taus(cands, {(7, 1, 8): 6.2, (3, 1, 4): 3.6})}
+    got = {(c["num_steps"], c["topk"]): c for c in fits.known_taus(cands, {(7, 1, 8): 6.2, (3, 1, 4): 3.6})}
     assert got[(7, 1)]["predicted_tau"] == 6.2 and not got[(7, 1)]["extrapolated"]  # served: its own tau
     assert got[(3, 1)]["predicted_tau"] == 3.6
     assert got[(6, 1)]["predicted_tau"] == pytest.approx((5.5 + 6.2) / 2) and not got[(6, 1)]["extrapolated"]
@@ -286,7 +286,7 @@ def test_a_costlier_draft_or_verify_never_predicts_a_higher_speedup():
 
 
 def test_the_bench_summary_says_dont_speculate_and_the_prediction_for_the_configuration_that_ran():
-    from draftlab.bench_run import summary
+    from draftlab.bench.run import summary
 
     out = advice.advise([0.01], cpu_costs(), [(1, 1, 2)])
     ran = advice.predicted_vs_measured(out["candidates"], [{"num_steps": 1, "topk": 1, "num_draft_tokens": 2,
@@ -302,10 +302,10 @@ def test_the_served_baselines_requests_give_its_step_and_fixed_cost():
     rng = random.Random(0)
     tokens = [rng.randrange(20, 129) for _ in range(32)]
     seconds = [0.040 + n * 0.012 * rng.uniform(0.98, 1.02) for n in tokens]  # 40 ms per request, 12 ms per token
-    fit = served_fits.fit_requests(tokens, seconds)
+    fit = fits.fit_requests(tokens, seconds)
     assert fit["server_step_s"] == pytest.approx(0.012, rel=0.03)
     assert fit["server_request_s"] == pytest.approx(0.040, abs=0.02)
-    assert served_fits.fit_requests([64] * 10, [0.8] * 10) is None  # one length: step and fixed cost are not separable
+    assert fits.fit_requests([64] * 10, [0.8] * 10) is None  # one length: step and fixed cost are not separable
 
 
 def test_a_servers_own_work_per_step_is_paid_once_per_round():
@@ -334,11 +334,11 @@ def served_requests(round_s, tau, step_s=0.0044, request_s=0.03, lengths=(40, 64
 
 def test_a_served_round_is_recovered_from_paired_requests():
     base, spec = served_requests(round_s=0.007, tau=4.0)
-    got = served_fits.served_round(base, spec)
+    got = fits.served_round(base, spec)
     assert got["step_s"] == pytest.approx(0.0044) and got["request_s"] == pytest.approx(0.03)
     assert got["round_s"] == pytest.approx(0.007)
     assert got["served_tau"] == pytest.approx(sum(n for n, _, _ in spec) / sum(r for _, r, _ in spec))
-    assert served_fits.served_round([(50, 0.3)] * 4, spec) is None  # equal lengths: step and fixed cost inseparable
+    assert fits.served_round([(50, 0.3)] * 4, spec) is None  # equal lengths: step and fixed cost inseparable
 
 
 def test_served_advice_fits_the_rounds_predicts_held_out_configs_and_picks_the_best():
@@ -347,9 +347,9 @@ def test_served_advice_fits_the_rounds_predicts_held_out_configs_and_picks_the_b
     measured = {}
     for (s, k, w), tau in taus.items():
         if (s, k, w) != (8, 1, 9):
-            measured[(s, k, w)] = served_fits.served_round(*served_requests(r0 + d * s + v * w, tau))
+            measured[(s, k, w)] = fits.served_round(*served_requests(r0 + d * s + v * w, tau))
     candidates = [{"num_steps": s, "topk": k, "num_draft_tokens": w, "predicted_tau": tau} for (s, k, w), tau in taus.items()]
-    out = served_fits.advise_served(candidates, measured)
+    out = fits.advise_served(candidates, measured)
     assert out["fit_ms"]["round_fixed"] == pytest.approx(5.0, rel=1e-6)
     assert out["fit_ms"]["per_draft_step"] == pytest.approx(0.4, rel=1e-6)
     assert out["fit_ms"]["per_verify_token"] == pytest.approx(0.05, rel=1e-6)
@@ -368,8 +368,8 @@ def test_served_advice_fits_the_rounds_predicts_held_out_configs_and_picks_the_b
 
 
 def test_served_advice_says_dont_speculate_when_rounds_cost_more_than_they_yield():
-    measured = {cfg: served_fits.served_round(*served_requests(0.02 + 0.001 * cfg[0], 1.5)) for cfg in ((3, 1, 4), (5, 1, 6), (7, 1, 8))}
-    out = served_fits.advise_served([{"num_steps": 3, "topk": 1, "num_draft_tokens": 4, "predicted_tau": 1.5}], measured)
+    measured = {cfg: fits.served_round(*served_requests(0.02 + 0.001 * cfg[0], 1.5)) for cfg in ((3, 1, 4), (5, 1, 6), (7, 1, 8))}
+    out = fits.advise_served([{"num_steps": 3, "topk": 1, "num_draft_tokens": 4, "predicted_tau": 1.5}], measured)
     assert not out["speculate"] and out["recommendation"] == advice.DONT_SPECULATE
 
 
@@ -382,7 +382,7 @@ def test_a_server_of_another_engine_scales_the_in_process_round_to_its_own():
     costs["offline_round_s"] = ran
     without = advice.predict(costs, 4.0, 5, 1, 6)
     assert without < 1.0  # the slow in-process round against the fast served step: "don't speculate"
-    costs["round_scale"] = served_fits.round_scale(costs, 7.0)
+    costs["round_scale"] = fits.round_scale(costs, 7.0)
     assert costs["round_scale"] == pytest.approx(7.0 / ran)
     assert advice.predict(costs, 4.0, 5, 1, 6) == pytest.approx((20 + 68 * 4.5) / (20 + 68 / 4.0 * 7.0))
     other = advice.round_cost(costs, 7, 1, 8, 4.5)["round"]  # another configuration: its in-process shape, scaled
@@ -475,7 +475,7 @@ def test_the_targets_matmuls_are_timed_per_token_count():
     import torch
 
     target = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64), torch.nn.Linear(64, 512, bias=False))
-    out = cost_timing.measure_gemm_s(target, [1, 64, 2048], repeats=3)
+    out = offline.measure_gemm_s(target, [1, 64, 2048], repeats=3)
     assert set(out) == {1, 64, 2048} and all(t > 0 for t in out.values())
     assert out[2048] > out[1]  # 2048 rows of three matmuls cost more than one row on any device
 
@@ -483,16 +483,16 @@ def test_the_targets_matmuls_are_timed_per_token_count():
 def test_measure_costs_times_every_configuration_whole_over_a_mid_answer_cache():
     """On a micro target and an untrained draft: one whole timing of drafting + verify per
     configuration asked for, and the advice's round for it is that timing plus extend and loop."""
-    from draftlab import spec_engine
+    from draftlab.engine import speculative
     from tests.support.drafts import random_draft
     from tests.support.micro import make_micro_model
 
     target = make_micro_model("llama", num_layers=4, seed=11)
     draft = random_draft(target, 3)
     prompt = [5, 9, 200, 3, 77, 12]
-    context = prompt + spec_engine.baseline_generate(target, prompt, 10, ignore_eos=True).output_ids
+    context = prompt + speculative.baseline_generate(target, prompt, 10, ignore_eos=True).output_ids
     configs = [(1, 1, 2), (3, 1, 4), (2, 2, 4)]
-    costs = cost_timing.measure_costs(target, draft, context, [1, 2, 3], configs, repeats=2, prompt_len=len(prompt))
+    costs = offline.measure_costs(target, draft, context, [1, 2, 3], configs, repeats=2, prompt_len=len(prompt))
     assert set(costs["draft_verify_s"]) == {"1-1-2", "3-1-4", "2-2-4"}
     assert all(t > 0 for t in costs["draft_verify_s"].values())
     costs["loop_s"] = 0.0
@@ -510,11 +510,11 @@ def test_a_burst_of_load_on_a_few_requests_does_not_move_the_servers_per_request
     for i in (3, 9, 14, 20, 27):
         seconds[i] *= 3.0
     prompt_only = [P + b] * 30 + [0.2, 0.3]  # the first token comes with the prefill; two probes hit too
-    got = served_fits.probed_requests(tokens, seconds, prompt_only)
+    got = fits.probed_requests(tokens, seconds, prompt_only)
     assert got["server_step_s"] == pytest.approx(b) and got["server_request_s"] == pytest.approx(P)
-    line = served_fits.fit_requests(tokens, seconds)
+    line = fits.fit_requests(tokens, seconds)
     assert abs(line["server_request_s"] - P) > 0.05 or abs(line["server_step_s"] - b) > 0.002
-    assert served_fits.probed_requests(tokens, seconds, []) is None  # no probe: the caller falls back to the line
+    assert fits.probed_requests(tokens, seconds, []) is None  # no probe: the caller falls back to the line
 
 
 def test_the_reference_servers_advice_is_the_in_process_shape_at_the_served_pairs_scale():
@@ -527,7 +527,7 @@ def test_the_reference_servers_advice_is_the_in_process_shape_at_the_served_pair
     # the loop term (calibrated on another run) is left out: 6.5 + extend, not + 3 ms
     extend = advice.round_cost(costs, 5, 1, 6, 3.6)["extend"]
     assert inproc5 == pytest.approx((8 + 68 * 2.9) / (8 + 1 + 68 / 3.6 * (6.5 + extend / MS)))
-    sigma = served_fits.speedup_scale(costs, 1.5, 3.6, 5, 1, 6)
+    sigma = fits.speedup_scale(costs, 1.5, 3.6, 5, 1, 6)
     scaled = {**costs, "speedup_scale": sigma}
     assert advice.predict(scaled, 3.6, 5, 1, 6) == pytest.approx(1.5)  # the configuration that ran: its measurement
     assert advice.predict(scaled, 2.4, 2, 1, 3) == pytest.approx(1.5 * advice.in_process_speedup(costs, 2.4, 2, 1, 3) / inproc5)
@@ -535,7 +535,7 @@ def test_the_reference_servers_advice_is_the_in_process_shape_at_the_served_pair
         return {kk: vv / 2 for kk, vv in v.items()} if isinstance(v, dict) else v / 2
 
     half = {k: halved(v) if k.endswith("_s") else v for k, v in costs.items()}
-    half = {**half, "speedup_scale": served_fits.speedup_scale(half, 1.5, 3.6, 5, 1, 6)}
+    half = {**half, "speedup_scale": fits.speedup_scale(half, 1.5, 3.6, 5, 1, 6)}
     assert advice.predict(half, 2.4, 2, 1, 3) == pytest.approx(advice.predict(scaled, 2.4, 2, 1, 3))
     per = advice.costs_by_concurrency({**scaled, "offline_round_s": 9 * MS}, [{"concurrency": 4, "throughput": 1000.0}],
                                       [{"concurrency": 4, "throughput": 1500.0}], 3.6, 6)

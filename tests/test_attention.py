@@ -1,10 +1,10 @@
-"""draftlab.attention: a grouped-query target on the CPU verifies without copying its cache per
+"""draftlab.engine.attention: a grouped-query target on the CPU verifies without copying its cache per
 head group, and gives the very logits transformers' own sdpa attention gives."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from draftlab import attention, spec_engine
+from draftlab.engine import attention, speculative
 from tests.support.micro import make_micro_model
 
 PROMPT = torch.tensor([[5, 9, 200, 3, 77, 12, 40, 41]])
@@ -13,15 +13,15 @@ PROMPT = torch.tensor([[5, 9, 200, 3, 77, 12, 40, 41]])
 def verify_logits(model, mask_for):
     """Prefill PROMPT, then one 4-token block with the engine's kind of 4D mask."""
     with torch.inference_mode():
-        cache = spec_engine.new_cache(model)
-        spec_engine.target_forward(model, PROMPT, cache)
+        cache = speculative.new_cache(model)
+        speculative.target_forward(model, PROMPT, cache)
         n, block = PROMPT.shape[1], torch.tensor([[7, 8, 9, 10]])
-        return spec_engine.target_forward(model, block, cache, attention_mask=mask_for(n, 4))
+        return speculative.target_forward(model, block, cache, attention_mask=mask_for(n, 4))
 
 
 def chain_mask(n, N):
     mask = torch.zeros(1, 1, N, n + N)
-    mask[0, 0, :, n:] = spec_engine._causal_block(N, torch.float32)
+    mask[0, 0, :, n:] = speculative._causal_block(N, torch.float32)
     return mask
 
 
@@ -73,5 +73,5 @@ def test_models_it_cannot_serve_are_left_as_they_are():
 
 def test_the_engine_switches_its_target_for_baseline_and_speculative_decoding_alike():
     model = make_micro_model("llama", seed=5)
-    spec_engine.baseline_generate(model, PROMPT[0].tolist(), 4, ignore_eos=True)
+    speculative.baseline_generate(model, PROMPT[0].tolist(), 4, ignore_eos=True)
     assert model.config._attn_implementation == attention.NAME

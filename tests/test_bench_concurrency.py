@@ -1,7 +1,7 @@
-"""draftlab.bench.concurrency_sweep: throughput with requests in flight, paired between servers."""
+"""draftlab.bench.servers.concurrency_sweep: throughput with requests in flight, paired between servers."""
 import threading
 
-from draftlab import bench
+from draftlab.bench import servers as bench
 from draftlab.sglang.client import GenerateMeta
 
 

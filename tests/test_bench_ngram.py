@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import bench
-from draftlab.bench_stage import bench as bench_stage
+from draftlab.bench import servers as bench
+from draftlab.bench.stage import bench as bench_stage
 from draftlab.params import load_params
 from draftlab.sglang.client import Client
 from draftlab.sglang.flags import SpecFlags, resolve

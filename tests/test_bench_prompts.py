@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import bench_prompts
+from draftlab.bench import prompts as bench_prompts
 from draftlab.errors import UserError
 from draftlab.params import ParamsError, load_params
 
@@ -175,12 +175,12 @@ def test_bench_prompts_loads_a_word_a_path_or_a_list(tmp_path):
 
 
 def test_a_concurrency_above_a_sets_requests_stops_before_any_server(tmp_path):
-    from draftlab import bench_run
+    from draftlab.bench import run
     from draftlab.params import BenchParams
 
     _, (s,) = bench_prompts.load([str(FIXTURE)], eval_dir(tmp_path), 0, 2)  # 2 conversations, 4 requests
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())["bench"]
-    bench_run.check_set_size(BenchParams(**{**raw, "concurrency": [1, 4]}), s)
+    run.check_set_size(BenchParams(**{**raw, "concurrency": [1, 4]}), s)
     with pytest.raises(UserError, match=r"bench\.concurrency 8 asks for more requests in flight than the prompt set mt_bench_small "
                                         r"sends \(4\)"):
-        bench_run.check_set_size(BenchParams(**{**raw, "concurrency": [1, 8]}), s)
+        run.check_set_size(BenchParams(**{**raw, "concurrency": [1, 8]}), s)

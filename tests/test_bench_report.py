@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftlab import bench_report, ngram_advice
+from draftlab.bench import report, ngram_advice
 from draftlab.check.diagnose import Paths, Run
 from draftlab.check.report import summary_markdown
 
@@ -30,13 +30,13 @@ def best(name, speedup, tau=2.0):
     (1.20, 1.50, False, r"no: n-gram lookup ngram \(1\.50x, no training\) beats the draft's best 7-1-8 \(1\.20x\) by 25%$"),
 ])
 def test_training_pays_when_the_draft_beats_the_baseline_and_ngram_lookup(draft, gram, pays, words):
-    got, text = bench_report.verdict(best("ngram", gram), best("7-1-8", draft))
+    got, text = report.verdict(best("ngram", gram), best("7-1-8", draft))
     assert got is pays
     assert re.match(words, text)
 
 
 def test_without_ngram_measured_the_table_says_how_to_measure_it():
-    got, text = bench_report.verdict(None, best("5-1-6", 1.75))
+    got, text = report.verdict(None, best("5-1-6", 1.75))
     assert got is None and "add ngram to bench.sweep" in text and "1.75x" in text
 
 
@@ -50,18 +50,18 @@ def config(name, algorithm, bs1, points):
 def test_the_best_of_each_kind_is_picked_at_each_concurrency_on_its_own():
     configs = [config("3-1-4", "EAGLE3", 0.66, {8: 0.80}), config("7-1-8", "EAGLE3", 0.72, {8: 0.70}),
                config("ngram", "NGRAM", 0.84, {8: 0.75}), config("ngram-4-1", "NGRAM", 0.74, {8: 0.90})]
-    rows = bench_report.training_pays(configs)
+    rows = report.training_pays(configs)
     assert [r["concurrency"] for r in rows] == [1, 8]
     assert [(r["best_draft"]["configuration"], r["best_ngram"]["configuration"]) for r in rows] == [("7-1-8", "ngram"), ("3-1-4", "ngram-4-1")]
     assert [r["baseline_tokens_per_s"] for r in rows] == [100.0, 308.0]  # spec.*'s pairing's baseline
     assert [r["training_pays"] for r in rows] == [False, False]
-    md = bench_report.headline_markdown(rows)
+    md = report.headline_markdown(rows)
     assert "| 1 | 100.0 | ngram: tau 2.00, 0.84x | 7-1-8: tau 2.00, 0.72x | no: n-gram lookup ngram (0.84x" in md
-    assert bench_report.verdict_line(rows) == "bs=1: no (draft 0.72x, n-gram 0.84x), 8 in flight: no (draft 0.80x, n-gram 0.90x)"
+    assert report.verdict_line(rows) == "bs=1: no (draft 0.72x, n-gram 0.84x), 8 in flight: no (draft 0.80x, n-gram 0.90x)"
 
 
 def test_the_run_summary_leads_with_the_table():
-    rows = bench_report.training_pays([config("5-1-6", "EAGLE3", 1.75, {}), config("ngram", "NGRAM", 1.10, {})])
+    rows = report.training_pays([config("5-1-6", "EAGLE3", 1.75, {}), config("ngram", "NGRAM", 1.10, {})])
     bench = {"prompt_sets": [{"name": "heldout", "requests": 32, "training_pays": rows}]}
     run = Run(Paths())
     run.bench = bench
@@ -71,7 +71,7 @@ def test_the_run_summary_leads_with_the_table():
 
 
 def test_the_real_workload_report_sets_the_held_out_set_against_the_earlier_measurement():
-    rows = bench_report.training_pays([config("3-1-4", "EAGLE3", 0.70, {}), config("ngram", "NGRAM", 0.90, {})])
+    rows = report.training_pays([config("3-1-4", "EAGLE3", 0.70, {}), config("ngram", "NGRAM", 0.90, {})])
     bench = {"prompt_sets": [{"name": "heldout", "conversations": 32, "requests": 32, "turns": 1, "training_pays": rows,
                               "configurations": [config("3-1-4", "EAGLE3", 0.70, {}), config("ngram", "NGRAM", 0.90, {})]}]}
     md = "\n".join(rwr.training_pays_md(bench))

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import bench, bench_sweep, prompts
-from draftlab.bench_stage import bench as bench_stage
+from draftlab.bench import servers as bench, sweep as bench_sweep
+from draftlab.data import prompts
+from draftlab.bench.stage import bench as bench_stage
 from draftlab.errors import UserError
 from draftlab.manifest import build_manifest, dir_hash, write_manifest
 from draftlab.params import ParamsError, load_params
@@ -46,7 +47,7 @@ def make_project(root: Path, **bench_params) -> Path:
 
 
 class Started:
-    """draftlab.bench.start as it is, noting every server started and the URL it gave."""
+    """draftlab.bench.servers.start as it is, noting every server started and the URL it gave."""
 
     def __init__(self, real, log):
         self.real, self.log = real, log
@@ -209,14 +210,14 @@ def small(tmp_path_factory):
 
 
 def prepare(root: Path, tmp_path: Path, **bench_params):
-    from draftlab import bench_run
+    from draftlab.bench import run
     from draftlab.sglang.checkpoint import read_exported
 
     base = yaml.safe_load((root / "params.yaml").read_text())
     base["bench"].update(bench_params)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(base))
     p = load_params(["target", "spec", "bench", "export"], tmp_path / "params.yaml")
-    return bench_run.prepare(p.target, p.spec, p.bench, "0.5.14", read_exported(root / "models/draft"), root / "data/prompts")
+    return run.prepare(p.target, p.spec, p.bench, "0.5.14", read_exported(root / "models/draft"), root / "data/prompts")
 
 
 @pytest.mark.parametrize("bench_params,message", [

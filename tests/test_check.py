@@ -13,23 +13,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftlab.check import diagnose as check_run
-from draftlab.check import __main__ as check_cli
+from draftlab.check import __main__
 from draftlab.check.draft import check_capture, served_layers
 from draftlab.check.findings import names
 from draftlab.check.parity import check_live_capture, hidden_rows, inprocess_capture
 from draftlab.check.serving import check_tau
-from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.train.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import ExportedDraft, export_sglang
-from draftlab.extract import capture, render
-from draftlab.faults import FAULTS, miswire
-from draftlab.features import (build_draft_vocab, count_tokens, load_draft_vocab, norm_summary, pack_sequences, read_metadata,
+from draftlab.features.extract import capture, render
+from draftlab.check.faults import FAULTS, miswire
+from draftlab.features.dataset import (build_draft_vocab, count_tokens, load_draft_vocab, norm_summary, pack_sequences, read_metadata,
                                save_draft_vocab, write_shard)
 from draftlab.manifest import build_manifest, with_lineage, write_manifest
 from tests.support.micro import save_micro_model
 from draftlab.params import CheckParams, TargetParams
 from draftlab.sglang.flags import SpecFlags, resolve
-from draftlab.target import chat_template_hash, load_tokenizer, target_info, tokenizer_hash
+from draftlab.target.load import chat_template_hash, load_tokenizer, target_info, tokenizer_hash
 
 L, H, V, VD = 8, 64, 256, 64
 PHYSICAL = [2, 4, 6]  # capture.layers [1, 3, 5]: SGLang 0.5.14 ids [1, 3, 5] on Llama
@@ -503,7 +503,7 @@ def test_http_parity_names_a_post_norm_capture_and_a_shift(pipeline, run, stub_s
 def test_parity_cli_against_a_server(pipeline, stub_server, capsys):
     url, state = stub_server
     state.update(physical=PHYSICAL, final=False)
-    assert check_cli.parity_main(["--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "2"]) == 0
+    assert __main__.parity_main(["--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "2"]) == 0
     assert "live_parity_ok" in capsys.readouterr().out
 
 
@@ -523,7 +523,7 @@ def test_parity_cli_against_a_dead_server_exits_2_with_the_reason(pipeline, caps
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as e:
-        check_cli.main(["parity", "--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "1", "--timeout", "2"])
+        __main__.main(["parity", "--url", url, "--features", str(pipeline[0] / "data/features"), "--samples", "1", "--timeout", "2"])
     assert e.value.code == 2 and url in capsys.readouterr().err
 
 
@@ -543,7 +543,7 @@ def test_a_features_shard_gone_is_an_error_in_diagnose_the_stage_and_the_parity_
     with pytest.raises(UserError, match="input_damaged"):
         main(paths(run), run / "reports", load_model=lambda *_: pipeline[1])
     with pytest.raises(SystemExit) as e:
-        check_cli.main(["parity", "--features", str(feat), "--draft", str(run / "models/draft")])
+        __main__.main(["parity", "--features", str(feat), "--draft", str(run / "models/draft")])
     assert e.value.code == 2 and "shard-00001.safetensors: missing" in capsys.readouterr().err
 
 
@@ -561,15 +561,15 @@ def test_malformed_layer_ids_are_a_named_finding(pipeline, run, eagle):
     d = diagnose(pipeline, run)
     assert names(d.errors) == ["eagle_config_invalid"]
     with pytest.raises(UserError, match="not a list of integers|not an object"):
-        check_cli.parity_main(["--features", str(run / "data/features"), "--draft", str(run / "models/draft")])
+        __main__.parity_main(["--features", str(run / "data/features"), "--draft", str(run / "models/draft")])
 
 
 def reference_server(pipeline, draft: Path, log: Path):
-    """The project's reference server (python -m draftlab.server) speculating with `draft`, hidden states on."""
+    """The project's reference server (python -m draftlab.engine.server) speculating with `draft`, hidden states on."""
     import os
 
     from draftlab.lifecycle import free_port, serve
-    from draftlab.server import launch_command
+    from draftlab.engine.server import launch_command
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -631,7 +631,7 @@ def test_stage_writes_reports_with_lineage_and_fails_on_errors(pipeline, run, mo
     assert names(d.errors) == ["eagle_config_missing", "layer_shift"]
 
 
-# --- the rehearsed faults (draftlab.faults): each one is named --------------------------------
+# --- the rehearsed faults (draftlab.check.faults): each one is named --------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))

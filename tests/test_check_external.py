@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftlab.check import __main__ as check_cli
+from draftlab.check import __main__
 from draftlab.check import parity
 from draftlab.check.external import check_external, read_draft
 from draftlab.check.findings import names
-from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.train.draft import DraftConfig, Eagle3Draft
 from draftlab.errors import UserError
-from draftlab.features import build_draft_vocab, load_draft_vocab
+from draftlab.features.dataset import build_draft_vocab, load_draft_vocab
 from draftlab.sglang.checkpoint import export_sglang
-from draftlab.target import save_tokenizer
+from draftlab.target.tokenizer import save_tokenizer
 from tests.support.micro import make_micro_tokenizer, save_micro_model
 from tests.tiny_features import make_features, target_facts
 
@@ -89,7 +89,7 @@ def write_speculators(path: Path, facts: dict, ids=None) -> Path:
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exit_:
-        check_cli.main(["draft", *map(str, argv)])
+        __main__.main(["draft", *map(str, argv)])
     out = capsys.readouterr()
     return exit_.value.code, out.out, out.err
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from draftlab.draft import DraftConfig, KVCache, Rotary, TTTCache
+from draftlab.train.draft import DraftConfig, KVCache, Rotary, TTTCache
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import expected_tensors
 from tests.support.micro import make_micro_model

@@ -3,9 +3,9 @@ SGLang's sampling params (stop tokens and strings, seeds, finish reasons)."""
 import pytest
 import torch
 
-from draftlab import spec_engine
-from draftlab.draft import DraftConfig, Eagle3Draft
-from draftlab.engine import Engine, SamplingParams, SpecEngine
+from draftlab.engine import speculative
+from draftlab.train.draft import DraftConfig, Eagle3Draft
+from draftlab.engine.runners import Engine, SamplingParams, SpecEngine
 from draftlab.sglang.checkpoint import export_sglang, read_exported
 from tests.support.micro import make_micro_model, make_micro_tokenizer
 
@@ -22,7 +22,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def greedy(engine):
-    return spec_engine.baseline_generate(engine.model, PROMPT, 16, ignore_eos=True).output_ids
+    return speculative.baseline_generate(engine.model, PROMPT, 16, ignore_eos=True).output_ids
 
 
 def test_greedy_is_spec_engines_baseline_and_stops_on_a_stop_token(engine, greedy):

@@ -1,4 +1,4 @@
-"""A failed `draftlab exp run` leaves the workspace as it found it (draftlab/workspace.py): params.yaml,
+"""A failed `draftlab exp run` leaves the workspace as it found it (draftlab/experiments/workspace.py): params.yaml,
 dvc.lock and the target pin put back, outputs the run made removed, outputs it changed checked out
 from DVC's cache, the failed stage's resumable output kept and named, and anything else listed."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from draftlab.workspace import Snapshot
+from draftlab.experiments.workspace import Snapshot
 from tests.support.micro import save_micro_model
 from tests.support.project import reduced_project
 

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftlab.draft import KVCache
+from draftlab.train.draft import KVCache
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import ExportedDraft, export_sglang, load_exported, read_exported
 from draftlab.sglang.layers import release_warning
@@ -156,9 +156,9 @@ def test_loader_rejects_a_damaged_checkpoint(tmp_path):
 def stage_inputs(root, physical, trained_on_features=None):
     """What the export stage reads: the train stage's checkpoint, the features manifest (the target)
     and a feature shard (its header holds the physical layers)."""
-    from draftlab.features import pack_sequences, shard_name, write_shard
+    from draftlab.features.dataset import pack_sequences, shard_name, write_shard
     from draftlab.manifest import build_manifest, write_manifest
-    from draftlab.train import save_draft
+    from draftlab.train.loop import save_draft
 
     draft = trained_draft()
     save_draft(root / "ckpt", draft)
@@ -242,11 +242,11 @@ def test_a_draft_without_eagle_config_serves_on_sglangs_default_layers(tmp_path)
     import json
     import types
 
-    from draftlab.draft import DraftConfig, Eagle3Draft
+    from draftlab.train.draft import DraftConfig, Eagle3Draft
     from tests.support.micro import make_micro_model
     from draftlab.params import TargetParams
-    from draftlab.server import SpecEngine
-    from draftlab.target import target_info
+    from draftlab.engine.server import SpecEngine
+    from draftlab.target.load import target_info
 
     target = make_micro_model("llama", num_layers=8, seed=0)
     target.config.architectures = ["LlamaForCausalLM"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from draftlab import extract
+from draftlab.features import extract
 from tests.support.micro import make_micro_model, make_micro_tokenizer
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from draftlab.errors import UserError
-from draftlab.features import (FeatureDataset, build_draft_vocab, count_tokens, draft_to_target, load_draft_vocab, norm_summary,
+from draftlab.features.dataset import (FeatureDataset, build_draft_vocab, count_tokens, draft_to_target, load_draft_vocab, norm_summary,
                                pack_sequences, read_metadata, save_draft_vocab, shard_name, write_shard)
 
 META = {"physical_layers": [2, 4, 6], "hidden_size": 4, "num_layers": 8, "architecture": "LlamaForCausalLM", "vocab_size": 32}
@@ -73,7 +73,7 @@ def test_draft_vocab_round_trip_and_consistency_check(tmp_path):
 
 WRITE_ONE_SHARD = """
 import sys, torch
-from draftlab.features import pack_sequences, write_shard
+from draftlab.features.dataset import pack_sequences, write_shard
 seqs = [{"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.bool),
          "aux_hidden": torch.ones(5, 6).bfloat16(), "final_hidden": torch.zeros(5, 2).bfloat16()}]
 meta = {"physical_layers": [1, 2, 3], "hidden_size": 2, "num_layers": 4, "architecture": "LlamaForCausalLM",
@@ -116,8 +116,8 @@ def test_standardize_writes_the_physical_layers_into_the_shard_headers_only(tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from draftlab.extract import layer_key
-    from draftlab.features import physical_layers_of
+    from draftlab.features.extract import layer_key
+    from draftlab.features.dataset import physical_layers_of
     from draftlab.manifest import build_manifest, write_manifest
     from stages.standardize import main
 

@@ -1,4 +1,4 @@
-"""A GGUF file as target.model (draftlab/gguf_target.py, stage target): pinned by its sha256,
+"""A GGUF file as target.model (draftlab/target/gguf.py, stage target): pinned by its sha256,
 dequantized once into a plain transformers folder that every stage loads and SGLang serves; every
 bad GGUF named before any work. The GGUF files are written here (tests/support/gguf_file.py)."""
 import json
@@ -11,9 +11,10 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftlab.errors import UserError
-from draftlab.gguf_target import DEQUANTIZED_DIR, SOURCE_FILE
+from draftlab.target.gguf import DEQUANTIZED_DIR, SOURCE_FILE
 from draftlab.params import TargetParams
-from draftlab.target import load_target, model_path, save_tokenizer
+from draftlab.target.load import load_target, model_path
+from draftlab.target.tokenizer import save_tokenizer
 from stages import target as target_stage
 from tests.support.gguf_file import write_gguf
 from tests.support.micro import make_micro_model, make_micro_tokenizer
@@ -75,9 +76,9 @@ def test_a_gguf_target_is_pinned_dequantized_once_and_loaded_as_a_plain_folder(t
 def test_sglang_and_the_train_stage_get_the_dequantized_folder(tmp_path, monkeypatch, micro):
     import contextlib
 
-    from draftlab import bench
+    from draftlab.bench import servers as bench
     from draftlab.sglang.flags import SpecFlags
-    from draftlab.target_weights import load_target_head
+    from draftlab.target.weights import load_target_head
 
     model, tok = micro
     gguf = write_gguf(model, tok, tmp_path / "m.gguf", "F32")

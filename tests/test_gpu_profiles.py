@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from draftlab.profiles import apply_profiles
+from draftlab.experiments.profiles import apply_profiles
 from tests.support.project import REDUCED, ROOT, reduced_project
 
 PROFILES = sorted((ROOT / "configs").glob("*.yaml"))

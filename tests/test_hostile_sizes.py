@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import bench_run, prompts
+from draftlab.bench import run
+from draftlab.data import prompts
 from draftlab.check.diagnose import fewer_samples
 from draftlab.errors import UserError
 from draftlab.params import load_params
@@ -25,31 +26,31 @@ def bench_params(**kw):
 
 def test_the_bench_refuses_more_prompts_than_the_eval_split_holds():
     """`dvc exp run -S bench.num_prompts=100000` measured the 51 prompts there are and recorded 100000."""
-    bench_run.check_sizes(bench_params(num_prompts=49), ROWS, Path("data/prompts"))  # 49 + 2 warmup: all of them
+    run.check_sizes(bench_params(num_prompts=49), ROWS, Path("data/prompts"))  # 49 + 2 warmup: all of them
     with pytest.raises(UserError, match=r"bench.num_prompts 100000 \+ bench.warmup 2 asks for 100002 eval prompts, but "
                                         r"data/prompts/eval.jsonl has 51; set bench.num_prompts to 49 or less"):
-        bench_run.check_sizes(bench_params(num_prompts=100000), ROWS, Path("data/prompts"))
+        run.check_sizes(bench_params(num_prompts=100000), ROWS, Path("data/prompts"))
 
 
 def test_the_bench_refuses_more_requests_in_flight_than_it_sends():
-    bench_run.check_sizes(bench_params(num_prompts=8, concurrency=[1, 8]), ROWS, Path("p"))
+    run.check_sizes(bench_params(num_prompts=8, concurrency=[1, 8]), ROWS, Path("p"))
     with pytest.raises(UserError, match=r"bench.concurrency 16 asks for more requests in flight than bench.num_prompts 8 sends"):
-        bench_run.check_sizes(bench_params(num_prompts=8, concurrency=[1, 16]), ROWS, Path("p"))
+        run.check_sizes(bench_params(num_prompts=8, concurrency=[1, 16]), ROWS, Path("p"))
 
 
 def test_the_bench_refuses_a_request_that_sglang_would_answer_400():
     """SGLang 0.5.14 counts the prompt, max_new_tokens and max(topk * num_steps, num_draft_tokens)
     reserved draft slots against the context; the bench says so before any server starts."""
     ids = [[1] * 100, [1] * 378]  # 378 + 6 reserved + 128 = 512: fits a 512-token context exactly
-    bench_run.check_context(ids, ROWS[:2], bench_params(max_new_tokens=128), CHAIN, 512, Path("p"))
+    run.check_context(ids, ROWS[:2], bench_params(max_new_tokens=128), CHAIN, 512, Path("p"))
     ids[1].append(1)
     with pytest.raises(UserError, match=r"1 bench prompt\(s\) of p/eval.jsonl do not fit the target's context of 512 tokens "
                                         r"with bench.max_new_tokens 128 and the 6 draft tokens .*: p1 \(379 tokens\); lower "
                                         r"bench.max_new_tokens to at most 127"):
-        bench_run.check_context(ids, ROWS[:2], bench_params(max_new_tokens=128), CHAIN, 512, Path("p"))
+        run.check_context(ids, ROWS[:2], bench_params(max_new_tokens=128), CHAIN, 512, Path("p"))
     tree = SpecFlags("EAGLE3", num_steps=3, topk=4, num_draft_tokens=8)  # 12 slots reserved, not 8
     with pytest.raises(UserError, match="the 12 draft tokens"):
-        bench_run.check_context([[1] * 373], ROWS[:1], bench_params(max_new_tokens=128), tree, 512, Path("p"))
+        run.check_context([[1] * 373], ROWS[:1], bench_params(max_new_tokens=128), tree, 512, Path("p"))
 
 
 def test_live_parity_on_fewer_sequences_than_asked_is_a_warning_on_record():

@@ -1,6 +1,6 @@
 """A target folder that transformers cannot load is one named error wherever it is loaded (the
 target stage, the stages, the reference server, the check), never a traceback, and the target
-stage pins no such folder (draftlab/target_check.py)."""
+stage pins no such folder (draftlab/target/check.py)."""
 import json
 import shutil
 
@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from draftlab.errors import UserError
 from draftlab.params import TargetParams
-from draftlab.target import load_config, load_target, load_tokenizer
-from draftlab.target_check import check_loadable
+from draftlab.target.load import load_config, load_target, load_tokenizer
+from draftlab.target.check import check_loadable
 from tests.support.micro import save_micro_model
 from tests.test_target_pin import ROOT
 

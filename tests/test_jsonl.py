@@ -6,9 +6,10 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from draftlab import jsonl, synth
+from draftlab import jsonl
+from draftlab.data import synth
 from draftlab.errors import UserError
-from draftlab.prompts import read_prompt_file
+from draftlab.data.prompts import read_prompt_file
 from stages.extract import read_rows
 
 # Every character str.splitlines() treats as a line boundary, besides \n and \r.

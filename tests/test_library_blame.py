@@ -12,11 +12,12 @@ import transformers
 import yaml
 
 from draftlab.errors import UserError
-from draftlab.gguf_target import DEQUANTIZED_DIR
-from draftlab.packaged import REAL_INSTALL
+from draftlab.target.gguf import DEQUANTIZED_DIR
+from draftlab.target.packaged import REAL_INSTALL
 from draftlab.params import TargetParams
-from draftlab.target import load_config, save_tokenizer
-from draftlab.target_check import check_loadable
+from draftlab.target.load import load_config
+from draftlab.target.tokenizer import save_tokenizer
+from draftlab.target.check import check_loadable
 from stages import target as target_stage
 from tests.support.gguf_file import write_gguf
 from tests.support.micro import make_micro_model, make_micro_tokenizer

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.micro import make_micro_model, make_micro_tokenizer, save_micro_model
-from draftlab.tasks import CHAT_TEMPLATE, EOS, THINK
+from draftlab.data.tasks import CHAT_TEMPLATE, EOS, THINK
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -1,4 +1,4 @@
-"""The reference server's n-gram drafter (draftlab.ngram): suffix matching over the request and
+"""The reference server's n-gram drafter (draftlab.engine.ngram): suffix matching over the request and
 earlier requests, one cache per server, verified by the target like any draft; and the server's
 NGRAM mode over HTTP (/server_info, /flush_cache)."""
 import os
@@ -7,12 +7,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from draftlab import ngram, prompts
-from draftlab.engine import Engine, NgramEngine, SamplingParams
+from draftlab.engine import ngram
+from draftlab.data import prompts
+from draftlab.engine.runners import Engine, NgramEngine, SamplingParams
 from draftlab.lifecycle import free_port, serve
 from draftlab.params import TargetParams
-from draftlab.server import launch_command
-from draftlab.target import load_target
+from draftlab.engine.server import launch_command
+from draftlab.target.load import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models/tiny-target"

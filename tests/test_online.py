@@ -11,8 +11,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from draftlab.features import FeatureDataset, load_draft_vocab
-from draftlab.online import OnlineFeatures, OnlineTarget
+from draftlab.features.dataset import FeatureDataset, load_draft_vocab
+from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import ParamsError, load_params
 from tests.support.micro import save_micro_model
 
@@ -121,9 +121,9 @@ def test_online_batches_are_the_offline_batches(runs):
 
 
 def test_online_resume_gives_the_uninterrupted_weights(runs, tmp_path):
-    from draftlab import train
-    from draftlab.draft import DraftConfig
-    from draftlab.target_weights import load_target_head
+    from draftlab.train import loop as train
+    from draftlab.train.draft import DraftConfig
+    from draftlab.target.weights import load_target_head
 
     p = load_params(["target", "train"], runs / "params.yaml")
     tp = p.train

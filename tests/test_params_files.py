@@ -12,8 +12,8 @@ import pytest
 from draftlab.errors import QUOTE_CHARS, UserError
 from draftlab.main import main
 from draftlab.params import ParamsError, load_params, read_yaml
-from draftlab.profiles import apply_profiles
-from draftlab.run_stages import run_stages
+from draftlab.experiments.profiles import apply_profiles
+from draftlab.experiments.run_stages import run_stages
 from draftlab.yamlfile import read_mapping
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab.features import physical_layers_of
+from draftlab.features.dataset import physical_layers_of
 from tests.support.project import copy_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 
 from draftlab.main import main
 from draftlab.params import SECTIONS, load_params
-from draftlab.profiles import apply_profiles, dvc_exp_run, hydra_value
+from draftlab.experiments.profiles import apply_profiles, dvc_exp_run, hydra_value
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import yaml
 
 import pytest
 
-from draftlab import prompts
+from draftlab.data import prompts
 from draftlab.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_stage_empty_file_is_an_error(tmp_path):
 
 
 def test_builtin_prompts_are_deterministic_and_heldout():
-    from draftlab import tasks
+    from draftlab.data import tasks
 
     a = prompts.builtin_prompts(40, seed=7)
     b = prompts.builtin_prompts(40, seed=7)

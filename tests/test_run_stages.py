@@ -1,5 +1,5 @@
 """`draftlab run-stages`: dvc.yaml's stages in dependency order where DVC is not installed, with a
-profile merged in, skipping what is unchanged as `dvc repro` would (draftlab/run_stages.py)."""
+profile merged in, skipping what is unchanged as `dvc repro` would (draftlab/experiments/run_stages.py)."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from draftlab.errors import UserError
-from draftlab.run_stages import stage_order
+from draftlab.experiments.run_stages import stage_order
 from tests.support.project import ROOT, reduced_project
 
 
@@ -68,7 +68,7 @@ def test_a_stage_that_fails_stops_the_run_naming_it(tmp_path, monkeypatch):
     p = yaml.safe_load((root / "params.yaml").read_text())
     p["target"]["model"] = "models/absent"
     (root / "params.yaml").write_text(yaml.safe_dump(p))
-    from draftlab.run_stages import run_stages
+    from draftlab.experiments.run_stages import run_stages
 
     monkeypatch.setenv("PYTHONPATH", str(root))
     with pytest.raises(UserError, match=r"stage target failed \(exit 2\)"):

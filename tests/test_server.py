@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftlab.lifecycle import free_port, serve
-from draftlab.server import launch_command, parse_reasoning
+from draftlab.engine.server import launch_command, parse_reasoning
 from tests.support.micro import save_micro_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,7 +154,7 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
     the bench and the check read a reference-server log exactly as a real one."""
     import argparse
 
-    from draftlab.server import apply_sglang_rules
+    from draftlab.engine.server import apply_sglang_rules
     from draftlab.sglang.flags import default_spec_params
     from draftlab.sglang.launch import parse_log
 
@@ -174,7 +174,7 @@ def test_the_reference_server_runs_and_logs_what_sglang_would(capsys):
 def test_the_reference_server_keeps_the_bench_cap_on_running_requests(capsys):
     """bench.max_running_requests reaches the reference server: no 'reset to 48' line for the check
     to take for an unpredicted adjustment, and /server_info reports the cap it runs."""
-    from draftlab.server import apply_sglang_rules, parse_args
+    from draftlab.engine.server import apply_sglang_rules, parse_args
 
     args = parse_args(["--model-path", "m", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--max-running-requests", "16"])
@@ -193,8 +193,8 @@ def micro_client(context: int = MICRO_CONTEXT):
     """(TestClient over build_app on a micro llama engine, the engine); bodies go through `post`."""
     from fastapi.testclient import TestClient
 
-    from draftlab.engine import Engine
-    from draftlab.server import build_app
+    from draftlab.engine.runners import Engine
+    from draftlab.engine.server import build_app
     from tests.support.micro import make_micro_model, make_micro_tokenizer
 
     model = make_micro_model("llama", max_position_embeddings=context, seed=1)
@@ -339,7 +339,7 @@ SGLANG_TOTAL = ("Requested token count exceeds the model's maximum context lengt
 def app_client(server_args: dict, context: int = MICRO_CONTEXT):
     from fastapi.testclient import TestClient
 
-    from draftlab.server import build_app
+    from draftlab.engine.server import build_app
 
     _, engine = micro_client(context)
     return TestClient(build_app(engine, "micro", {"model_path": "micro", **server_args})), engine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.server_limits import max_token_bytes, refuse_oversize
+from draftlab.engine.text_limits import max_token_bytes, refuse_oversize
 from tests.test_server import post
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,8 @@ def tiny():
 def client_for(tiny, context: int | None = None):
     from fastapi.testclient import TestClient
 
-    from draftlab.engine import Engine
-    from draftlab.server import build_app
+    from draftlab.engine.runners import Engine
+    from draftlab.engine.server import build_app
 
     model, tok = tiny
     return TestClient(build_app(Engine(model, tok, "cpu", context), "tiny", {"model_path": str(TINY)}))
@@ -82,7 +82,7 @@ def test_the_bounds_never_refuse_a_text_that_fits(tiny):
 
 
 def load_error(argv: str) -> str:
-    from draftlab.server import load_engine, parse_args
+    from draftlab.engine.server import load_engine, parse_args
 
     with pytest.raises(UserError) as e:
         load_engine(parse_args(shlex.split(argv)))

@@ -1,4 +1,4 @@
-"""ShareGPT conversations as prompts (draftlab/sharegpt.py, the prompts stage): the first human
+"""ShareGPT conversations as prompts (draftlab/data/sharegpt.py, the prompts stage): the first human
 turn by the documented rule, a file cut inside a record read to its last complete record with a
 warning, odd roles mapped or skipped and counted, length filter in target tokens, a seeded nested
 subset, and every unusable file named."""
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import jsonl, prompts, sharegpt
+from draftlab import jsonl
+from draftlab.data import prompts, sharegpt
 from draftlab.errors import UserError
 from tests.support.micro import save_micro_model
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from draftlab.errors import UserError
-from draftlab.prompts import read_prompt_file
-from draftlab.sharegpt import read_json_array
+from draftlab.data.prompts import read_prompt_file
+from draftlab.data.sharegpt import read_json_array
 
 RECORDS = [
     {"id": "a1", "conversations": [{"from": "human", "value": "Café \"q\" \\ tab\t new\nline 中 😀 \u2028"},

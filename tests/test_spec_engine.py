@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from draftlab import spec_engine
+from draftlab.engine import speculative
 from tests.support.drafts import ScriptedDraft, random_draft
-from draftlab.draft import Eagle3Draft
+from draftlab.train.draft import Eagle3Draft
 from draftlab.sglang.checkpoint import export_sglang, load_exported
 from draftlab.sglang.flags import tree_candidates
 from tests.support.micro import make_micro_model
@@ -20,7 +20,7 @@ CONFIGS = [(1, 1, 2), (3, 1, 4), (2, 2, 4), (4, 3, 10)]  # (num_steps, topk, num
 def spec(target, draft, prompt, config, max_new, **kw):
     steps, topk, tokens = config
     kw.setdefault("physical_layers", PHYSICAL)
-    return spec_engine.generate(target, draft, prompt, num_steps=steps, topk=topk, num_draft_tokens=tokens, max_new_tokens=max_new, **kw)
+    return speculative.generate(target, draft, prompt, num_steps=steps, topk=topk, num_draft_tokens=tokens, max_new_tokens=max_new, **kw)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -31,7 +31,7 @@ def target(request):
 @pytest.fixture(scope="module")
 def references(target):
     """The target's greedy continuation of each prompt (24 tokens, EOS ignored)."""
-    return [spec_engine.baseline_generate(target, p, 24, ignore_eos=True).output_ids for p in PROMPTS]
+    return [speculative.baseline_generate(target, p, 24, ignore_eos=True).output_ids for p in PROMPTS]
 
 
 # --- greedy: the output is the target's own --------------------------------------------------
@@ -83,7 +83,7 @@ def test_eos_stops_inside_an_accepted_block_and_ignore_eos_runs_on(target, refer
     eos = ref[6]
     want = ref[: ref.index(eos) + 1]
     oracle = ScriptedDraft(prompt + ref, target.config.vocab_size)
-    base = spec_engine.baseline_generate(target, prompt, 24, eos_token_id=eos)
+    base = speculative.baseline_generate(target, prompt, 24, eos_token_id=eos)
     r = spec(target, oracle, prompt, config, 24, eos_token_id=[eos, 99999])
     assert base.output_ids == want and r.output_ids == want
     assert r.finish_reason == base.finish_reason == {"type": "stop", "matched": eos}
@@ -129,16 +129,16 @@ def test_flags_sglang_would_change_or_reject_are_refused(target):
 def test_the_tree_bound_is_sglangs_tree_candidates():
     for steps, topk in [(2, 2), (3, 3), (1, 4)]:
         most = tree_candidates(steps, topk) + 1  # the root and every node the tree search makes
-        spec_engine.check_flags(steps, topk, most)
+        speculative.check_flags(steps, topk, most)
         with pytest.raises(ValueError, match=f"must be in 2..{most} "):
-            spec_engine.check_flags(steps, topk, most + 1)
+            speculative.check_flags(steps, topk, most + 1)
 
 
 def test_baseline_stop_when_ends_the_request_with_what_it_matched(target, references):
     ref = references[1]
-    out = spec_engine.baseline_generate(target, PROMPTS[1], 24, ignore_eos=True, stop_when=lambda ids: "five" if len(ids) == 5 else None)
+    out = speculative.baseline_generate(target, PROMPTS[1], 24, ignore_eos=True, stop_when=lambda ids: "five" if len(ids) == 5 else None)
     assert out.output_ids == ref[:5] and out.finish_reason == {"type": "stop", "matched": "five"}
-    stop_token = spec_engine.baseline_generate(target, PROMPTS[1], 24, eos_token_id=ref[2], stop_when=lambda ids: "late" if len(ids) > 2 else None)
+    stop_token = speculative.baseline_generate(target, PROMPTS[1], 24, eos_token_id=ref[2], stop_when=lambda ids: "late" if len(ids) > 2 else None)
     assert stop_token.finish_reason == {"type": "stop", "matched": ref[2]}  # a stop token first, as the server checks them
 
 
@@ -154,23 +154,23 @@ def test_target_cache_after_partial_acceptance_equals_a_fresh_forward(target):
             return target(torch.tensor([tokens])).logits[0, -1].float()
 
     #            0    1    2    3    4    5
-    tree = spec_engine.Tree(tokens=[7, 30, 31, 32, 33, 34], parents=[-1, 0, 0, 1, 2, 4], depths=[0, 1, 1, 2, 2, 3])
+    tree = speculative.Tree(tokens=[7, 30, 31, 32, 33, 34], parents=[-1, 0, 0, 1, 2, 4], depths=[0, 1, 1, 2, 2, 3])
     for path in ([0, 2, 4, 5], [0, 1, 3], [0]):  # gathered out of the tree / a chain prefix (crop)
-        cache = spec_engine.new_cache(target)
+        cache = speculative.new_cache(target)
         with torch.no_grad():
-            spec_engine.target_forward(target, torch.tensor([prompt]), cache)
-            logits = spec_engine.verify_tree(target, cache, tree, n)
+            speculative.target_forward(target, torch.tensor([prompt]), cache)
+            logits = speculative.verify_tree(target, cache, tree, n)
         for node in range(6):  # tree attention: each node sees exactly its own path
             line, a = [], node
             while a >= 0:
                 line.insert(0, tree.tokens[a])
                 a = tree.parents[a]
             torch.testing.assert_close(logits[node], fresh(prompt + line), atol=1e-4, rtol=1e-4)
-        spec_engine.keep_kv(cache, n, path)
+        speculative.keep_kv(cache, n, path)
         assert cache.get_seq_length() == n + len(path)
         accepted = [tree.tokens[c] for c in path]
         with torch.no_grad():
-            nxt = spec_engine.target_forward(target, torch.tensor([[123]]), cache)[0, -1].float()
+            nxt = speculative.target_forward(target, torch.tensor([[123]]), cache)[0, -1].float()
         torch.testing.assert_close(nxt, fresh(prompt + accepted + [123]), atol=1e-4, rtol=1e-4)
 
 
@@ -187,14 +187,14 @@ def test_draft_cache_holds_rows_fed_by_the_target_not_by_the_draft():
     draft.__class__ = SpyDraft
     prompt = [3, 9, 4, 1, 12]
     r = spec(target, draft, prompt, (3, 4, 10), 40, ignore_eos=True)
-    assert r.output_ids == spec_engine.baseline_generate(target, prompt, 40, ignore_eos=True).output_ids
+    assert r.output_ids == speculative.baseline_generate(target, prompt, 40, ignore_eos=True).output_ids
     assert r.accepted[0] > 3 and r.accepted[1] > 0  # accepted rows at depths 1 and 2
     # What a fresh draft prefill over the committed text, fed by one target forward, would cache.
     rows = len(draft.cache)
     text = torch.tensor([prompt + r.output_ids])
-    with spec_engine.AuxCapture(target, PHYSICAL) as aux, torch.no_grad():
+    with speculative.AuxCapture(target, PHYSICAL) as aux, torch.no_grad():
         target(text[:, :rows])
-        fresh = spec_engine.KVCache()
+        fresh = speculative.KVCache()
         draft.step(text[:, 1 : rows + 1], draft.project(aux.take()), torch.arange(rows)[None], fresh)
     assert rows >= len(prompt) + len(r.output_ids) - 6  # everything but the last block
     torch.testing.assert_close(draft.cache.k, fresh.k, atol=1e-4, rtol=1e-4)
@@ -212,7 +212,7 @@ def test_an_exported_draft_runs_as_loaded_with_the_layers_sglang_would_capture(t
     prompt = PROMPTS[1]
     a = spec(target, loaded, prompt, (3, 2, 6), 16, physical_layers=physical, ignore_eos=True)
     b = spec(target, draft, prompt, (3, 2, 6), 16, ignore_eos=True)
-    assert a.output_ids == b.output_ids == spec_engine.baseline_generate(target, prompt, 16, ignore_eos=True).output_ids
+    assert a.output_ids == b.output_ids == speculative.baseline_generate(target, prompt, 16, ignore_eos=True).output_ids
     assert (a.accept_hist, a.proposed, a.accepted) == (b.accept_hist, b.proposed, b.accepted)
 
 
@@ -322,7 +322,7 @@ def test_a_sliding_window_target_past_its_window_decodes_its_own_greedy_output_a
     target = load_tool("micro_targets").make_model("gpt-oss").eval()
     assert target.config.sliding_window == 128
     prompt = [(7 * i) % 200 + 20 for i in range(150)]  # longer than the window before the first round
-    ref = spec_engine.baseline_generate(target, prompt, 24, ignore_eos=True).output_ids
+    ref = speculative.baseline_generate(target, prompt, 24, ignore_eos=True).output_ids
     for never in (False, True):
         draft = ScriptedDraft(prompt + ref, target.config.vocab_size, never=never)
         r = spec(target, draft, prompt, (3, 1, 4), 24, ignore_eos=True, physical_layers=[1, 2, 3])
@@ -335,13 +335,13 @@ def test_a_sliding_window_target_past_its_window_decodes_its_own_greedy_output_a
 def test_the_offline_run_decodes_each_prompt_both_ways_unless_a_served_engine_is_scaled_instead():
     """For a server of another engine the advice scales on its served rounds, so the in-process
     baseline decode (a minute of eager 8B) is left out; the speculative figures are the same."""
-    from draftlab import cost_timing
+    from draftlab.bench import offline
     from draftlab.sglang.flags import SpecFlags
 
     target = make_micro_model("llama", num_layers=4, seed=11)
     draft = random_draft(target, seed=3)
     flags = SpecFlags(algorithm="EAGLE3", num_steps=3, topk=1, num_draft_tokens=4)
-    both = cost_timing.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True)
-    spec_only = cost_timing.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True, with_baseline=False)
+    both = offline.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True)
+    spec_only = offline.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True, with_baseline=False)
     assert both["baseline_step_s"] > 0 and spec_only["baseline_step_s"] is None
     assert spec_only["tau"] == both["tau"] and spec_only["outputs"] == both["outputs"]

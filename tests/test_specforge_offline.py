@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from draftlab.errors import UserError
-from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.features.dataset import FeatureDataset, load_draft_vocab
 from tests.tiny_features import make_features
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftlab.errors import UserError
-from draftlab.extract import layer_key
+from draftlab.features.extract import layer_key
 from draftlab.manifest import build_manifest, dir_hash, output_files, read_verified, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,12 +15,12 @@ import pytest
 import torch
 import yaml
 
-from draftlab import synth
+from draftlab.data import synth
 from draftlab.errors import UserError
 from draftlab.lifecycle import free_port, serve
 from tests.support.micro import make_micro_tokenizer, save_micro_model
-from draftlab.server import launch_command
-from draftlab.tasks import END_THINK, THINK
+from draftlab.engine.server import launch_command
+from draftlab.data.tasks import END_THINK, THINK
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -10,8 +10,8 @@ import yaml
 
 from draftlab.errors import QUOTE_CHARS, UserError
 from draftlab.params import TargetParams
-from draftlab.target import load_config, load_target, load_tokenizer
-from draftlab.target_pin import pin_target
+from draftlab.target.load import load_config, load_target, load_tokenizer
+from draftlab.target.pin import pin_target
 from tests.test_target_pin import ROOT
 
 NAMES = {

@@ -1,4 +1,4 @@
-"""The target pin (stage target, draftlab/target_pin.py): another target is one params edit.
+"""The target pin (stage target, draftlab/target/pin.py): another target is one params edit.
 
 A local folder's pin follows the bytes of its model files and nothing beside them; a hub id's
 pin is the commit its revision resolves to, offline from the Hugging Face cache; every stage that
@@ -18,7 +18,7 @@ import yaml
 
 from draftlab.errors import UserError
 from draftlab.manifest import ROOT, code_files
-from draftlab.target_pin import pin_target
+from draftlab.target.pin import pin_target
 from tests.support.micro import save_micro_model
 
 PIN = "models/target-pin.json"
@@ -101,7 +101,7 @@ def test_a_40_hex_revision_is_the_commit_without_any_lookup(tmp_path, monkeypatc
 
 
 def test_an_unreachable_hub_falls_back_to_the_cache(tmp_path, monkeypatch):
-    from draftlab import target_pin
+    from draftlab.target import pin as target_pin
 
     monkeypatch.chdir(tmp_path)
     def no_network(model, revision):
@@ -130,7 +130,7 @@ def _params(stage) -> list[str]:
 def _loads_target(stage) -> bool:
     script = ROOT / (stage["cmd"].split(" -m ", 1)[1].split()[0].replace(".", "/") + ".py")
     code = {f.relative_to(ROOT).as_posix() for f in code_files(script) if f.is_relative_to(ROOT)}
-    return "draftlab/target.py" in code or any(p == "target" or p.startswith("target.") for p in _params(stage))
+    return "draftlab/target/load.py" in code or any(p == "target" or p.startswith("target.") for p in _params(stage))
 
 
 def test_every_stage_that_loads_the_target_depends_on_the_pin_and_none_on_a_folder():

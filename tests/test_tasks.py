@@ -1,7 +1,7 @@
 import pytest
 
-from draftlab import tasks
-from draftlab.tasks import FAMILIES, check_answer, extract_answer, generate, solve, split_of
+from draftlab.data import tasks
+from draftlab.data.tasks import FAMILIES, check_answer, extract_answer, generate, solve, split_of
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_when_every_family_runs_out_the_error_says_how_many_there_are():
 
 def test_builtin_prompts_beyond_the_supply_name_the_param(monkeypatch):
     from draftlab.errors import UserError
-    from draftlab.prompts import builtin_prompts
+    from draftlab.data.prompts import builtin_prompts
 
     only_mul = tasks.generate
     monkeypatch.setattr(tasks, "generate", lambda n, seed, split, **kw: only_mul(n, seed, split, families=("mul",), **kw))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftlab import tasks
+from draftlab.data import tasks
 
 DIR = Path(__file__).resolve().parents[1] / "models" / "tiny-target"
 

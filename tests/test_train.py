@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftlab.draft import DraftConfig, TTTCache
+from draftlab.train.draft import DraftConfig, TTTCache
 from draftlab.errors import UserError
-from draftlab.features import FeatureDataset, load_draft_vocab
+from draftlab.features.dataset import FeatureDataset, load_draft_vocab
 from draftlab.params import TrainParams
-from draftlab.target_weights import load_target_head
-from draftlab.train import TTT, evaluate, fit, init_draft, lr_at, shift, step_token_counts
+from draftlab.target.weights import load_target_head
+from draftlab.train.loop import TTT, evaluate, fit, init_draft, lr_at, shift, step_token_counts
 from tiny_features import K, V, VD, make_draft, make_features
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def test_target_embedding_and_head_come_from_sharded_tied_or_cached_checkpoints(
 def test_bf16_soft_labels_match_fp32_ones_to_bf16_precision():
     """On GPUs the labels' vocab projection runs in bf16 (13x faster for an 8B head); the soft
     labels stay fp32 and the target's top-1 agrees with the fp32 one except at near-ties."""
-    from draftlab.train import labels_dtype, target_labels
+    from draftlab.train.loop import labels_dtype, target_labels
 
     g = torch.Generator().manual_seed(0)
     final, head = torch.randn(2, 64, 32, generator=g), torch.randn(300, 32, generator=g)

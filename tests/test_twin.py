@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from draftlab import tasks
+from draftlab.data import tasks
 from tests.support.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def small_draft_dir(tmp_path) -> Path:
     """A random EAGLE-3 draft of the tiny target in SGLang's layout (reduced draft vocab, norms not all ones)."""
     from safetensors.torch import save_file
 
-    from draftlab.draft import DraftConfig, Eagle3Draft
+    from draftlab.train.draft import DraftConfig, Eagle3Draft
     from draftlab.sglang.checkpoint import WEIGHTS, sglang_config
 
     target = json.loads((SMALL / "config.json").read_text())
@@ -189,7 +189,7 @@ def small_draft_dir(tmp_path) -> Path:
 def test_inflated_draft_on_the_twin_gives_the_small_drafts_logits(tmp_path, twin_dir, models):
     """The reduced twin's aux states + the inflated draft = the tiny target's aux states + the small
     draft: the same draft logits (float32 rounding), two draft steps, loaded by draftlab's own loader."""
-    from draftlab.draft import KVCache
+    from draftlab.train.draft import KVCache
     from draftlab.sglang.checkpoint import load_exported
 
     small_dir, big_dir = small_draft_dir(tmp_path), tmp_path / "big-draft"

@@ -1,4 +1,4 @@
-"""The target stage's weight check (draftlab.weight_layout through target_check.check_weight_layout):
+"""The target stage's weight check (draftlab.target.layout through target_check.check_weight_layout):
 transformers' own name conversions applied (per-expert MoE tensors fused on load), no tensor read,
 a tensor missing or of another shape refused, whatever accelerate and kernels are installed."""
 import importlib.util
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from draftlab.errors import UserError
-from draftlab.target_check import check_loadable, check_weight_layout
+from draftlab.target.check import check_loadable, check_weight_layout
 from tests.support.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from draftlab.draft import DraftConfig, Eagle3Draft
-from draftlab.features import build_draft_vocab, count_tokens, pack_sequences, save_draft_vocab, shard_name, write_shard
+from draftlab.train.draft import DraftConfig, Eagle3Draft
+from draftlab.features.dataset import build_draft_vocab, count_tokens, pack_sequences, save_draft_vocab, shard_name, write_shard
 from draftlab.manifest import build_manifest, write_manifest
 from tests.support.micro import make_micro_model
 

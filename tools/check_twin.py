@@ -1,6 +1,6 @@
 """Check that a twin (tools/make_twin.py) computes its small model's function: greedy tokens and logits.
 
-Both models greedy-generate the same held-out prompts (draftlab.tasks, rendered with the chat
+Both models greedy-generate the same held-out prompts (draftlab.data.tasks, rendered with the chat
 template); the report gives the share of prompts whose tokens are identical, where the others first
 diverge, the largest logit difference on a prefill of prompt + answer, answer accuracy and time per
 token of each. Exits 1 when the share of identical prompts is below --min-agree.
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from draftlab import tasks  # noqa: E402
+from draftlab.data import tasks  # noqa: E402
 from draftlab.fsutil import atomic_write_json  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

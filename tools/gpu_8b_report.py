@@ -38,8 +38,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftlab import advice  # noqa: E402
-from draftlab.served_fits import advise_served, served_round  # noqa: E402
+from draftlab.bench import advice  # noqa: E402
+from draftlab.bench.fits import advise_served, served_round  # noqa: E402
 
 
 def measured_rounds(configs: dict) -> dict:

@@ -1,6 +1,6 @@
 """Make the embedded target model, models/tiny-target, from a seed.
 
-Steps: generate a corpus of reasoning problems (draftlab.tasks), train a byte-level BPE tokenizer
+Steps: generate a corpus of reasoning problems (draftlab.data.tasks), train a byte-level BPE tokenizer
 on it, train a small Llama (GQA, untied embeddings) on the chat-formatted problems with the loss
 on the assistant turn only, evaluate it on held-out problems (answer accuracy per family with
 greedy decoding, share of generations that end with EOS, held-out loss), and write the model
@@ -33,8 +33,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from draftlab import tasks  # noqa: E402
-from draftlab.target import save_tokenizer  # noqa: E402
+from draftlab.data import tasks  # noqa: E402
+from draftlab.target.tokenizer import save_tokenizer  # noqa: E402
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text  # noqa: E402
 
 MAX_BYTES = 30 * 2**20  # the whole model directory must stay under 30 MiB (it is committed)

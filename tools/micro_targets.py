@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from draftlab.target import save_tokenizer  # noqa: E402
-from draftlab.tasks import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, THINK_TOKENS  # noqa: E402
+from draftlab.target.tokenizer import save_tokenizer  # noqa: E402
+from draftlab.data.tasks import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, THINK_TOKENS  # noqa: E402
 
 NUM_LAYERS = 8
 HIDDEN = 256

@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from draftlab import jsonl, metrics
-from draftlab.bench_report import groups_markdown, headline_markdown
+from draftlab.bench.report import groups_markdown, headline_markdown
 
 CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "c#", "sql", "html", "css", "bash", "regex",
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")

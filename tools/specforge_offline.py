@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftlab.errors import UserError  # noqa: E402
-from draftlab.features import FeatureDataset, load_draft_vocab  # noqa: E402
+from draftlab.features.dataset import FeatureDataset, load_draft_vocab  # noqa: E402
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: E402
 
 

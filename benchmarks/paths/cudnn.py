@@ -15,13 +15,13 @@ from benchmarks.paths.common import record
 
 
 def engine_decode_ab(P, model, prompt: list[int], S: str = "decode_profile") -> None:
-    from draftlab import spec_engine
+    from draftlab.engine import speculative
 
     per = {}
     for name, avoid in (("cold", False), ("warm", False), ("avoided", True)):
-        spec_engine.AVOID_CUDNN_ATTENTION = avoid
-        r = spec_engine.baseline_generate(model, prompt, P["decode_new"], ignore_eos=True)
+        speculative.AVOID_CUDNN_ATTENTION = avoid
+        r = speculative.baseline_generate(model, prompt, P["decode_new"], ignore_eos=True)
         per[name] = (r.total_s - r.prefill_s) / max(1, len(r.output_ids) - 1)
         record(S, f"engine_decode_ms_cudnn_{name}", per[name] * 1e3, f"ms per token (baseline_generate, {P['decode_new']} tokens)")
-    spec_engine.AVOID_CUDNN_ATTENTION = True
+    speculative.AVOID_CUDNN_ATTENTION = True
     record(S, "engine_decode_cudnn_cold_ratio", per["cold"] / per["avoided"], "(cuDNN allowed, new lengths / avoided)")

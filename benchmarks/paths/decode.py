@@ -1,7 +1,7 @@
 """Where a baseline decode step's time goes (section decode_profile).
 
 Method: the 8B-shaped target, batch 1, a random prompt of `spec_prompt` tokens prefilled into the
-engine's cache (draftlab.spec_engine.new_cache / target_forward), then 12 one-token steps of which
+engine's cache (draftlab.engine.speculative.new_cache / target_forward), then 12 one-token steps of which
 the first 2 warm up. Per step: host time until the forward call returns, GPU time (CUDA events
 around the forward) and wall time until the next token is on the host. Then 3 steps under
 torch.profiler; its tables go to the log. The section goes on with the cuDNN A/B (benchmarks.paths.cudnn)
@@ -20,7 +20,7 @@ from benchmarks.paths.training import labels_cost
 
 @torch.inference_mode()
 def decode_profile(P, model) -> None:
-    from draftlab.spec_engine import new_cache, target_forward
+    from draftlab.engine.speculative import new_cache, target_forward
 
     dev, S = P["device"], "decode_profile"
     g = torch.Generator().manual_seed(1)

@@ -16,11 +16,11 @@ from benchmarks.paths.common import ROOT, free, record
 def embedded(P) -> None:
     from transformers import AutoModelForCausalLM
 
-    from draftlab import spec_engine
-    from draftlab.bench import render_prompts
+    from draftlab.engine import speculative
+    from draftlab.bench.servers import render_prompts
     from draftlab.sglang.checkpoint import load_exported
-    from draftlab.target import load_tokenizer
-    from draftlab.tasks import generate as make_tasks
+    from draftlab.target.load import load_tokenizer
+    from draftlab.data.tasks import generate as make_tasks
 
     dev, S = P["device"], "embedded"
     tdir, ddir = ROOT / "models/tiny-target", ROOT / "models/draft"
@@ -46,15 +46,15 @@ def embedded(P) -> None:
     record(S, "physical", physical)
     record(S, "num_steps", steps)
     record(S, "prompts", len(prompts))
-    spec_engine.baseline_generate(target, prompts[0], 8, eos_token_id=eos)  # warm-ups
-    spec_engine.generate(target, draft, prompts[0], num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=8,
+    speculative.baseline_generate(target, prompts[0], 8, eos_token_id=eos)  # warm-ups
+    speculative.generate(target, draft, prompts[0], num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=8,
                          eos_token_id=eos, physical_layers=physical)
     bt = bs = 0.0
     bn = sn = ver = 0
     same = 0
     for p in prompts:
-        b = spec_engine.baseline_generate(target, p, new, eos_token_id=eos)
-        r = spec_engine.generate(target, draft, p, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
+        b = speculative.baseline_generate(target, p, new, eos_token_id=eos)
+        r = speculative.generate(target, draft, p, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
                                  eos_token_id=eos, physical_layers=physical)
         bt, bn = bt + b.total_s, bn + len(b.output_ids)
         bs, sn, ver = bs + r.total_s, sn + len(r.output_ids), ver + r.spec_verify_ct

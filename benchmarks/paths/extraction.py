@@ -1,4 +1,4 @@
-"""Extraction: the target forward with hooks (draftlab.extract.capture) and the extract stage's own
+"""Extraction: the target forward with hooks (draftlab.features.extract.capture) and the extract stage's own
 extract_shard, in tokens/s against the compute floor.
 
 Method: the 8B-shaped target (random weights, built on the device) on batches of about
@@ -9,7 +9,7 @@ Method: the 8B-shaped target (random weights, built on the device) on batches of
 - Bytes stored per token: (k + 1) x H x 2 (k aux layers and the final hidden, bf16); the write
   bandwidth needed is that times the measured tokens/s. `d2h`: one batch's captured layers copied
   to pageable host memory, as the stage did before its copies overlapped the next forward.
-- `stage_*`: draftlab.extract.extract_shard itself over a shard of 4 batches of the same size, host
+- `stage_*`: draftlab.features.extract.extract_shard itself over a shard of 4 batches of the same size, host
   copies included (on CUDA each batch's copy to pinned memory runs on a side stream while the next
   batch's forward runs); `stage_vs_capture` = its tokens/s over the capture-only rate.
 """
@@ -24,7 +24,7 @@ from benchmarks.paths.common import free, matmul_rate, param_counts, peak_gb, re
 
 def capture_run(model, ids, mask, physical, dev, iters: int):
     """(seconds of each timed capture, the last capture's aux layers and final hidden)."""
-    from draftlab.extract import capture
+    from draftlab.features.extract import capture
 
     got = {}
 
@@ -37,7 +37,7 @@ def capture_run(model, ids, mask, physical, dev, iters: int):
 
 def stage_seconds(model, rows, physical, batch: int, dev) -> float:
     """One synchronised extract_shard over `rows` (after one warm-up shard)."""
-    from draftlab.extract import extract_shard
+    from draftlab.features.extract import extract_shard
 
     return timed(lambda: extract_shard(model, rows, physical, batch, torch.bfloat16, dev), dev, 1, 1)[0]
 

@@ -3,7 +3,7 @@ on the table (section decode_graph).
 
 Method: `StaticDecode` runs the target's own modules and weights over a preallocated KV cache,
 `graph_new` greedy tokens after a random `spec_prompt`-token prompt. Checked first: its logits
-against the engine's forward (draftlab.spec_engine.target_forward) fed the same tokens, 4 steps,
+against the engine's forward (draftlab.engine.speculative.target_forward) fed the same tokens, 4 steps,
 max relative error. Then timed eagerly and, on CUDA, as one captured CUDA graph replayed per token
 (the token read on the host every step, as a real decode loop needs it). Fraction of the bandwidth
 floor = tokens/s / (measured copy bandwidth / bytes read per decode step, the embedding excepted).
@@ -44,7 +44,7 @@ class StaticDecode:
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> int:
-        from draftlab.spec_engine import new_cache, target_forward
+        from draftlab.engine.speculative import new_cache, target_forward
 
         cache = new_cache(self.model)
         logits = target_forward(self.model, torch.tensor([prompt], device=self.model.device), cache, logits_to_keep=1)
@@ -106,24 +106,24 @@ class StaticDecode:
 
 
 def decode_graph(P, model) -> None:
-    from draftlab import spec_engine
+    from draftlab.engine import speculative
 
     dev, S = P["device"], "decode_graph"
     floor = copy_rate(P) / decode_bytes(model)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, model.config.vocab_size, (P["spec_prompt"],), generator=g).tolist()
     new = P["graph_new"]
-    ref = spec_engine.baseline_generate(model, prompt, new + 1, ignore_eos=True)
+    ref = speculative.baseline_generate(model, prompt, new + 1, ignore_eos=True)
     sd = StaticDecode(model, -(-(len(prompt) + new + 8) // 64) * 64)  # slots in whole 64s: aligned for the attention kernels
-    with spec_engine.attention_kernels(dev), torch.inference_mode():
+    with speculative.attention_kernels(dev), torch.inference_mode():
         # The same computation as the engine: logits of the static step against the engine's own
         # forward, fed the same tokens, for a few steps.
         x = sd.prefill(prompt)
-        cache = spec_engine.new_cache(model)
-        spec_engine.target_forward(model, torch.tensor([prompt], device=dev), cache)
+        cache = speculative.new_cache(model)
+        speculative.target_forward(model, torch.tensor([prompt], device=dev), cache)
         err = 0.0
         for _ in range(4):
-            want = spec_engine.target_forward(model, torch.tensor([[x]], device=dev), cache, logits_to_keep=1)[0, -1].float()
+            want = speculative.target_forward(model, torch.tensor([[x]], device=dev), cache, logits_to_keep=1)[0, -1].float()
             sd.tok.fill_(x)
             sd.step()
             err = max(err, float((sd.logits[0] - want).norm() / want.norm()))

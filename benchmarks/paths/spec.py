@@ -42,7 +42,7 @@ def forward_costs(model, prompt: list[int], widths, dev, repeats: int = 5) -> di
     """Median seconds of one synchronised target forward of w tokens on a cached prompt."""
     import statistics
 
-    from draftlab.spec_engine import new_cache, target_forward
+    from draftlab.engine.speculative import new_cache, target_forward
 
     ids = torch.tensor([prompt], device=dev)
     cache = new_cache(model)
@@ -64,7 +64,7 @@ def forward_costs(model, prompt: list[int], widths, dev, repeats: int = 5) -> di
 
 
 def spec(P, model) -> None:
-    from draftlab import spec_engine
+    from draftlab.engine import speculative
     from tests.support.drafts import ScriptedDraft
 
     dev, S = P["device"], "spec"
@@ -76,8 +76,8 @@ def spec(P, model) -> None:
     if P.get("stable_greedy"):
         stabilize(model)
         record(S, "stable_greedy", 1)
-    spec_engine.baseline_generate(model, prompt, 8, ignore_eos=True)  # warm-up
-    base = spec_engine.baseline_generate(model, prompt, new, ignore_eos=True)
+    speculative.baseline_generate(model, prompt, 8, ignore_eos=True)  # warm-up
+    base = speculative.baseline_generate(model, prompt, new, ignore_eos=True)
     decode_s = (base.total_s - base.prefill_s) / max(1, len(base.output_ids) - 1)
     floor = bw / step_bytes
     record(S, "prompt_tokens", len(prompt))
@@ -89,7 +89,7 @@ def spec(P, model) -> None:
     record(S, "bandwidth_floor_tokens_per_s", floor, "tok/s (weight bytes / measured copy bandwidth)")
     record(S, "baseline_fraction_of_floor", (1 / decode_s) / floor)
     # Pure target forward of w tokens on a cached prompt (the verify cost without the engine),
-    # synchronised (draftlab.bench.measure_costs stops its clock before the GPU has finished).
+    # synchronised (draftlab.bench.servers.measure_costs stops its clock before the GPU has finished).
     widths = sorted({1} | {n + 1 for n in P["spec_steps"]})
     costs = {"verify_s": forward_costs(model, prompt, widths, dev)}
     for w, s in costs["verify_s"].items():
@@ -100,7 +100,7 @@ def spec(P, model) -> None:
     for steps in P["spec_steps"]:
         for name, draft in (("oracle", ScriptedDraft(ref, model.config.vocab_size)),
                             ("null", ScriptedDraft(ref, model.config.vocab_size, never=True))):
-            r = spec_engine.generate(model, draft, prompt, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
+            r = speculative.generate(model, draft, prompt, num_steps=steps, topk=1, num_draft_tokens=steps + 1, max_new_tokens=new,
                                      ignore_eos=True, physical_layers=P["physical"])
             if r.output_ids != base.output_ids:
                 record(S, f"{name}_s{steps}_output_mismatch", 1)

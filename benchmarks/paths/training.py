@@ -1,4 +1,4 @@
-"""One draft training step (draftlab.train.TTT) in tokens/s and MFU, and where its time goes.
+"""One draft training step (draftlab.train.loop.TTT) in tokens/s and MFU, and where its time goes.
 
 Method: the draft of the 8B-shaped target (H 4096, 3 aux layers, target vocab `train_vocab`, draft
 vocab `train_draft_vocab`) on random aux/final hidden states, loss mask False on the first 1/8 of
@@ -47,8 +47,8 @@ def train_flops(cfg, B: int, T: int, steps: int, scored: list[int], V: int) -> d
 
 
 def training(P) -> None:
-    from draftlab.draft import DraftConfig
-    from draftlab.train import TTT, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
+    from draftlab.train.draft import DraftConfig
+    from draftlab.train.loop import TTT, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
 
     dev, S = P["device"], "training"
     device = torch.device(dev)

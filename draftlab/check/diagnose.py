@@ -23,7 +23,7 @@ from draftlab.check.packages import check_package_drift
 from draftlab.check.parity import check_live_capture, http_capture, inprocess_capture, reference_states, run_parity, stored_sequences
 from draftlab.check.serving import answer_lengths, check_algorithm, check_flags, check_lineage, check_tau, check_tokenizer
 from draftlab.errors import UserError
-from draftlab.features import DRAFT_VOCAB_FILE, physical_layers_of
+from draftlab.features.dataset import DRAFT_VOCAB_FILE, physical_layers_of
 from draftlab.manifest import describe_hardware, safetensors_header, verify_outputs
 from draftlab.sglang.checkpoint import ExportedDraft, TensorSpecs, read_exported, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, parse_version
@@ -139,7 +139,7 @@ def sglang_version(run: Run) -> str:
 
 def serving_side(bench: dict | None) -> tuple[dict | None, list[Finding]]:
     """Template and tokenizer hashes of the target the bench served (loaded here with its tokenizer)."""
-    from draftlab.target import chat_template_hash, load_tokenizer, tokenizer_hash
+    from draftlab.target.load import chat_template_hash, load_tokenizer, tokenizer_hash
 
     target = (bench or {}).get("target") or {}
     if not target.get("model"):
@@ -171,7 +171,7 @@ def load_local_target(model: str, revision: str | None):
     """The target as the reference engine loads it (float32 on CPU, bf16 on CUDA)."""
     from draftlab.params import TargetParams
     from draftlab.parallel import resolve_device
-    from draftlab.target import load_target
+    from draftlab.target.load import load_target
 
     device = resolve_device("auto")
     target_params = TargetParams(model=model, revision=revision, dtype="float32" if device == "cpu" else "bfloat16", device=device)

@@ -14,7 +14,7 @@ import torch
 from draftlab.check.findings import Finding, bounded, error, info, warning
 from draftlab.check.tensors import check_draft_tensors, served_tensors
 from draftlab.errors import UserError
-from draftlab.features import draft_to_target
+from draftlab.features.dataset import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, ExportedDraft, TensorSpecs
 from draftlab.sglang.loading import LLAMA_DEFAULTS
 from draftlab.sglang.layers import (EMBEDDING_CAPTURE_FROM, can_capture_embedding, embedding_failure, default_physical, dropped_ids, family,

@@ -32,7 +32,7 @@ from draftlab.check.draft import ServedLayers, check_capture, check_d2t, check_d
 from draftlab.check.findings import ERROR, INFO, WARNING, Finding, bounded, by_severity, error, errors, finite, info, warning
 from draftlab.dtypes import TORCH_DTYPES
 from draftlab.errors import UserError, clip, shown
-from draftlab.features import draft_to_target
+from draftlab.features.dataset import draft_to_target
 from draftlab.sglang.checkpoint import ARCHITECTURE, WEIGHTS, ExportedDraft, TensorSpecs, tensor_specs
 from draftlab.sglang.layers import VERIFIED_VERSIONS, default_physical, ids_for_physical, parse_version, physical_from_user_layers
 from draftlab.sglang.loading import LAYERS_NAMED_FROM, VARIANT_READ_FROM, config_dtype
@@ -368,8 +368,8 @@ def static_findings(d: ForeignDraft, target: dict, version: str, features_physic
 def target_facts(model: str) -> dict:
     """The target's architecture, layers, hidden size, vocab and context from its config.json alone."""
     from draftlab.params import TargetParams
-    from draftlab.server_words import target_error
-    from draftlab.target import load_config, target_info
+    from draftlab.engine.flag_words import target_error
+    from draftlab.target.load import load_config, target_info
 
     params = TargetParams(model=model, revision=None, dtype="float32", device="cpu")
     try:
@@ -431,7 +431,7 @@ class Features:
 def read_features(path: str | Path, target: dict) -> Features:
     """UserError (exit 2) when the features are missing, cut or changed since standardize wrote them."""
     from draftlab.check.diagnose import read_json
-    from draftlab.features import DRAFT_VOCAB_FILE, physical_layers_of
+    from draftlab.features.dataset import DRAFT_VOCAB_FILE, physical_layers_of
     from draftlab.manifest import read_verified
 
     path = Path(path)

@@ -26,7 +26,7 @@ def parity_server(check_params, draft: Path, bench_json: Path):
     if not check_params.serve_parity:
         yield check_params
         return
-    from draftlab import bench  # the server launch: imported only when a server is started
+    from draftlab.bench import servers as bench  # the server launch: imported only when a server is started
     from draftlab.params import load_params
     from draftlab.sglang.flags import SpecFlags
     from draftlab.sglang.launch import free_port

@@ -28,8 +28,8 @@ from safetensors import safe_open
 
 from draftlab.check.findings import Finding, error, info, warning
 from draftlab.errors import UserError
-from draftlab.extract import decoder_layers
-from draftlab.features import norm_summary, read_metadata
+from draftlab.features.extract import decoder_layers
+from draftlab.features.dataset import norm_summary, read_metadata
 
 COSINE_SAME_DIRECTION = 0.99  # mean per-token cosine above which two states differ only in scale/precision
 
@@ -125,7 +125,7 @@ def http_capture(url: str, hidden_size: int, timeout_s: float = 120.0) -> Callab
 def inprocess_capture(model, physical: list[int]) -> Callable[[list[int]], tuple[torch.Tensor, int]]:
     """The reference engine's capture path: AuxCapture hooks at `physical` (ascending concatenation).
     Returns (rows, 0): every prompt position, like a server with nothing cached."""
-    from draftlab.extract import AuxCapture
+    from draftlab.features.extract import AuxCapture
 
     base, _, _ = decoder_layers(model)
     device = next(model.parameters()).device

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from draftlab.bench_report import headline_markdown
+from draftlab.bench.report import headline_markdown
 from draftlab.check.findings import ERROR, INFO, WARNING, Finding
 from draftlab.sglang.loading import config_dtype
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from draftlab.draft import DraftConfig, Eagle3Draft
+from draftlab.train.draft import DraftConfig, Eagle3Draft
 from draftlab.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_replace_dir, atomic_write_bytes, atomic_write_json, canonical_safetensors

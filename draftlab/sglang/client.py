@@ -5,7 +5,7 @@
         text, meta = client.generate("Hello", {"max_new_tokens": 64, "temperature": 0})
 
 The same client benchmarks a launched SGLang, a server the user already runs, and the project's
-reference server (draftlab/server.py). Fields come and go across SGLang releases, so a missing
+reference server (draftlab/engine/server.py). Fields come and go across SGLang releases, so a missing
 field is None, never an error. Source of the meta_info spec fields (sgl-project/sglang): the
 tokenizer manager's `_calculate_spec_decoding_metrics` (python/sglang/srt/managers/
 tokenizer_manager.py), whose names changed: spec_accept_token_num -> spec_accepted_drafts ->

@@ -529,7 +529,7 @@ def default_spec_params(target_architecture: str, sglang_version: str) -> tuple[
 
 def tree_candidates(num_steps: int, topk: int) -> int:
     """Draft tokens an EAGLE tree scores: topk at step 1, topk*topk at each later step (SGLang's
-    rule; the most num_draft_tokens - 1 can be, here and in draftlab.spec_engine.check_flags)."""
+    rule; the most num_draft_tokens - 1 can be, here and in draftlab.engine.speculative.check_flags)."""
     return topk + (num_steps - 1) * topk * topk
 
 

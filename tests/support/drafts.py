@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.draft import DraftConfig, Eagle3Draft
-from draftlab.spec_engine import baseline_generate
+from draftlab.train.draft import DraftConfig, Eagle3Draft
+from draftlab.engine.speculative import baseline_generate
 
 
 def random_draft(target, seed: int, draft_vocab: int | None = None) -> Eagle3Draft:

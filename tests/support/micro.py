@@ -12,8 +12,8 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from draftlab.target import save_tokenizer
-from draftlab.tasks import EOS, PAD, SPECIAL_TOKENS
+from draftlab.target.tokenizer import save_tokenizer
+from draftlab.data.tasks import EOS, PAD, SPECIAL_TOKENS
 from tests.support.tools import load_tool
 
 ARCHS = ("llama", "qwen2", "qwen3")

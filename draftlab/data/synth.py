@@ -1,0 +1,473 @@
+"""Synthesis: the target answers every prompt; resumable, with two interchangeable backends.
+
+Backends (synth.backend):
+  hf      in-process transformers, batched with left padding (the default; offline, CPU works)
+  openai  any OpenAI-compatible server (SGLang, vLLM, the reference server): bounded
+          concurrency, per-request timeout, retries with exponential backoff; rows that still
+          fail go to errors.jsonl with the reason.
+
+Both call `answer(rows, done)` and report each prompt through `done(row, Answer | None, error)`.
+
+Reasoning (synth.reasoning):
+  keep  the assistant content as the target's chat template renders it: `<think>`, the
+        reasoning, `</think>`, the answer. The hf backend sees this text inline and stores it
+        exactly as generated. A server running a reasoning parser returns the reasoning
+        separately (`reasoning_content`), having stripped the markers and, depending on its
+        version, surrounding whitespace; we rebuild the content with the layout the chat
+        template uses for an assistant turn with reasoning (probed once from the template,
+        e.g. "<think>\n" + reasoning + "\n</think>\n" + answer). ASSUMPTION: the target writes
+        its reasoning in that same layout; a target that does not would give content that
+        differs from the hf backend's in whitespace only.
+  drop  only the answer after `</think>`.
+
+Resume: each finished row is appended to `<split>.jsonl.partial` and flushed at once. A rerun
+with the same resume key (`resume_key`) keeps those rows, discards a torn last line, skips
+their ids and generates only the rest; the final `<split>.jsonl` is written in input order, so
+it does not depend on completion order, concurrency or interruptions.
+
+Length: over 400 lines because both backends, the reasoning layout and resume share the row
+and answer types here; each is a short class or function.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_json, canonical_json
+from draftlab import jsonl
+from draftlab.data.tasks import END_THINK, THINK
+
+SPLITS = ("train", "eval")
+RESUME_FILE = ".resume.json"  # the resume key of the partial files next to it
+MAX_BACKOFF_S = 60.0  # cap of one retry delay (also for a server's Retry-After)
+RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}  # transient: overloaded, restarting, timed out
+# Consecutive connection failures (refused, unreachable; any row) after which the server is taken
+# for dead and synthesis stops naming the URL: retrying every row would take minutes to say so.
+DEAD_SERVER_FAILURES = 3
+
+
+@dataclass
+class Answer:
+    content: str  # the assistant message content to store
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (max_new_tokens reached)
+    completion_tokens: int  # generated tokens, the EOS included (as servers count them)
+
+
+Done = Callable[[dict, "Answer | None", "str | None"], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Rows of a prompts JSONL file; ids must be unique (they key resume and dedupe)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: not found; run the prompts stage first (dvc repro prompts)")
+    rows, seen = [], set()
+    for n, row in jsonl.read(path, "re-run the prompts stage (dvc repro -f prompts)"):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise UserError(f"{path}:{n}: a prompt row needs 'id' (string) and 'messages' (non-empty list)")
+        if row["messages"][-1].get("role") != "user":
+            raise UserError(f"{path}:{n}: row {row['id']}: the last message must be from the user")
+        if row["id"] in seen:
+            raise UserError(f"{path}:{n}: duplicate prompt id {row['id']}")
+        seen.add(row["id"])
+        rows.append(row)
+    return rows
+
+
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of the chat prompt, ending with the assistant header (what the target continues)."""
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def check_context(splits: dict[str, list[dict]], tok, context_length: int, max_new_tokens: int) -> None:
+    """Every prompt plus max_new_tokens must fit the target's context; else name the rows."""
+    bad = []
+    for split, rows in splits.items():
+        for row in rows:
+            n = len(prompt_ids(tok, row["messages"]))
+            if n + max_new_tokens > context_length:
+                bad.append(f"row {row['id']} ({split}): {n} prompt tokens + synth.max_new_tokens {max_new_tokens}")
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise UserError(
+            f"{len(bad)} prompt(s) do not fit the target's context of {context_length} tokens:\n  "
+            + "\n  ".join(bad[:10]) + more + "\nshorten or drop those prompts, or lower synth.max_new_tokens"
+        )
+
+
+def row_seed(seed: int, row_id: str) -> int:
+    """A per-row sampling seed: the same row gets the same seed in any order or rerun."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:4], "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasoning
+
+
+def think_layout(tok) -> tuple[str, str]:
+    """(opening, middle) the chat template puts around an assistant turn's reasoning.
+
+    For the tiny target: ("<think>\\n", "\\n</think>\\n"), i.e. content = opening + reasoning +
+    middle + answer. Falls back to that layout when the template drops `reasoning_content`.
+    """
+    r_mark, a_mark = "@@REASONING@@", "@@ANSWER@@"
+    user = [{"role": "user", "content": "q"}]
+    try:
+        prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(user + [{"role": "assistant", "content": a_mark, "reasoning_content": r_mark}], tokenize=False)
+    except Exception:  # a template may reject the extra key; then use the common layout
+        prompt = full = ""
+    if full.startswith(prompt) and r_mark in full and a_mark in full:
+        opening, rest = full[len(prompt):].split(r_mark, 1)
+        middle = rest.split(a_mark, 1)[0]
+        if THINK in opening and END_THINK in middle:
+            return opening[opening.index(THINK):], middle
+    return f"{THINK}\n", f"\n{END_THINK}\n"
+
+
+def answer_only(text: str) -> str:
+    """The answer after `</think>`; "" when the text was cut off while still reasoning."""
+    if END_THINK in text:
+        return text.split(END_THINK, 1)[1].lstrip()
+    if text.lstrip().startswith(THINK):
+        return ""
+    return text
+
+
+def rebuild_content(reasoning: str | None, answer: str | None, layout: tuple[str, str], finish_reason: str) -> str:
+    """The inline content the hf backend would store, from a server's separate reasoning."""
+    answer = answer or ""
+    if not reasoning:  # no parser on the server, or no reasoning: the content is already inline
+        return answer
+    opening, middle = layout
+    if not answer and finish_reason == "length":  # cut off before </think>
+        return opening + reasoning.strip()
+    return opening + reasoning.strip() + middle + answer.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+class HFBackend:
+    """In-process generation: prompts sorted by length, batched with left padding."""
+
+    def __init__(self, model, tok, synth_params, device: str):
+        self.model, self.tokenizer, self.synth_params, self.device = model, tok, synth_params, device
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_length = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = sorted({i for i in [*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id] if i is not None})
+        self.info = {}
+
+    def answer(self, rows: list[dict], done: Done) -> None:
+        import torch
+
+        synth_params, tok = self.synth_params, self.tokenizer
+        encoded = sorted(((prompt_ids(tok, r["messages"]), r) for r in rows), key=lambda x: -len(x[0]))  # longest first: OOM shows at once
+        for i in range(0, len(encoded), synth_params.batch_size):
+            batch = encoded[i:i + synth_params.batch_size]
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids, _ in batch], device=self.device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=self.device)
+            sampled = synth_params.temperature > 0
+            with torch.random.fork_rng(devices=[]), torch.inference_mode():
+                torch.manual_seed(row_seed(synth_params.seed, batch[0][1]["id"]))
+                out = self.model.generate(
+                    input_ids=input_ids, attention_mask=mask, max_new_tokens=synth_params.max_new_tokens,
+                    do_sample=sampled, temperature=synth_params.temperature if sampled else None, top_p=synth_params.top_p if sampled else None,
+                    # Only our settings shape the answer: no top-k or repetition penalty from the
+                    # target's generation_config.json (the openai backend does not send them either).
+                    top_k=0 if sampled else None, repetition_penalty=1.0,
+                    pad_token_id=tok.pad_token_id, eos_token_id=self.eos_ids,
+                )
+            for (ids, row), seq in zip(batch, out[:, width:].tolist()):
+                stop = next((k for k, t in enumerate(seq) if t in self.eos_ids), None)
+                gen = seq[: stop + 1] if stop is not None else seq
+                text = tok.decode(gen, skip_special_tokens=True)
+                content = text if synth_params.reasoning == "keep" else answer_only(text)
+                done(row, Answer(content, "stop" if stop is not None else "length", len(gen)), None)
+
+
+class OpenAIBackend:
+    """Chat completions against an OpenAI-compatible server, `concurrency` requests in flight."""
+
+    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None, base_url: str | None = None):
+        """base_url: the server's URL up to /v1 (default synth.base_url; the sglang backend's own server)."""
+        self.tokenizer, self.synth_params, self.context_length = tok, synth_params, context_length
+        self.base_url = (base_url or synth_params.base_url).rstrip("/")
+        self._key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.layout = think_layout(tok)
+        self.connect_failures = 0  # consecutive, over all rows: reset by any answer
+        self.model_name = synth_params.model_name or self._served_model()
+        self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout)}
+
+    def redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    def _served_model(self) -> str:
+        url = f"{self.base_url}/models"
+        try:
+            r = httpx.get(url, headers=self.headers, timeout=self.synth_params.timeout_s, trust_env=False)
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise UserError(
+                f"synth.base_url: cannot list models at {url} ({self.redact(f'{type(e).__name__}: {e}')}); "
+                "start the server, or set synth.model_name"
+            ) from None
+
+    def answer(self, rows: list[dict], done: Done) -> None:
+        asyncio.run(self._answer_all(rows, done))
+
+    async def _answer_all(self, rows: list[dict], done: Done) -> None:
+        queue = list(reversed(rows))  # workers pop from the end: input order
+        limits = httpx.Limits(max_connections=self.synth_params.concurrency)
+        async with httpx.AsyncClient(headers=self.headers, timeout=self.synth_params.timeout_s, limits=limits, trust_env=False) as client:
+
+            async def worker():
+                while queue:
+                    row = queue.pop()
+                    ans, err = await self._answer_one(client, row)
+                    done(row, ans, err)
+
+            await asyncio.gather(*(worker() for _ in range(max(1, self.synth_params.concurrency))))
+
+    async def _answer_one(self, client: httpx.AsyncClient, row: dict) -> tuple[Answer | None, str | None]:
+        synth_params = self.synth_params
+        body = {
+            "model": self.model_name,
+            "messages": row["messages"],
+            "max_tokens": synth_params.max_new_tokens,
+            "temperature": synth_params.temperature,
+            "top_p": synth_params.top_p,
+            "seed": row_seed(synth_params.seed, row["id"]),
+            "stream": False,
+        }
+        reason, retry_after = "not attempted", None
+        for attempt in range(synth_params.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(_backoff(synth_params.retry_backoff_s, attempt, retry_after))
+            retry_after = None
+            try:
+                r = await client.post(f"{self.base_url}/chat/completions", json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                reason = f"{type(e).__name__}: {e}"
+                self.connect_failures += 1
+                if self.connect_failures >= DEAD_SERVER_FAILURES:
+                    raise UserError(
+                        f"synth.base_url: cannot connect to {self.base_url} ({self.redact(reason)}; "
+                        f"{self.connect_failures} attempts in a row); start the server or fix the URL, then re-run: "
+                        "the answers already written are kept"
+                    ) from None
+                continue
+            except httpx.TimeoutException as e:
+                reason = f"{type(e).__name__}: no answer within synth.timeout_s={synth_params.timeout_s:g} s"
+                continue
+            except httpx.HTTPError as e:
+                reason = f"{type(e).__name__}: {e}"
+                continue
+            self.connect_failures = 0
+            if r.status_code != 200:
+                reason = f"HTTP {r.status_code}: {r.text[:300]}"
+                retry_after = r.headers.get("retry-after")
+                if r.status_code in RETRY_STATUS:
+                    continue
+                break  # a 4xx other than those will fail the same way again
+            try:
+                return self._parse(r.json()), None
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                reason = f"unusable response ({type(e).__name__}: {e}): {r.text[:300]}"
+        attempts = attempt + 1
+        return None, self.redact(f"{reason} (after {attempts} attempt{'s' * (attempts > 1)})")
+
+    def _parse(self, data: dict) -> Answer:
+        choice = data["choices"][0]
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise ValueError(f"finish_reason {finish!r}")
+        msg = choice["message"]
+        # SGLang names it reasoning_content; some servers (newer vLLM) name it reasoning
+        content, reasoning = msg.get("content") or "", msg.get("reasoning_content") or msg.get("reasoning")
+        if self.synth_params.reasoning == "keep":
+            content = rebuild_content(reasoning, content, self.layout, finish)
+        elif not reasoning:  # no parser on the server: the reasoning is inline
+            content = answer_only(content)
+        return Answer(content, finish, int(data["usage"]["completion_tokens"]))
+
+
+def _backoff(base_s: float, attempt: int, retry_after: str | None) -> float:
+    """Seconds before retry `attempt` (1-based): base * 2^(attempt-1) with +-25% jitter, or Retry-After."""
+    if retry_after and retry_after.strip().isdigit():
+        return min(float(retry_after), MAX_BACKOFF_S)
+    return min(base_s * 2 ** (attempt - 1) * random.uniform(0.75, 1.25), MAX_BACKOFF_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resumable output
+
+
+def resume_key(target: dict, synth: dict, inputs: dict) -> str:
+    """What must match for partial rows to be reused: settings that change an answer.
+
+    Transport settings (base_url, api key name, batch size, concurrency, timeout, retries) may
+    change between an interrupted run and its resume.
+    """
+    content = {k: synth[k] for k in ("backend", "model_name", "max_new_tokens", "temperature", "top_p", "seed", "reasoning")}
+    return hashlib.sha256(canonical_json({"target": target, "synth": content, "inputs": inputs}).encode()).hexdigest()
+
+
+def row_problem(row) -> str | None:
+    """Why a line of a partial file is not an answer row as synthesize writes it (make_row), or None."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an answer row (an object with id, messages, finish_reason, completion_tokens)"
+    if not isinstance(row.get("id"), str) or not row["id"]:
+        return "no 'id' (a non-empty string)"
+    msgs = row.get("messages")
+    if not (isinstance(msgs, list) and len(msgs) >= 2 and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                                and isinstance(m.get("content"), str) for m in msgs)):
+        return f"row {row['id']}: 'messages' must be a list of {{role, content}} objects, the prompt then the answer"
+    if msgs[-1]["role"] != "assistant":
+        return f"row {row['id']}: the last message must be the assistant's answer, got role {msgs[-1]['role']!r}"
+    if row.get("finish_reason") not in ("stop", "length"):
+        return f"row {row['id']}: 'finish_reason' must be \"stop\" or \"length\", got {row.get('finish_reason')!r}"
+    tokens = row.get("completion_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return f"row {row['id']}: 'completion_tokens' must be an integer >= 0, got {tokens!r}"
+    return None
+
+
+def load_partial(path: Path) -> dict[str, dict]:
+    """Rows of a partial file by id; a torn last line (killed mid-write) is cut off the file. Any
+    other line that is not an answer row (not JSON, not UTF-8, valid JSON of another shape) is a
+    UserError naming file:line: the file is resume state, and a row that was not written by
+    synthesize must not reach the final files."""
+    rows: dict[str, dict] = {}
+    if not path.exists():
+        return rows
+    if not path.is_file():
+        raise UserError(f"{path} is not a file, so the answers of this split cannot be kept there; move or delete it")
+    data = path.read_bytes()
+    fix = f"delete that line, or delete {path} to answer this split over (the other split's answers are kept)"
+    good_end, pos, n = 0, 0, 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break  # no newline: the write was interrupted
+        n += 1
+        line = data[pos:nl]
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            if data.find(b"\n", nl + 1) >= 0:  # a bad line with complete lines after it: not a torn tail
+                what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not valid JSON"
+                raise UserError(f"{path}:{n}: {what}; {fix}") from None
+            break
+        problem = row_problem(row)
+        if problem:
+            raise UserError(f"{path}:{n}: {problem}; {fix}")
+        rows.setdefault(row["id"], row)  # first copy wins (duplicates cannot be written, but never keep two)
+        good_end = pos = nl + 1
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return rows
+
+
+def prepare_resume(out: Path, key: str) -> bool:
+    """Keep partial files written under `key`, else remove them; returns whether any are kept."""
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / RESUME_FILE
+    partials = [out / f"{s}.jsonl.partial" for s in SPLITS]
+    for p in partials:
+        if p.exists() and not p.is_file():  # not ours to remove: it may hold anything
+            raise UserError(f"{p} is not a file, so the answers of this split cannot be kept there; move or delete it")
+    try:
+        same = json.loads(marker.read_text())["key"] == key
+    except (OSError, ValueError, KeyError, TypeError):  # absent, damaged or of another shape: start over
+        same = False
+    if not same:
+        for p in partials:
+            p.unlink(missing_ok=True)
+        atomic_write_json(marker, {"key": key})
+    return same and any(p.exists() for p in partials)
+
+
+def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None) -> dict:
+    """Answer every row of every split into `out`; returns counts and token figures.
+
+    `make_row(prompt_row, answer)` builds the output row; `progress(split, total, initial)`
+    returns a tqdm-like bar (or None).
+    """
+    import time
+
+    resumed = prepare_resume(out, key)
+    stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {}}
+    errors: list[dict] = []
+    done_rows: dict[str, dict[str, dict]] = {}
+    for split, rows in splits.items():
+        partial = out / f"{split}.jsonl.partial"
+        done = load_partial(partial)
+        wanted = {r["id"] for r in rows}
+        done = {i: r for i, r in done.items() if i in wanted}
+        for prow in rows:  # the id is the prompt's content hash: a kept answer must follow that very prompt
+            if prow["id"] in done and done[prow["id"]]["messages"][:-1] != prow["messages"]:
+                raise UserError(f"{partial}: row {prow['id']} holds other prompt messages than that prompt's row in "
+                                f"{split}.jsonl of the prompts; delete that line, or delete {partial} to answer this split over")
+        todo = [r for r in rows if r["id"] not in done]
+        counts = {"input": len(rows), "resumed": len(done), "ok": 0, "errors": 0}
+        bar = progress(split, len(rows), len(done)) if progress else None
+        t0, tokens0 = time.perf_counter(), stats["completion_tokens"]
+        with open(partial, "a", encoding="utf-8") as f:
+
+            def finished(prow, ans, err):
+                if ans is None:
+                    errors.append({"id": prow["id"], "split": split, "error": err})
+                else:
+                    row = make_row(prow, ans)
+                    f.write(jsonl.dumps(row))
+                    f.flush()  # on disk for a resume even after kill -9
+                    done[prow["id"]] = row
+                    stats["completion_tokens"] += ans.completion_tokens
+                if bar is not None:
+                    bar.update(1)
+                    rate = (stats["completion_tokens"] - tokens0) / max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(tok_s=f"{rate:.0f}", errors=len(errors), refresh=False)
+
+            try:
+                backend.answer(todo, finished)
+            finally:
+                if bar is not None:
+                    bar.close()
+                stats["generation_s"] += time.perf_counter() - t0
+            os.fsync(f.fileno())
+        counts["ok"] = len(done)
+        counts["errors"] = sum(e["split"] == split for e in errors)
+        stats["counts"][split] = counts
+        done_rows[split] = done
+    # Only now, with every split generated, do the partial files become outputs.
+    for split, rows in splits.items():
+        done = done_rows[split]
+        for r in done.values():
+            stats["finish_reasons"][r["finish_reason"]] = stats["finish_reasons"].get(r["finish_reason"], 0) + 1
+        jsonl.write(out / f"{split}.jsonl", (done[r["id"]] for r in rows if r["id"] in done))
+    jsonl.write(out / "errors.jsonl", errors)
+    for split in splits:
+        (out / f"{split}.jsonl.partial").unlink(missing_ok=True)
+    (out / RESUME_FILE).unlink(missing_ok=True)
+    stats["errors"] = errors
+    return stats
