@@ -12,7 +12,7 @@ from pathlib import Path
 
 from draftlab.errors import UserError
 from draftlab.target.diagnosis import folder_problem, local_folder
-from draftlab.target.loading import check_weights, fix_for, loading
+from draftlab.target.load_errors import check_weights, fix_for, loading
 
 
 def check_loadable(model: str, revision: str | None = None) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from draftlab.errors import UserError, shown
 from draftlab.manifest import dir_hash, sha256_text
 from draftlab.target.gguf import dequantized_dir, gguf_file
-from draftlab.target.loading import check_config, check_weights, loading
+from draftlab.target.load_errors import check_config, check_weights, loading
 
 
 def model_path(model: str) -> str:

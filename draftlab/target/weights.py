@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from draftlab.errors import UserError
-from draftlab.target.loading import loading
+from draftlab.target.load_errors import loading
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
