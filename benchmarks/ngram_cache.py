@@ -1,7 +1,8 @@
 """N-gram lookup (NGRAM) on first passes only: does /flush_cache make a repeat look like a first pass?
 
     python benchmarks/ngram_cache.py --model MODEL --backend sglang [--prompts mt-bench|FILE.jsonl] [--num 40]
-        [--max-new-tokens 256] [--draft-tokens 12] [--breadth 10] [--server-arg=--mem-fraction-static=0.3 ...]
+        [--max-new-tokens 256] [--draft-tokens 12] [--breadth 10] [--dtype bfloat16] [--attention-backend triton]
+        [--server-arg=--mem-fraction-static=0.3 ...]
     python benchmarks/ngram_cache.py --quick     # the embedded target on the reference server, a CPU, about a minute
 
 An NGRAM server drafts from a cache of the text it has seen, shared by every request. A second pass
@@ -52,9 +53,13 @@ def first_turns(prompts: str, num: int, tokenizer) -> list[list[int]]:
     return [tokenizer.apply_chat_template(c.turns[0], add_generation_prompt=True, tokenize=True, return_dict=False) for c in convs]
 
 
-def server_argv(backend: str, model: str, port: int, ngram: SpecFlags | None, extra: list[str]) -> list[str]:
+def server_argv(backend: str, model: str, port: int, ngram: SpecFlags | None, extra: list[str], dtype: str = "auto",
+                attention_backend: str | None = None) -> list[str]:
     if backend == "sglang":
-        return launch_argv(model, port, flags=ngram, baseline=ngram is None, extra_args=extra)
+        flags = ngram or SpecFlags(algorithm=None)
+        flags = SpecFlags(**{**flags.__dict__, "attention_backend": attention_backend})
+        return launch_argv(model, port, flags=flags, baseline=ngram is None, extra_args=extra, dtype=dtype,
+                           extra_key="--server-arg")
     argv = [sys.executable, "-m", "draftlab.engine.server", "--model-path", model, "--port", str(port)]
     if ngram is not None:
         argv += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(ngram.num_draft_tokens),
@@ -101,6 +106,8 @@ def main(argv=None) -> None:
     ap.add_argument("--breadth", type=int, default=10, help="--speculative-ngram-max-bfs-breadth")
     ap.add_argument("--server-arg", action="append", default=[], help="one extra server argument (repeatable), e.g. "
                     "--server-arg=--mem-fraction-static=0.3")
+    ap.add_argument("--dtype", default="auto", help="sglang: --dtype of both servers")
+    ap.add_argument("--attention-backend", default=None, help="sglang: --attention-backend of both servers")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--logs", type=Path, default=Path("ngram-cache-logs"))
     ap.add_argument("--json", type=Path, default=None)
@@ -118,7 +125,7 @@ def main(argv=None) -> None:
     with ExitStack() as stack:  # one after the other: SGLang's second server sizes its pool from what the first left
         urls = []
         for name, flags in (("baseline", None), ("ngram", ngram)):
-            argv_ = server_argv(a.backend, a.model, free_port(), flags, extra)
+            argv_ = server_argv(a.backend, a.model, free_port(), flags, extra, a.dtype, a.attention_backend)
             port = argv_[argv_.index("--port") + 1]
             stack.enter_context(lifecycle.serve(argv_, f"http://127.0.0.1:{port}", a.logs / f"{name}.log",
                                                 startup_timeout_s=a.startup_timeout))
