@@ -8,7 +8,7 @@
 
 Exit codes: 0 ok, 1 findings with errors, 2 bad input (one line on stderr, no traceback); exp run
 passes on dvc's own, and after a failed run puts params.yaml, dvc.lock and the outputs back as the
-run found them (draftlab/experiments/workspace.py; --keep-failed leaves them and lists what changed). `python -m draftlab.check draft|parity` and `python -m draftlab.engine.server` run
+run found them (draftlab/experiments/workspace.py; --keep-failed leaves them and lists what changed). `python -m draftlab.check draft|parity` and `python -m draftlab.server` run
 the same functions.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def parity(args) -> int:
 
 
 def serve(argv: list[str]) -> None:
-    """python -m draftlab.engine.server's options, passed on as given (its --help lists them)."""
+    """python -m draftlab.server's options, passed on as given (its --help lists them)."""
     from draftlab.engine import server  # loads torch: only when serving
 
     server.main(argv)

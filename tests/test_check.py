@@ -565,7 +565,7 @@ def test_malformed_layer_ids_are_a_named_finding(pipeline, run, eagle):
 
 
 def reference_server(pipeline, draft: Path, log: Path):
-    """The project's reference server (python -m draftlab.engine.server) speculating with `draft`, hidden states on."""
+    """The project's reference server (python -m draftlab.server) speculating with `draft`, hidden states on."""
     import os
 
     from draftlab.lifecycle import free_port, serve

@@ -100,6 +100,6 @@ def test_the_python_m_forms_still_work():
     r = subprocess.run([sys.executable, "-m", "draftlab.check", "draft", "no/such/draft", "--target", "x"], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: no/such/draft: no such checkpoint directory")
-    r = subprocess.run([sys.executable, "-m", "draftlab.engine.server", "--help"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    r = subprocess.run([sys.executable, "-m", "draftlab.server", "--help"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                        capture_output=True, text=True)
     assert r.returncode == 0 and "--speculative-draft-model-path" in r.stdout

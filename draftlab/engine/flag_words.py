@@ -1,6 +1,6 @@
 """The reference server's errors in the words of its own flags.
 
-`python -m draftlab.engine.server --model-path M` (and `draftlab check-draft PATH --target M`) load the
+`python -m draftlab.server --model-path M` (and `draftlab check-draft PATH --target M`) load the
 target and the draft with the pipeline's loaders, whose errors name params keys (target.model,
 spec.topk) and stages (dvc repro target, the export stage). A user of the command typed flags: each
 error is said again with the flag that set the value, and with what to do without the pipeline.

@@ -1,6 +1,6 @@
 """The project's reference server: a local target behind SGLang's HTTP API, one request at a time.
 
-    python -m draftlab.engine.server --model-path models/tiny-target --port 30000 [--host 127.0.0.1]
+    python -m draftlab.server --model-path models/tiny-target --port 30000 [--host 127.0.0.1]
         [--dtype auto] [--device auto] [--reasoning-parser deepseek-r1|qwen3]
 
 Endpoints, in SGLang's shapes so one client talks to both:
@@ -564,7 +564,7 @@ def launch_command(model_path: str, port: int, host: str = "127.0.0.1", **flags)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m draftlab.engine.server", description="draftlab reference server (SGLang-compatible HTTP API)")
+    ap = argparse.ArgumentParser(prog="python -m draftlab.server", description="draftlab reference server (SGLang-compatible HTTP API)")
     ap.add_argument("--model-path", required=True, help="local directory or hub id of the target")
     ap.add_argument("--revision", default=None)
     ap.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model path)")
