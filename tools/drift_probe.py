@@ -1,7 +1,7 @@
 """Drift probe: would today's newest releases still pass? Run it before bumping the lock.
 
     python tools/drift_probe.py                  # a throwaway venv, removed afterwards
-    python tools/drift_probe.py --keep /tmp/dp   # keep the venv there (re-run tests in it by hand)
+    python tools/drift_probe.py --keep ../drift-venv   # keep the venv there (re-run tests in it by hand)
     python tools/drift_probe.py --with-torch     # let torch float too (see below)
     python tools/drift_probe.py --json out.json  # the report as JSON as well
 

