@@ -16,9 +16,9 @@ total / total of the other, the same prompts, paired (the bench stage's own `spe
 of per-request medians; both are in results.json). Advice, each against every point:
   as run      what the bench stage of the run printed
   scaled      the in-process round model scaled to the served round of the configuration the bench
-              stage ran (served_fits.round_scale), at the tau predicted from its acceptance, and at the
+              stage ran (draftlab.bench.fits.round_scale), at the tau predicted from its acceptance, and at the
               tau each configuration served (the cost model alone)
-  served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (served_fits.advise_served),
+  served fit  the line R0 + d * s + v * w fitted on the sweep's served rounds (draftlab.bench.fits.advise_served),
               in sample and with the configuration left out
 and the recommendations: the bench stage's and the sweep's as run, and by the advice as it is now
 (advice.recommend: no depth past the acceptance measured), the sweep's after its first three
@@ -43,7 +43,7 @@ from draftlab.bench.fits import advise_served, served_round  # noqa: E402
 
 
 def measured_rounds(configs: dict) -> dict:
-    """{(steps, topk, tokens): served_fits.served_round} of every configuration whose paired requests were kept."""
+    """{(steps, topk, tokens): draftlab.bench.fits.served_round} of every configuration whose paired requests were kept."""
     out = {}
     for entry in configs.values():
         rows = entry.get("requests")
@@ -57,7 +57,7 @@ def measured_rounds(configs: dict) -> dict:
     return out
 
 def served_advice(results: dict, bench: dict) -> dict:
-    """served_fits.advise_served over the bench stage's candidates (their tau from the measured
+    """draftlab.bench.fits.advise_served over the bench stage's candidates (their tau from the measured
     acceptance), with every served configuration's predicted and measured speedup side by side."""
     rounds = measured_rounds(results["configs"])
     out = advise_served(bench["advice"]["candidates"], rounds)
@@ -97,7 +97,7 @@ def costs_in_seconds(costs_ms: dict) -> dict:
 
 def scaled_costs(bench: dict) -> dict:
     """The bench stage's in-process costs (seconds), scaled to the served round of the configuration it
-    ran (served_fits.round_scale): its model for a server that is not the reference engine."""
+    ran (draftlab.bench.fits.round_scale): its model for a server that is not the reference engine."""
     costs = costs_in_seconds(bench["costs"])
     return {**costs, "round_scale": (bench_point(bench)["round_ms"] / 1e3) / costs["offline_round_s"]}
 
@@ -117,7 +117,7 @@ def bench_point(bench: dict) -> dict:
 
 
 def sweep_point(entry: dict, rounds: dict | None) -> dict:
-    """A sweep configuration's bs=1 point; rounds: its served_fits.served_round (measured_rounds)."""
+    """A sweep configuration's bs=1 point; rounds: its draftlab.bench.fits.served_round (measured_rounds)."""
     return {"config": name(key(entry)), "source": "sweep", "served_tau": entry["served_tau"], "speedup": entry["speedup"],
             "baseline_tokens_per_s": entry["baseline"]["tokens_per_s"], "spec_tokens_per_s": entry["spec"]["tokens_per_s"],
             "per_prompt_speedup": entry.get("per_prompt_speedup"), "greedy_identical": entry["greedy_identical"],

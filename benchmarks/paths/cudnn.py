@@ -1,11 +1,11 @@
 """The engine's decode with SDPA's cuDNN attention allowed and avoided (section decode_profile).
 
-Method: `spec_engine.baseline_generate` of `decode_new` tokens (ms per decode token, the prefill
+Method: `draftlab.engine.speculative.baseline_generate` of `decode_new` tokens (ms per decode token, the prefill
 excluded), three times in this order, on the same prompt:
   cold     cuDNN allowed, on KV lengths it has not seen in this process: what a fresh process pays,
            since every decode step has a new KV length and cuDNN builds a plan per shape;
   warm     cuDNN allowed again on the same lengths (its plans kept);
-  avoided  cuDNN avoided (`spec_engine.AVOID_CUDNN_ATTENTION`, the engine's default).
+  avoided  cuDNN avoided (`draftlab.engine.speculative.AVOID_CUDNN_ATTENTION`, the engine's default).
 The order matters: a best-of-two A/B lets cuDNN reuse its plans and shows no difference.
 `engine_decode_cudnn_cold_ratio` = cold / avoided.
 """

@@ -4,7 +4,7 @@ and speculation with drafts that are always right (oracle) or never right (null)
 Method: batch 1, greedy, ignore_eos, a random `spec_prompt`-token prompt, `spec_new` new tokens.
 - `baseline_generate` after a warm-up; decode tokens/s excludes the prefill. Bandwidth floor =
   measured copy bandwidth / bytes read per decode step (all weights but the embedding).
-- Oracle / null drafts: `ScriptedDraft` over the baseline's output (what `spec_engine.oracle_draft`
+- Oracle / null drafts: `ScriptedDraft` over the baseline's output (what `draftlab.engine.speculative.oracle_draft`
   / `null_draft` build, made once instead of re-running the baseline for each); `generate` with
   topk 1, num_draft_tokens = num_steps + 1 for each num_steps in `spec_steps`. speedup = tokens/s /
   baseline tokens/s (whole requests). Overhead per step = (request time - prefill) / verify steps
@@ -94,7 +94,7 @@ def spec(P, model) -> None:
     costs = {"verify_s": forward_costs(model, prompt, widths, dev)}
     for w, s in costs["verify_s"].items():
         record(S, f"target_forward_w{w}_ms", s * 1e3, "ms")
-    # The oracle and null drafts are exactly what spec_engine.oracle_draft / spec_engine.null_draft build, made
+    # The oracle and null drafts are exactly what draftlab.engine.speculative.oracle_draft / draftlab.engine.speculative.null_draft build, made
     # once from the baseline's output (each of those calls re-runs the baseline decode).
     ref = list(prompt) + base.output_ids
     for steps in P["spec_steps"]:

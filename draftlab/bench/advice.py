@@ -5,7 +5,7 @@ rounds by draftlab.bench.fits) and the measured acceptance: the predicted tau an
 chains and trees, and the recommendation, "don't speculate" when none pays. Nothing here runs a
 model.
 
-The cost model counts the round as the engine runs it (spec_engine.generate). For a configuration
+The cost model counts the round as the engine runs it (draftlab.engine.speculative.generate). For a configuration
 of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tokens (seconds):
 
     round(s, k, w, tau) = DV(s, k, w)              drafting and verify, timed whole per configuration
@@ -24,16 +24,16 @@ of s = num_steps, k = topk, w = num_draft_tokens, with rounds that yield tau tok
 
 b: the baseline decode step (s/token); P, P_d: the target's and the draft's prefill (s/request);
 o: the server's own work per engine step: with the served baseline's requests fitted as
-P + T * b_server (`served_fits.probed_requests`: P from prompt-only requests, b_server the median of the
-rest per token; `served_fits.fit_requests` without them), b = b_server, P = its fixed part (prefill, HTTP) and
+P + T * b_server (`draftlab.bench.fits.probed_requests`: P from prompt-only requests, b_server the median of the
+rest per token; `draftlab.bench.fits.fit_requests` without them), b = b_server, P = its fixed part (prefill, HTTP) and
 o = b_server - the in-process decode step over the same prompts, paid once per round by a
 speculative server (`server_costs`); without a served baseline, b is the in-process step, P the
 prefill and o = 0;
 The bench's reference server runs this very engine, and there the prediction is the in-process
-speedup at the served pair's scale (`served_fits.speedup_scale`, `in_process_speedup`):
+speedup at the served pair's scale (`draftlab.bench.fits.speedup_scale`, `in_process_speedup`):
     speedup(c) = sigma * (P + T * e) / (P + P_d + (T / tau_c) * (round(c) - L)),
     sigma = the served speedup of the configuration that ran / that formula for it at its served tau,
-with e, P, P_d the decode step and prefills timed in `cost_timing.measure_costs`' loop. Every timing in the
+with e, P, P_d the decode step and prefills timed in `draftlab.bench.offline.measure_costs`' loop. Every timing in the
 formula comes from one interleaved loop, so a change in the machine's speed hits them alike: on a
 shared 2-core CPU the served pair, the offline run and that loop, taken a minute apart, differed by
 up to 2x in absolute speed, which the additive form (o, L from other minutes) turned into errors of
@@ -41,13 +41,13 @@ up to 20%. The configuration that ran is then predicted exactly; the test of the
 predicts the others (`tools/advice_sweep.py`).
 With a server that runs another engine (SGLang), o is replaced by a scale: every round costs
 kappa * round, kappa = the served round of the configuration that ran (measured from its paired
-requests, `served_fits.served_round`) / the offline run's round of it (`served_fits.round_scale`).
+requests, `draftlab.bench.fits.served_round`) / the offline run's round of it (`draftlab.bench.fits.round_scale`).
 T: tokens per request (T -> infinity: the steady-state tau * b / round). tau: the chain's
 1 + sum_i prod_{j<=i} a_j from the measured acceptance, or for a tree the same walk over the
 draft's depth-1 rank shares (`tree_tau`).
 
 DV is timed as a round runs it, the draft's forwards and the target's verify one after the other
-over a cache of a prompt plus half an answer (`cost_timing.measure_costs`): the sum of the parts timed apart
+over a cache of a prompt plus half an answer (`draftlab.bench.offline.measure_costs`): the sum of the parts timed apart
 missed how a round's cost grows with depth (the verify's cost is a step function of its width on a
 CPU, 3.4 ms at 2-3 tokens, 4.0 at 4-6, 4.7 at 7-9 for the default target, which a line through noisy
 timings flattened). The parts below stay: they show where a round's time goes, and they predict a
@@ -70,7 +70,7 @@ With n requests in flight a verify runs the target over n * w tokens. Where that
 round scaled from bs=1 does not know it. The batch growth (`batch_growth`) adds, to a round scaled
 from the configuration that ran (width w0), what the target's dense matmuls cost over n * w tokens
 beyond n * w0, less the same difference at bs=1 (which the scale already holds): G(n) * [T] timed on
-this device by `cost_timing.measure_gemm_s`, unscaled, because a matmul of that size costs the same under a
+this device by `draftlab.bench.offline.measure_gemm_s`, unscaled, because a matmul of that size costs the same under a
 server's CUDA graphs as in-process.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ TREES = [(3, 2, 6), (4, 2, 8), (5, 4, 8), (6, 8, 32)]
 
 
 def tree_tau(rank_acceptance: list[list[float]], num_steps: int, topk: int, num_draft_tokens: int) -> float:
-    """Expected tau of the tree spec_engine.draft_tree builds, if its scores were the acceptance.
+    """Expected tau of the tree draftlab.engine.speculative.draft_tree builds, if its scores were the acceptance.
 
     rank_acceptance[d][r]: P(the target's token at depth d + 1 is the draft's rank-r proposal |
     the path above it was accepted); depths past the last reuse it. Siblings are exclusive (one
@@ -244,7 +244,7 @@ def server_costs(costs: dict) -> tuple[float, float, float]:
 
 
 def in_process_speedup(costs: dict, tau: float, num_steps: int, topk: int, num_draft_tokens: int) -> float:
-    """The in-process engine's speedup by the timings of `cost_timing.measure_costs` alone, all taken in one
+    """The in-process engine's speedup by the timings of `draftlab.bench.offline.measure_costs` alone, all taken in one
     interleaved loop: (P + T * e) / (P + P_d + (T / tau) * round), e the decode step and P, P_d the
     prefills timed there, round = `round_cost` less its loop term (calibrated on another run)."""
     parts = round_cost(costs, num_steps, topk, num_draft_tokens, tau)

@@ -2,10 +2,10 @@
 decode step, the scale of its rounds against the in-process engine's, and a round model fitted on
 its own rounds alone.
 
-    costs.update(served_fits.probed_requests(tokens, seconds, prompt_only_s) or served_fits.fit_requests(tokens, seconds) or {})
-    costs["round_scale"] = served_fits.round_scale(costs, served_fits.served_round(base, spec)["round_s"])
-    costs["speedup_scale"] = served_fits.speedup_scale(costs, measured_speedup, tau, num_steps, topk, num_draft_tokens)
-    advice = served_fits.advise_served(candidates, {(s, k, w): served_fits.served_round(base, spec), ...})
+    costs.update(draftlab.bench.fits.probed_requests(tokens, seconds, prompt_only_s) or draftlab.bench.fits.fit_requests(tokens, seconds) or {})
+    costs["round_scale"] = draftlab.bench.fits.round_scale(costs, draftlab.bench.fits.served_round(base, spec)["round_s"])
+    costs["speedup_scale"] = draftlab.bench.fits.speedup_scale(costs, measured_speedup, tau, num_steps, topk, num_draft_tokens)
+    advice = draftlab.bench.fits.advise_served(candidates, {(s, k, w): draftlab.bench.fits.served_round(base, spec), ...})
 
 Pure arithmetic over request timings: nothing here runs a model.
 

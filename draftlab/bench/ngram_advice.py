@@ -3,7 +3,7 @@ beats the trained draft, by how much.
 
     ngram = ngram_advice.advise(backend, ngram_pairings, costs, draft_candidates)
     ngram["report"]            # bench.json advice.ngram (None without an NGRAM configuration)
-    ngram["by_key"]            # {("NGRAM", N, B): candidate row}, bs=1, for bench_sweep.rows
+    ngram["by_key"]            # {("NGRAM", N, B): candidate row}, bs=1, for draftlab.bench.sweep.rows
     text = ngram_advice.advice_text(advised, ngram)    # the draft's advice, and n-gram lookup against it
 
 A round of n-gram lookup with N tokens verified (root included) and a tree at most B wide:
@@ -12,17 +12,17 @@ A round of n-gram lookup with N tokens verified (root included) and a tree at mo
                                         shape, so it costs N tokens whatever matched) and the host-side
                                         lookup; no draft forward and no draft extend
 
-timed whole in-process, the lookup being the reference drafter's (cost_timing.measure_ngram_costs,
+timed whole in-process, the lookup being the reference drafter's (draftlab.bench.offline.measure_ngram_costs,
 costs["ngram_round_s"]). The speedup follows the draft's model (draftlab.bench.advice):
 
     in-process  I(c) = (P + T e) / (P + (T / tau_c) round(c))    e, P: decode step and prefill timed in
                                                                  the same interleaved loop; T tokens/request
     reference   speedup(c) = sigma * I(c),   sigma = measured speedup / I of the calibrating pairing
     SGLang      speedup(c) = (P_s + T b_s) / (P_s + (T / tau_c) kappa round(c)),
-                kappa = the calibrating pairing's served round (served_fits.served_round; where the
+                kappa = the calibrating pairing's served round (draftlab.bench.fits.served_round; where the
                 requests are too alike in length for its line, their seconds less the prefill probe's
                 per-request cost, per round) / its in-process round; P_s, b_s that pairing's baseline
-                (served_fits.probed_requests)
+                (draftlab.bench.fits.probed_requests)
 
 The calibrating pairing is the first NGRAM configuration of bench.sweep, as spec.*'s calibrates the
 draft's model: it is predicted exactly by construction, and every other NGRAM configuration measured

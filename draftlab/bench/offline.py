@@ -2,11 +2,11 @@
 part of a speculative round costs, how the target's matmuls grow with tokens, and the draft's
 top-k shares. What the cost model (draftlab.bench.advice) is fed; everything here runs the models.
 
-    offline = cost_timing.offline_run(target, draft, prompts, flags, physical, max_new_tokens, eos, ignore_eos)
-    costs = cost_timing.measure_costs(target, draft, context, physical, configs, prompt_len=len(prompt))
-    costs["gemm_s"] = cost_timing.measure_gemm_s(target, token_counts)
-    ranks = cost_timing.measure_rank_shares(target, draft, outputs, prompt_lens, physical)
-    costs.update(cost_timing.measure_ngram_costs(target, context, prompt_len, [(12, 10), (4, 1)], history))
+    offline = draftlab.bench.offline.offline_run(target, draft, prompts, flags, physical, max_new_tokens, eos, ignore_eos)
+    costs = draftlab.bench.offline.measure_costs(target, draft, context, physical, configs, prompt_len=len(prompt))
+    costs["gemm_s"] = draftlab.bench.offline.measure_gemm_s(target, token_counts)
+    ranks = draftlab.bench.offline.measure_rank_shares(target, draft, outputs, prompt_lens, physical)
+    costs.update(draftlab.bench.offline.measure_ngram_costs(target, context, prompt_len, [(12, 10), (4, 1)], history))
 
 A round's drafting and verify (DV in draftlab.bench.advice) is timed as a round runs it, the draft's
 forwards and the target's verify one after the other over a cache of a prompt plus half an answer
@@ -33,7 +33,7 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
     """Every prompt decoded in-process by spec_engine with the served flags: pooled tau, a_i, speed,
     seconds per round (prefills excluded) and the outputs (for the rank shares). with_baseline: also
     decode each prompt without speculation, for the in-process decode step (baseline_step_s, None
-    without); a server of another engine is scaled on its own rounds instead (`served_fits.round_scale`), and an
+    without); a server of another engine is scaled on its own rounds instead (`draftlab.bench.fits.round_scale`), and an
     eager 8B baseline costs a minute."""
     return summarize(prompts, *decode_each(target, draft, prompts, flags, physical, max_new_tokens, eos, ignore_eos, with_baseline))
 

@@ -1,7 +1,7 @@
 """The bench's prompt sets (bench.prompts): what is measured, as conversations of one or more turns.
 
-    sets = bench_prompts.load(bench_params.prompt_sets, prompts_dir, warmup, num_prompts)
-    bench_prompts.answer_earlier_turns(sets[1], tokenizer, generate)   # turn k > 1 needs the answers before it
+    sets = draftlab.bench.prompts.load(bench_params.prompt_sets, prompts_dir, warmup, num_prompts)
+    draftlab.bench.prompts.answer_earlier_turns(sets[1], tokenizer, generate)   # turn k > 1 needs the answers before it
     ids = sets[1].render(tokenizer)                                    # every request's token ids, in the order sent
 
 heldout   eval.jsonl, the prompts stage's held-out split: bench.num_prompts rows after the first

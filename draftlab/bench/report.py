@@ -2,8 +2,8 @@
 and the table that answers "does training pay?": the baseline, the best n-gram lookup (NGRAM, no
 training) and the best trained-draft configuration side by side, at every concurrency measured.
 
-    sets = bench_report.prompt_sets(plan.sets, pairings)   # bench.json "prompt_sets" (draftlab.bench.run)
-    text = bench_report.markdown(report)                    # reports/bench/report.md, headline table first
+    sets = draftlab.bench.report.prompt_sets(plan.sets, pairings)   # bench.json "prompt_sets" (draftlab.bench.run)
+    text = draftlab.bench.report.markdown(report)                    # reports/bench/report.md, headline table first
 
 Figures of a group of requests (a category, a turn, or all: "pooled"), from the bs=1 pairing:
     tau         completion tokens / verify rounds, pooled over the group's requests

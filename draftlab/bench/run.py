@@ -1,8 +1,8 @@
 """One bench run, the body of the bench stage: the exported draft served against a baseline,
 then the same draft offline, the costs, the advice, and the report (reports/bench.json).
 
-    plan = bench_run.prepare(target_params, spec_params, bench_params, sglang_version, read_exported(draft_dir), prompts_dir)
-    result = bench_run.run(plan, out)      # result.report, result.figures, result.key
+    plan = draftlab.bench.run.prepare(target_params, spec_params, bench_params, sglang_version, read_exported(draft_dir), prompts_dir)
+    result = draftlab.bench.run.run(plan, out)      # result.report, result.figures, result.key
 
 `prepare` settles everything before a server starts: the flags SGLang would really run for
 spec.* and for every configuration of bench.sweep (draftlab.sglang.flags; with spec.on_adjust:
@@ -63,9 +63,9 @@ class BenchPlan:
     target: dict  # draftlab.target.load.target_info of the target's config
     resolution: Resolution
     prompt_ids: list[list[int]]  # bench.warmup prompts first, then the first set's measured ones (its first turns)
-    configurations: list = dataclasses.field(default_factory=list)  # bench_sweep.Configuration: spec.*'s, then bench.sweep's
+    configurations: list = dataclasses.field(default_factory=list)  # draftlab.bench.sweep.Configuration: spec.*'s, then bench.sweep's
     advised_choices: dict = dataclasses.field(default_factory=dict)  # bench.sweep `advised`: {key: Resolution or why refused}
-    sets: list = dataclasses.field(default_factory=list)  # bench_prompts.BenchSet of bench.prompts, in order
+    sets: list = dataclasses.field(default_factory=list)  # draftlab.bench.prompts.BenchSet of bench.prompts, in order
 
     @property
     def warmup_ids(self) -> list[list[int]]:
@@ -351,7 +351,7 @@ def advise(plan: BenchPlan, baseline: dict | None, spec: dict, offline: dict, co
         tokens, seconds = [t for t, _ in done], [sec for _, sec in done]
         costs.update(fits.probed_requests(tokens, seconds, baseline.get("prompt_only_seconds") or [])
                      or fits.fit_requests(tokens, seconds) or {})
-        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (served_fits.round_scale)
+        if plan.bench_params.backend != "reference":  # another engine than the in-process one: scale (draftlab.bench.fits.round_scale)
             ran = [(m.get("completion_tokens"), m.get("spec_verify_ct"), sec) for m, sec in zip(spec["metas"], spec["request_seconds"])]
             served = fits.served_round(done, [r for r in ran if r[0] and r[1]])
             if served:
@@ -364,7 +364,7 @@ def advise(plan: BenchPlan, baseline: dict | None, spec: dict, offline: dict, co
     configs = plan.candidates(trees=costs.get("trees", True))  # no trees timed on a sliding-window target
     if plan.bench_params.backend == "reference" and speedup:
         # The in-process engine serves: its timings, all from one interleaved loop, give the shape
-        # across configurations; the served pair gives the scale (served_fits.speedup_scale). Served and
+        # across configurations; the served pair gives the scale (draftlab.bench.fits.speedup_scale). Served and
         # in-process figures taken minutes apart on a shared CPU differed by up to 2x in absolute
         # speed, which an additive server overhead turned into a 20% error.
         costs["speedup_scale"] = fits.speedup_scale(costs, speedup, spec["spec"]["tau"], *ran_config)
@@ -385,7 +385,7 @@ def advise(plan: BenchPlan, baseline: dict | None, spec: dict, offline: dict, co
 
 def served_fit(pairings: list, candidates: list[dict]) -> dict | None:
     """With three or more configurations served beside the baseline: the advice from the server's own
-    rounds alone (served_fits.advise_served: round = R0 + d * s + v * w over the rounds measured, each
+    rounds alone (draftlab.bench.fits.advise_served: round = R0 + d * s + v * w over the rounds measured, each
     configuration also predicted with itself left out). None with fewer."""
     rounds = {p.configuration.key: fits.served_round(*bench_sweep.served_requests(p)) for p in pairings if p.spec and p.baseline}
     rounds = {k: r for k, r in rounds.items() if r}
@@ -460,11 +460,11 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
     print("bench: offline run (in-process, no server)")
-    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (served_fits.round_scale)
+    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (draftlab.bench.fits.round_scale)
     prompts, offline = offline_decode(plan, target, draft, physical, eos, with_baseline=reference)
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
-    # A sliding-window target (gpt-oss) verifies chains only in-process (spec_engine.verify_tree)
+    # A sliding-window target (gpt-oss) verifies chains only in-process (draftlab.engine.speculative.verify_tree)
     trees = not spec_engine._sliding(target)
     configs = plan.candidates(trees)
     # Rounds are timed over a cache of the first prompt plus half a typical answer (its own offline
@@ -495,7 +495,7 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
 
 
 def offline_decode(plan: BenchPlan, target, draft, physical: list[int], eos: set[int], with_baseline: bool) -> tuple[list, dict]:
-    """(the prompts decoded, cost_timing.summarize's figures): the first prompt set in-process, each
+    """(the prompts decoded, draftlab.bench.offline.summarize's figures): the first prompt set in-process, each
     later turn after the engine's own answer to the turn before (greedy: the target's own answer)."""
     bp = plan.bench_params
     bset = dataclasses.replace(plan.sets[0], answers={})  # its own answers, not the baseline server's

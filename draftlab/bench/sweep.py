@@ -1,13 +1,13 @@
 """The bench stage's configuration sweep (bench.sweep): one baseline server kept up, each speculative
 configuration started beside it in turn, measured paired against it, and stopped.
 
-    configurations, choices = bench_sweep.plan_configurations(spec_resolution, bench_params.sweep, resolve_one,
+    configurations, choices = draftlab.bench.sweep.plan_configurations(spec_resolution, bench_params.sweep, resolve_one,
                                                               on_adjust, candidates)
-    with bench_sweep.baseline_server(plan, out) as base_url:
-        first = bench_sweep.measure_first(plan, base_url, out)        # spec.*'s configuration
+    with draftlab.bench.sweep.baseline_server(plan, out) as base_url:
+        first = draftlab.bench.sweep.measure_first(plan, base_url, out)        # spec.*'s configuration
         pick = ...                                                    # the advice, from numbers (bench.run)
-        pairings = [first] + bench_sweep.measure_rest(plan, base_url, out, first, pick)   # bench.sweep's, in order
-    rows = bench_sweep.rows(pairings, bs1_predictions, predictions_by_concurrency)
+        pairings = [first] + draftlab.bench.sweep.measure_rest(plan, base_url, out, first, pick)   # bench.sweep's, in order
+    rows = draftlab.bench.sweep.rows(pairings, bs1_predictions, predictions_by_concurrency)
 
 spec.*'s configuration is always measured first: the offline run, the tau triangle, the headline
 figures and the check use it, and its pairing calibrates the advice. `advised` in bench.sweep is

@@ -163,7 +163,7 @@ def generate(target, cache: NgramCache, prompt_ids, *, num_draft_tokens: int, ma
              temperature: float = 0.0, top_k: int = -1, top_p: float = 1.0, eos_token_id: int | Iterable[int] | None = None,
              ignore_eos: bool = False, generator: torch.Generator | None = None) -> speculative.SpecResult:
     """One request decoded with n-gram drafts from `cache` (module docstring), which it extends with
-    the request's prompt and output. The counters mean what spec_engine.generate's mean; the
+    the request's prompt and output. The counters mean what draftlab.engine.speculative.generate's mean; the
     "draft" seconds are the lookups."""
     if num_draft_tokens < 2 or max_breadth < 1:
         raise ValueError(f"num_draft_tokens must be >= 2 and max_breadth >= 1, got {num_draft_tokens}, {max_breadth}")

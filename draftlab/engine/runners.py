@@ -1,10 +1,10 @@
 """The reference server's engines: a request's token ids and sampling params in, a completion out.
 
-    Engine      plain decoding of a transformers causal LM: spec_engine.baseline_generate
-    SpecEngine  EAGLE-3 speculative decoding of an exported draft: spec_engine.generate
+    Engine      plain decoding of a transformers causal LM: draftlab.engine.speculative.baseline_generate
+    SpecEngine  EAGLE-3 speculative decoding of an exported draft: draftlab.engine.speculative.generate
     NgramEngine training-free speculation, drafts from a cache of earlier text: ngram.generate
 
-Both run draftlab.engine.speculative's cache, forward and sampler (spec_engine.pick), so the reference
+Both run draftlab.engine.speculative's cache, forward and sampler (draftlab.engine.speculative.pick), so the reference
 server, the bench's offline run and the parity check decode with one implementation. Greedy
 output equals transformers' `model.generate(do_sample=False)` token for token.
 
