@@ -173,22 +173,10 @@ def generate(target, cache: NgramCache, prompt_ids, *, num_draft_tokens: int, ma
     greedy = temperature < speculative.GREEDY_BELOW
     stops = set() if ignore_eos else speculative._ids(eos_token_id)
     depth = num_draft_tokens - 1
-    out: list[int] = []
-    finish = {"type": "length", "length": max_new_tokens}
+    out, finish, emit = speculative.emitter(max_new_tokens, stops)
     hist, proposed, accepted = [0] * (depth + 1), [0] * depth, [0] * depth
     secs = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
     verify_ct = 0
-
-    def emit(tokens) -> bool:
-        nonlocal finish
-        for t in tokens:
-            out.append(t)
-            if t in stops:
-                finish = {"type": "stop", "matched": t}
-                return True
-            if len(out) >= max_new_tokens:
-                return True
-        return False
 
     if max_new_tokens <= 0:
         return speculative.SpecResult([], finish, 0, hist, proposed, accepted, 0.0, 0.0, 0.0, time.perf_counter() - t_start)

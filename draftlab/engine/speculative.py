@@ -132,6 +132,27 @@ class Tree:
 
 
 @torch.inference_mode()
+def emitter(max_new_tokens: int, stops: set):
+    """(out, finish, emit) of one request: the tokens it emitted, why it finished (updated in
+    place), and emit(tokens), which appends tokens until a stop token or the length limit and
+    returns True once the request is finished. Shared by every drafter's decode loop."""
+    out: list[int] = []
+    finish = {"type": "length", "length": max_new_tokens}
+
+    def emit(tokens) -> bool:
+        for t in tokens:
+            out.append(t)
+            if t in stops:
+                finish.clear()
+                finish.update({"type": "stop", "matched": t})
+                return True
+            if len(out) >= max_new_tokens:
+                return True
+        return False
+
+    return out, finish, emit
+
+
 def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_tokens: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = -1, top_p: float = 1.0, eos_token_id: int | Iterable[int] | None = None,
              ignore_eos: bool = False, physical_layers: list[int], generator: torch.Generator | None = None) -> SpecResult:
@@ -149,23 +170,10 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
     use_shared_kv(target)  # the verify's masked attention without copies of the cache (the same logits)
     greedy = temperature < GREEDY_BELOW
     stops = set() if ignore_eos else _ids(eos_token_id)
-    out: list[int] = []
-    finish = {"type": "length", "length": max_new_tokens}
+    out, finish, emit = emitter(max_new_tokens, stops)
     hist, proposed, accepted = [0] * (num_steps + 1), [0] * num_steps, [0] * num_steps
     secs = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # seconds per phase
     verify_ct = 0
-
-    def emit(tokens) -> bool:
-        """Append tokens until a stop token or the length limit; True when the request is finished."""
-        nonlocal finish
-        for t in tokens:
-            out.append(t)
-            if t in stops:
-                finish = {"type": "stop", "matched": t}
-                return True
-            if len(out) >= max_new_tokens:
-                return True
-        return False
 
     if max_new_tokens <= 0:
         return SpecResult([], finish, 0, hist, proposed, accepted, 0.0, 0.0, 0.0, time.perf_counter() - t_start)
