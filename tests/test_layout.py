@@ -141,3 +141,15 @@ def test_a_circle_is_named():
     graph = {"draftlab.target.load": {"draftlab.target.check"}, "draftlab.target.check": {"draftlab.target.load"}}
     (circle,) = cycles(graph)
     assert circle[0] == circle[-1] and set(circle) == set(graph)
+
+
+def test_an_install_that_is_not_editable_ships_every_wing():
+    """pyproject's package list finds every package under draftlab/ (a plain `pip install .`
+    copies only the packages listed; an editable install would hide a missing one)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+, as the lock
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(str(ROOT), include=find["include"]))
+    packages = {".".join(f.parent.relative_to(ROOT).parts) for f in PACKAGE.rglob("__init__.py")}
+    assert packages <= shipped, f"not shipped by a plain install: {sorted(packages - shipped)}"
