@@ -140,33 +140,55 @@ def serve(
     grace_s: float = GRACE_S,
 ):
     """Run `argv` as a server reachable at `url`; yields a Server once /health returns 200."""
-    if isinstance(argv, str) or not argv:
-        raise TypeError("argv must be a non-empty list of arguments, not a shell string")
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    pidfile = log_path.with_name(log_path.name + ".pid")
-    stop_left_behind(pidfile, grace_s)
-    refuse_taken_port(url)
-    with open(log_path, "wb") as log, _sigterm_as_exit():
+    with serve_many([(argv, url, log_path, env)], startup_timeout_s, grace_s) as servers:
+        yield servers[0]
+
+
+@contextlib.contextmanager
+def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]], startup_timeout_s: float = 600.0,
+               grace_s: float = GRACE_S):
+    """Run several servers at once, each (argv, url, log_path, env) as `serve` runs one; yields the
+    Servers once every /health returns 200. They start together, so the wait is the slowest
+    start-up, not the sum (SGLang takes 30-70 s each). Any failure stops them all."""
+    for argv, url, log_path, _ in specs:
+        if isinstance(argv, str) or not argv:
+            raise TypeError("argv must be a non-empty list of arguments, not a shell string")
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        stop_left_behind(_pidfile(log_path), grace_s)
+    for _, url, _, _ in specs:
+        refuse_taken_port(url)
+    servers: list[Server] = []
+    with contextlib.ExitStack() as logs, _sigterm_as_exit():
         try:
-            proc = subprocess.Popen(
-                [str(a) for a in argv],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group (and session): killpg reaches its children
-            )
-        except OSError as e:
-            raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
-        srv = Server(url.rstrip("/"), proc, log_path)
-        try:
-            pidfile.write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
-            wait_healthy(srv, startup_timeout_s)
-            yield srv
+            for argv, url, log_path, env in specs:
+                log = logs.enter_context(open(log_path, "wb"))
+                try:
+                    proc = subprocess.Popen(
+                        [str(a) for a in argv],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,  # own process group (and session): killpg reaches its children
+                    )
+                except OSError as e:
+                    raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
+                servers.append(Server(url.rstrip("/"), proc, Path(log_path)))
+                _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
+            for srv in servers:
+                wait_healthy(srv, startup_timeout_s)
+            yield servers
         finally:
-            stop(srv, grace_s)
-            pidfile.unlink(missing_ok=True)
+            for srv in servers:
+                _signal_group(srv.process.pid, signal.SIGTERM)  # all at once: their grace periods overlap
+            for srv in servers:
+                stop(srv, grace_s)
+                _pidfile(srv.log_path).unlink(missing_ok=True)
+
+
+def _pidfile(log_path: str | os.PathLike) -> Path:
+    log_path = Path(log_path)
+    return log_path.with_name(log_path.name + ".pid")
 
 
 def refuse_taken_port(url: str) -> None:

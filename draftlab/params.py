@@ -205,6 +205,9 @@ class SynthParams:
     startup_timeout_s: Annotated[Float, Field(gt=0.0)]  # sglang backend: seconds the server may take to come up
     backend: Literal["hf", "openai", "sglang"]
     reasoning: Literal["keep", "drop"]
+    # sglang backend: servers of the target on each visible GPU ("auto": by its weight bytes, draftlab.sglang.fleet)
+    servers_per_gpu: Annotated[Annotated[Int, Field(ge=1)] | Literal["auto"], FIRST_FIT] = 1
+    mem_fraction_static: Annotated[Float | None, Field(gt=0.0, lt=1.0)] = None  # sglang backend: GPU memory share of all its servers on a GPU
 
 
 CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers

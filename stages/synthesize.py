@@ -33,24 +33,43 @@ from draftlab.target.load import (chat_template_hash, load_config, load_target, 
 # for a target that needs tensor parallelism start SGLang yourself and use synth.backend: openai).
 SERVER_MANAGED = {"--model-path": "target.model", "--model": "target.model", "--host": "(always 127.0.0.1)",
                   "--port": "(a free port)", "--dtype": "target.dtype", "--tp-size": "(1; see the stage's docstring)",
-                  "--tp": "(1)", "--tensor-parallel-size": "(1)"}
+                  "--tp": "(1)", "--tensor-parallel-size": "(1)",
+                  "--mem-fraction-static": "synth.mem_fraction_static (the share of each GPU for all its servers)"}
 
 
 @contextlib.contextmanager
-def own_server(target_params, synth_params, out: Path):
-    """synth.backend sglang: an SGLang server of the target for the stage's lifetime; yields its /v1 URL."""
-    from draftlab.sglang.launch import free_port, launch_argv, serve
+def own_servers(target_params, synth_params, out: Path):
+    """synth.backend sglang: SGLang servers of the target for the stage's lifetime (synth.servers_per_gpu
+    on each visible GPU, draftlab.sglang.fleet); yields their /v1 URLs."""
+    from draftlab import lifecycle
+    from draftlab.sglang.fleet import plan_servers, server_env, servers_per_gpu, visible_gpus
+    from draftlab.sglang.launch import free_port, launch_argv
 
-    port = free_port()
-    argv = launch_argv(model_path(target_params.model), port, baseline=True, dtype=target_params.dtype,
-                       extra_args=synth_params.server_args, extra_key="synth.server_args", managed=SERVER_MANAGED)
+    folder = model_path(target_params.model)
+    plan = plan_servers(servers_per_gpu(synth_params.servers_per_gpu, folder), visible_gpus(), synth_params.mem_fraction_static)
+    ports: list[int] = []
+    while len(ports) < len(plan):  # distinct: each free_port() call is free on its own
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"synthesize: starting SGLang for {target_params.model} on port {port} (log {out / '.sglang-server.log'})")
-    with serve(argv, out / ".sglang-server.log", synth_params.startup_timeout_s):
-        yield f"http://127.0.0.1:{port}/v1"
+    specs = []
+    for i, (planned, port) in enumerate(zip(plan, ports)):
+        extra = list(synth_params.server_args)
+        if planned.mem_fraction is not None:
+            extra += ["--mem-fraction-static", str(planned.mem_fraction)]
+        argv = launch_argv(folder, port, baseline=True, dtype=target_params.dtype, extra_args=extra,
+                           extra_key="synth.server_args", managed={k: v for k, v in SERVER_MANAGED.items() if k != "--mem-fraction-static"})
+        log = out / (".sglang-server.log" if len(plan) == 1 else f".sglang-server-{i}.log")
+        specs.append((argv, f"http://127.0.0.1:{port}", log, server_env(planned)))
+    where = ", ".join(sorted({f"GPU {p.gpu}" for p in plan if p.gpu is not None})) or "the visible devices"
+    print(f"synthesize: starting {len(plan)} SGLang server(s) of {target_params.model} on {where} "
+          f"(memory share {plan[0].mem_fraction or 'SGLang default'} each; logs {out}/.sglang-server*.log)")
+    with lifecycle.serve_many(specs, synth_params.startup_timeout_s) as servers:
+        yield [f"{srv.url}/v1" for srv in servers]
 
 
-def make_backend(target_params, synth_params, base_url: str | None = None):
+def make_backend(target_params, synth_params, base_urls: list[str] | None = None):
     if synth_params.backend == "hf":
         device = resolve_device(target_params.device)
         model, tok = load_target(target_params, device)
@@ -58,7 +77,7 @@ def make_backend(target_params, synth_params, base_url: str | None = None):
     tok = load_tokenizer(target_params.model, target_params.revision)  # the target's own tokenizer: context check, hashes, think layout
     cfg = load_config(target_params).get_text_config()
     context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
-    return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None, base_url=base_url)
+    return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None, base_urls=base_urls)
 
 
 def main(prompts_dir: Path, out: Path) -> None:
@@ -68,8 +87,11 @@ def main(prompts_dir: Path, out: Path) -> None:
     splits = {s: synth.read_prompts(prompts_dir / f"{s}.jsonl") for s in synth.SPLITS}
     inputs = {"prompts": upstream["config_hash"], "target": target_fingerprint(target_params)}
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
-    with own_server(target_params, synth_params, out) if synth_params.backend == "sglang" else contextlib.nullcontext() as url:
-        run(params, splits, inputs, out, make_backend(target_params, synth_params, url))
+    from draftlab.sglang.launch import check_extra_args
+
+    check_extra_args(synth_params.server_args, "synth.server_args", SERVER_MANAGED)  # before any server starts
+    with own_servers(target_params, synth_params, out) if synth_params.backend == "sglang" else contextlib.nullcontext() as urls:
+        run(params, splits, inputs, out, make_backend(target_params, synth_params, urls))
 
 
 def run(params, splits, inputs, out: Path, backend) -> None:

@@ -155,16 +155,46 @@ def test_the_sglang_backend_starts_its_own_server_answers_as_hf_does_and_stops_i
     hf_rows, _ = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, batch_size=4)
     out = tmp_path / "sg" / "out"
     sg_rows, man = run_stage(tmp_path / "sg", monkeypatch, prompts, out, target, backend="sglang", concurrency=2,
-                             server_args=["--mem-fraction-static", "0.3"], startup_timeout_s=120.0)
-    assert sg_rows == hf_rows and man["info"]["backend"] == "sglang"
+                             server_args=["--grammar-backend", "none"], startup_timeout_s=120.0)
+    assert sg_rows == hf_rows and man["info"]["backend"] == "sglang" and man["info"]["servers"] == 1
     log = (out / ".sglang-server.log").read_text()
-    assert "--mem-fraction-static" in log  # synth.server_args reached the launch
+    assert "--grammar-backend" in log  # synth.server_args reached the launch
     port = int(log.split("--port ", 1)[1].split(";")[0])
     with pytest.raises(httpx.HTTPError):  # stopped with the stage
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     with pytest.raises(UserError, match=r"synth.server_args: --port is set from \(a free port\); remove it from synth.server_args"):
         run_stage(tmp_path / "bad", monkeypatch, prompts, tmp_path / "bad" / "out", target, backend="sglang",
                   server_args=["--port", "1234"])
+    with pytest.raises(UserError, match=r"--mem-fraction-static is set from synth.mem_fraction_static"):
+        run_stage(tmp_path / "bad2", monkeypatch, prompts, tmp_path / "bad2" / "out", target, backend="sglang",
+                  server_args=["--mem-fraction-static", "0.3"])
+
+
+def test_several_servers_of_the_target_share_the_answers_and_all_stop(tmp_path, monkeypatch, target):
+    """synth.servers_per_gpu 2: two servers start together, each with half the memory share, requests go to
+    both, the answers are those of one server, and both are stopped with the stage."""
+    import httpx
+
+    standin = ROOT / "tests" / "fixtures" / "sglang_standin"
+    monkeypatch.setenv("PYTHONPATH", f"{standin}{os.pathsep}{ROOT}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU machine: the servers keep the environment as it is
+    texts = [q for q, _, _ in TAUGHT] + OTHER[:4]
+    prompts = make_prompts(tmp_path / "prompts", texts[:5], texts[5:])
+    one, _ = run_stage(tmp_path / "one", monkeypatch, prompts, tmp_path / "one" / "out", target, backend="sglang",
+                       concurrency=4, startup_timeout_s=120.0)
+    out = tmp_path / "two" / "out"
+    two, man = run_stage(tmp_path / "two", monkeypatch, prompts, out, target, backend="sglang", concurrency=4,
+                         servers_per_gpu=2, mem_fraction_static=0.6, startup_timeout_s=120.0)
+    assert two == one
+    assert man["info"]["servers"] == 2 and all(n > 0 for n in man["info"]["requests_per_server"])
+    logs = sorted(out.glob(".sglang-server-*.log"))
+    assert len(logs) == 2
+    for log in logs:
+        text = log.read_text()
+        assert "--mem-fraction-static', '0.3'" in text  # 0.6 shared by two servers
+        port = int(text.split("--port ", 1)[1].split(";")[0])
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
 @pytest.mark.parametrize("mode", ["keep", "drop"])

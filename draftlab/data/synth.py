@@ -205,16 +205,26 @@ class HFBackend:
 class OpenAIBackend:
     """Chat completions against an OpenAI-compatible server, `concurrency` requests in flight."""
 
-    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None, base_url: str | None = None):
-        """base_url: the server's URL up to /v1 (default synth.base_url; the sglang backend's own server)."""
+    def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None,
+                 base_urls: list[str] | None = None):
+        """base_urls: the servers' URLs up to /v1 (default [synth.base_url]; the sglang backend's own
+        servers). Several servers of one target share the load: each request goes to the one with
+        the fewest requests in flight."""
         self.tokenizer, self.synth_params, self.context_length = tok, synth_params, context_length
-        self.base_url = (base_url or synth_params.base_url).rstrip("/")
+        self.base_urls = [u.rstrip("/") for u in (base_urls or [synth_params.base_url])]
+        self.base_url = self.base_urls[0]  # the one asked for the model name; the one named in messages
+        self.in_flight = dict.fromkeys(self.base_urls, 0)  # requests in flight per server (one event loop: no lock)
+        self.sent = dict.fromkeys(self.base_urls, 0)  # requests sent per server, retries included
         self._key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.layout = think_layout(tok)
         self.connect_failures = 0  # consecutive, over all rows: reset by any answer
         self.model_name = synth_params.model_name or self._served_model()
-        self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout)}
+        self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout), "servers": len(self.base_urls)}
+
+    def _url(self, row: dict) -> str:
+        """The server for `row`: the least loaded one (ties: the first listed)."""
+        return min(self.base_urls, key=self.in_flight.__getitem__)
 
     def redact(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
@@ -232,7 +242,10 @@ class OpenAIBackend:
             ) from None
 
     def answer(self, rows: list[dict], done: Done) -> None:
-        asyncio.run(self._answer_all(rows, done))
+        try:
+            asyncio.run(self._answer_all(rows, done))
+        finally:
+            self.info["requests_per_server"] = list(self.sent.values())  # in base_urls order: how evenly the load spread
 
     async def _answer_all(self, rows: list[dict], done: Done) -> None:
         queue = list(reversed(rows))  # workers pop from the end: input order
@@ -263,14 +276,17 @@ class OpenAIBackend:
             if attempt:
                 await asyncio.sleep(_backoff(synth_params.retry_backoff_s, attempt, retry_after))
             retry_after = None
+            url = self._url(row)
+            self.in_flight[url] += 1
+            self.sent[url] += 1
             try:
-                r = await client.post(f"{self.base_url}/chat/completions", json=body)
+                r = await client.post(f"{url}/chat/completions", json=body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 reason = f"{type(e).__name__}: {e}"
                 self.connect_failures += 1
                 if self.connect_failures >= DEAD_SERVER_FAILURES:
                     raise UserError(
-                        f"synth.base_url: cannot connect to {self.base_url} ({self.redact(reason)}; "
+                        f"synth.base_url: cannot connect to {url} ({self.redact(reason)}; "
                         f"{self.connect_failures} attempts in a row); start the server or fix the URL, then re-run: "
                         "the answers already written are kept"
                     ) from None
@@ -281,6 +297,8 @@ class OpenAIBackend:
             except httpx.HTTPError as e:
                 reason = f"{type(e).__name__}: {e}"
                 continue
+            finally:
+                self.in_flight[url] -= 1
             self.connect_failures = 0
             if r.status_code != 200:
                 reason = f"HTTP {r.status_code}: {r.text[:300]}"
