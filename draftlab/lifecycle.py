@@ -146,10 +146,17 @@ def serve(
 
 @contextlib.contextmanager
 def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]], startup_timeout_s: float = 600.0,
-               grace_s: float = GRACE_S):
-    """Run several servers at once, each (argv, url, log_path, env) as `serve` runs one; yields the
-    Servers once every /health returns 200. They start together, so the wait is the slowest
-    start-up, not the sum (SGLang takes 30-70 s each). Any failure stops them all."""
+               grace_s: float = GRACE_S, groups: list | None = None):
+    """Run several servers, each (argv, url, log_path, env) as `serve` runs one; yields the Servers once
+    every /health returns 200. Any failure stops them all.
+
+    groups: one key per spec (e.g. its GPU). Servers of different groups start together, so the wait
+    is the slowest start-up rather than the sum (SGLang takes 30-70 s); servers of one group start one
+    after the other, each once the one before is healthy: two SGLang servers loading on one GPU at
+    once misjudge its free memory, and the second refuses to start. None: all start together."""
+    groups = list(range(len(specs))) if groups is None else list(groups)
+    if len(groups) != len(specs):
+        raise ValueError("groups needs one key per spec")
     for argv, url, log_path, _ in specs:
         if isinstance(argv, str) or not argv:
             raise TypeError("argv must be a non-empty list of arguments, not a shell string")
@@ -157,27 +164,35 @@ def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]
         stop_left_behind(_pidfile(log_path), grace_s)
     for _, url, _, _ in specs:
         refuse_taken_port(url)
+    # Round r starts the r-th server of every group, then waits for them all.
+    rank = [groups[:i].count(g) for i, g in enumerate(groups)]
+    rounds = [[i for i in range(len(specs)) if rank[i] == r] for r in range(max(rank, default=-1) + 1)]
     servers: list[Server] = []
     with contextlib.ExitStack() as logs, _sigterm_as_exit():
         try:
-            for argv, url, log_path, env in specs:
-                log = logs.enter_context(open(log_path, "wb"))
-                try:
-                    proc = subprocess.Popen(
-                        [str(a) for a in argv],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        start_new_session=True,  # own process group (and session): killpg reaches its children
-                    )
-                except OSError as e:
-                    raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
-                servers.append(Server(url.rstrip("/"), proc, Path(log_path)))
-                _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
-            for srv in servers:
-                wait_healthy(srv, startup_timeout_s)
-            yield servers
+            for members in rounds:
+                started = []
+                for i in members:
+                    argv, url, log_path, env = specs[i]
+                    log = logs.enter_context(open(log_path, "wb"))
+                    try:
+                        proc = subprocess.Popen(
+                            [str(a) for a in argv],
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            start_new_session=True,  # own process group (and session): killpg reaches its children
+                        )
+                    except OSError as e:
+                        raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
+                    started.append((i, Server(url.rstrip("/"), proc, Path(log_path))))
+                    servers.append(started[-1][1])
+                    _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
+                for _, srv in started:
+                    wait_healthy(srv, startup_timeout_s)
+            started_at = [i for members in rounds for i in members]  # servers[j] runs specs[started_at[j]]
+            yield [servers[started_at.index(i)] for i in range(len(specs))]  # in the order of specs
         finally:
             for srv in servers:
                 _signal_group(srv.process.pid, signal.SIGTERM)  # all at once: their grace periods overlap

@@ -65,7 +65,7 @@ def own_servers(target_params, synth_params, out: Path):
     where = ", ".join(sorted({f"GPU {p.gpu}" for p in plan if p.gpu is not None})) or "the visible devices"
     print(f"synthesize: starting {len(plan)} SGLang server(s) of {target_params.model} on {where} "
           f"(memory share {plan[0].mem_fraction or 'SGLang default'} each; logs {out}/.sglang-server*.log)")
-    with lifecycle.serve_many(specs, synth_params.startup_timeout_s) as servers:
+    with lifecycle.serve_many(specs, synth_params.startup_timeout_s, groups=[p.gpu for p in plan]) as servers:
         yield [f"{srv.url}/v1" for srv in servers]
 
 

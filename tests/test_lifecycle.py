@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from draftlab.errors import UserError
+from draftlab import lifecycle
 from draftlab.lifecycle import free_port, serve
 
 # A stand-in server: optional start-up delay, optional child process (like SGLang's scheduler),
@@ -202,3 +203,35 @@ def test_a_port_already_in_use_is_refused_before_launch(fake, tmp_path):
             with serve(second, url, tmp_path / "logs" / "second.log", startup_timeout_s=30):
                 pass
         assert not marker.exists()  # nothing was launched
+
+
+def test_servers_of_one_group_start_one_after_another_and_groups_start_together(tmp_path):
+    """serve_many: a server of a group starts only once the one before it is healthy (two SGLang
+    servers loading on one GPU at once misjudge its memory); all are stopped at the end."""
+    import sys
+
+    script = tmp_path / "slow_server.py"
+    script.write_text(
+        "import http.server, sys, time\n"
+        "port, stamp = int(sys.argv[1]), sys.argv[2]\n"
+        "open(stamp, 'w').write(repr(time.time()))\n"
+        "time.sleep(0.6)  # a slow start-up\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    ports = []
+    while len(ports) < 3:
+        p = lifecycle.free_port()
+        if p not in ports:
+            ports.append(p)
+    specs = [([sys.executable, str(script), str(port), str(tmp_path / f"start{i}")], f"http://127.0.0.1:{port}",
+              tmp_path / f"s{i}.log", None) for i, port in enumerate(ports)]
+    with lifecycle.serve_many(specs, 30, groups=["gpu0", "gpu0", "gpu1"]) as servers:
+        assert [s.url for s in servers] == [f"http://127.0.0.1:{p}" for p in ports]  # in the order given
+        started = [float((tmp_path / f"start{i}").read_text()) for i in range(3)]
+        assert started[1] - started[0] >= 0.6  # the second of gpu0 waited for the first to be healthy
+        assert abs(started[2] - started[0]) < 0.5  # gpu1's server started beside gpu0's first
+        procs = [s.process for s in servers]
+    assert all(p.poll() is not None for p in procs)
