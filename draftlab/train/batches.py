@@ -9,15 +9,16 @@ list (each takes `batch[rank::world]` of every step).
   next epoch.
 - `token_batches` (train.batch_tokens set): sequences of similar length, at most `batch_tokens`
   padded tokens (sequences x longest) per step, every sequence exactly once per epoch. The shuffle
-  of the epoch is cut into chunks of about CHUNK_BATCHES budgets; each chunk is sorted by length
-  and cut greedily by the budget (what a chunk leaves over joins the next chunk); the batches are
-  then shuffled, so long and short steps alternate at random through the epoch.
+  of the epoch is cut into chunks of about CHUNK_BATCHES budgets (equal sequence counts); each
+  chunk is sorted by length and cut greedily by the budget (the part batch a chunk leaves over
+  joins the next chunk); the batches are then shuffled, so long and short steps alternate at random through the epoch.
 """
 from __future__ import annotations
 
 import torch
 
-CHUNK_BATCHES = 32  # budgets of tokens per sorted chunk: larger pads less, smaller keeps the order more random
+CHUNK_BATCHES = 128  # budgets per sorted chunk: larger pads less, smaller mixes more. 60k chat-like lengths
+# (20-1600, log-uniform) at 32k tokens: padding 16% at 8, 5.6% at 32, 1.5% at 128, 0.3% sorted whole
 
 
 def _order(n: int, seed: int, epoch: int) -> list[int]:
@@ -44,22 +45,18 @@ def token_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, 
     budget, by less than min_sequences sequences).
     """
     order = _order(len(lengths), seed, epoch)
+    # Chunks of equal sequence counts, about CHUNK_BATCHES budgets each: no small last chunk,
+    # whose few sequences would spread over every length and pad much.
+    chunks = max(1, round(sum(lengths) / (CHUNK_BATCHES * batch_tokens)))
+    bounds = [len(order) * c // chunks for c in range(chunks + 1)]
     batches: list[list[int]] = []
-    pending: list[int] = []  # what the last chunk left over, sorted into the next one
-    chunk_tokens = CHUNK_BATCHES * batch_tokens
-    a = 0
-    while a < len(order):
-        chunk, tokens = pending, sum(lengths[i] for i in pending)
-        while a < len(order) and tokens < chunk_tokens:
-            chunk.append(order[a])
-            tokens += lengths[order[a]]
-            a += 1
-        chunk = sorted(chunk, key=lambda i: (-lengths[i], i))  # longest first; ties by index: deterministic
+    pending: list[int] = []  # the not yet full batch a chunk leaves over: sorted into the next chunk
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        chunk = sorted(pending + order[a:b], key=lambda i: (-lengths[i], i))  # longest first; ties by index
         full, pending = _cut(chunk, lengths, batch_tokens)
         batches += full
-        if a == len(order) and pending:
-            batches.append(pending)
-            pending = []
+    if pending:
+        batches.append(pending)
     if len(batches) > 1 and len(batches[-1]) < min_sequences:
         batches[-2] += batches.pop()
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 500_009)  # another stream than the order's
