@@ -144,3 +144,37 @@ def test_eval_by_token_budget_equals_eval_by_sequence_count(feats):
     assert by_tokens["scored_tokens"] == by_count["scored_tokens"]
     assert by_tokens["loss"] == pytest.approx(by_count["loss"], rel=1e-5)
     assert by_tokens["accept"] == pytest.approx(by_count["accept"], abs=1e-9)
+
+
+def test_two_processes_split_each_token_budget_step_to_the_one_process_weights(tmp_path):
+    """The stage under torchrun: each step's sequences split across processes, the same weights
+    as one process; the metrics carry the padding share and the FLOP rates (no MFU on a CPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[1]
+    make_features(tmp_path, n_train=16, n_eval=8)
+    (tmp_path / "params.yaml").write_text(f"""
+target: {{model: {tmp_path / 'target'}, revision: null, dtype: float32, device: cpu}}
+train: {{seed: 0, epochs: 1, batch_size: 4, max_length: 512, lr: 0.003, min_lr_ratio: 0.1, warmup_ratio: 0.1,
+        weight_decay: 0.0, grad_clip: 0.5, ttt_steps: 3, ttt_decay: 0.8, intermediate_size: null,
+        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: 160}}
+""")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("DRAFTLAB_PEAK_FLOPS", None)
+    weights = {}
+    for n in (1, 2):
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"] if n > 1 else [sys.executable]
+        r = subprocess.run(head + ["-m", "stages.train", "--features", "features", "--out", f"d{n}", "--reports", f"r{n}",
+                                   "--resume-dir", f"resume{n}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights[n] = load_file(str(tmp_path / f"d{n}" / "draft.safetensors"))
+    for name, w in weights[1].items():
+        assert torch.allclose(w, weights[2][name], atol=2e-5), name
+    metrics = json.loads((tmp_path / "r2" / "metrics.json").read_text())
+    assert 0 <= metrics["padding_share"] < 0.3 and metrics["settings"]["batch_tokens"] == 160
+    assert metrics["draft_flops_per_s"] > 0 and metrics["target_flops_per_s"] > 0 and metrics["mfu"] is None
