@@ -275,6 +275,10 @@ class TrainParams:
     # The default lets code that builds TrainParams directly (tests, tools) keep working; the
     # params.yaml loader still requires the key.
     features: Literal["offline", "online"] = "offline"
+    # None: every step takes batch_size random sequences padded to the longest. A number: every
+    # step takes sequences of similar length, at most this many padded tokens (sequences x the
+    # longest), all processes together (draftlab.train.batches); batch_size is then unused.
+    batch_tokens: Annotated[Int | None, Field(ge=2)] = None
 
 
 @dataclass(frozen=True, config=STRICT)

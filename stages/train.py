@@ -22,6 +22,7 @@ from draftlab import parallel
 from draftlab.train import loop as train
 from draftlab.cli import run_stage_cli
 from draftlab.train.draft import DraftConfig
+from draftlab.train.flops import Meter, peak_flops
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, check_manifest_target, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
@@ -115,9 +116,11 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
     t0, step_seconds = time.time(), []
+    meter = Meter(target, cfg, train_params.features == "online")
     history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
-                        device, rank, world, on_step=lambda _step, _loss, sec: step_seconds.append(sec))
+                        device, rank, world, on_step=lambda _step, _loss, sec: step_seconds.append(sec), meter=meter)
     seconds = time.time() - t0
+    rate = meter.summary(peak_flops(device))  # this process's timed steps (a resumed run: the steps it ran)
     # Training rate: real tokens of every process's batches over this process's optimizer-step
     # time (batch making, the target's forward when online, draft forward/backward; no eval).
     tokens = int(parallel.all_sum([train_ds.tokens_served], str(device), world)[0])
@@ -133,6 +136,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
                             "seconds": round(seconds, 1), "processes": world, "device": str(device),
                             "train_sequences": len(train_ds), "eval_sequences": len(eval_ds),
                             "features": train_params.features, "train_tokens": tokens, "tokens_per_s": tokens_per_s,
+                            "throughput": rate,  # draftlab.train.flops: FLOPs of the target and the draft, MFU, padding
                             # online: the target's states are computed per batch; none are stored or read
                             "hidden_bytes_written": 0}
         write_manifest(tmp, manifest)
@@ -149,12 +153,16 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "optimizer_steps": last["step"],
             "seconds": round(seconds, 1),
             "tokens_per_s": tokens_per_s,  # training tokens/s of the optimizer steps (eval excluded)
+            "padding_share": last["train_padding_share"],  # padded / all tokens of the last epoch's steps
+            "target_flops_per_s": rate["target_flops_per_s"],  # online: the target's forward; both: the soft labels' head
+            "draft_flops_per_s": rate["draft_flops_per_s"],  # the TTT steps, forward + backward
+            "mfu": rate["mfu"],  # counted FLOPs / time / peak bf16 FLOP/s of the GPU; null on a CPU
         }
         settings = {"target_model": target_params.model, "target_revision": target_params.revision,
                     "capture_layers": user_layers_from_physical(physical), "physical_layers": physical,
                     "ttt_steps": K, "ttt_decay": train_params.ttt_decay, "draft_vocab_size": cfg.draft_vocab_size,
                     "epochs": train_params.epochs, "batch_size": train_params.batch_size, "lr": train_params.lr,
-                    "features": train_params.features}
+                    "features": train_params.features, "batch_tokens": train_params.batch_tokens}
         atomic_write_json(reports / "metrics.json", with_lineage(metrics, manifest, settings))
         write_plots(reports, history)
         (resume_dir / "last.pt").unlink(missing_ok=True)
@@ -162,6 +170,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
               f"{seconds:.0f}s -> {out}")
         print(f"train: features {train_params.features}: {tokens} training tokens at {tokens_per_s} tokens/s "
               f"(optimizer steps only{', target forward included' if train_params.features == 'online' else ''})")
+        flop_s = "FLOPs not counted (the target's facts lack a size)" if rate["target_flops_per_s"] is None else (
+            f"{rate['target_flops_per_s'] / 1e12:.2f} TFLOP/s target + {rate['draft_flops_per_s'] / 1e12:.2f} draft "
+            f"({rate['target_flop_share']:.0%} target), MFU {'n/a (no peak for this device)' if rate['mfu'] is None else format(rate['mfu'], '.1%')}")
+        print(f"train: padding {last['train_padding_share']:.1%} of the last epoch's tokens; {flop_s}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -6,11 +6,13 @@ i-1 (what it will see when drafting for real) and attends as TTTCache describes.
 the cross-entropy against the target's distribution over the draft vocab (soft labels from the
 target's lm_head on final_hidden), averaged over the tokens that count, weighted ttt_decay**i.
 
-Reproducibility: the data order of epoch e is a permutation seeded by (seed, e); a checkpoint
-holds weights, optimizer state and the position in that order, so a resumed run replays exactly
-the batches an uninterrupted run would have seen. Data parallel (torchrun): every optimizer step
-takes the same `batch_size` sequences, split across processes; the loss is normalized by the
-global token count so the gradient equals the single-process one.
+Reproducibility: the batches of epoch e are a function of (seed, e) and the sequence lengths
+(draftlab.train.batches: `batch_size` random sequences, or sequences of similar length within
+`batch_tokens` padded tokens); a checkpoint holds weights, optimizer state and the position in
+that list, so a resumed run replays exactly the batches an uninterrupted run would have seen.
+Data parallel (torchrun): every optimizer step takes the same sequences, split across processes
+(batch[rank::world]); the loss is normalized by the global token count so the gradient equals
+the single-process one, whatever each process's share holds.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 from tqdm import tqdm
 
+from draftlab.train.batches import epoch_batches, padding_share, token_batches  # noqa: F401 - epoch_batches: also loop.epoch_batches
 from draftlab.train.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
@@ -55,15 +58,6 @@ def use_autocast(setting: str, device: torch.device) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Batches and labels
-
-
-def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Sequence indices of every optimizer step of `epoch` (full batches only): a shuffle seeded
-    by (seed, epoch). Not bucketed by length: on the embedded default that cost more accuracy
-    per epoch than it saved in padding (lengths follow the task family)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n, generator=g).tolist()
-    return [order[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -190,14 +184,18 @@ def lr_at(step: int, total: int, lr: float, warmup_ratio: float, min_lr_ratio: f
 
 
 @torch.no_grad()
-def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: int, device, autocast: bool, rank: int = 0, world: int = 1) -> dict:
+def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: int, device, autocast: bool, rank: int = 0, world: int = 1,
+             batch_tokens: int | None = None) -> dict:
+    """Pooled stats of `dataset` (this process's share, rank::world), in batches of `batch_size`
+    sequences, or of at most `batch_tokens` padded tokens when given; sums over tokens, so the
+    batching changes nothing but float rounding."""
     draft = ttt.draft
     was_training = draft.training
     draft.eval()
     stats = torch.zeros(5, ttt.steps, device=device)
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
-    for a in range(0, len(mine), batch_size):
-        batch = dataset.batch(mine[a : a + batch_size], device)
+    for rows in eval_batches(mine, [dataset.length(i) for i in mine], batch_size, batch_tokens):
+        batch = dataset.batch(rows, device)
         labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
         counts = step_token_counts(batch["loss_mask"], ttt.steps, 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -209,7 +207,42 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     return summarize(stats.cpu(), ttt.decay)
 
 
-def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, steps_per_epoch: int):
+def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
+    """`rows` (sorted by length) cut into runs of `batch_size`, or of at most `batch_tokens` padded tokens."""
+    if batch_tokens is None:
+        return [rows[a : a + batch_size] for a in range(0, len(rows), batch_size)]
+    out, cur = [], []
+    for i, n in zip(rows, lengths):  # ascending: the newest row is the batch's longest
+        if cur and (len(cur) + 1) * n > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def epoch_plans(train_ds, tp, world: int) -> list[list[list[int]]]:
+    """The sequence indices of every optimizer step of every epoch (draftlab.train.batches): a
+    function of the seed, the epoch and the lengths, the same in every process."""
+    n = len(train_ds)
+    if tp.batch_tokens is None:
+        if tp.batch_size % world:
+            raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")
+        if n < tp.batch_size:
+            raise UserError(f"params.yaml: train.batch_size {tp.batch_size} is more than the {n} sequences of the train "
+                            f"split; set train.batch_size to {n} or less, or synthesize more prompts")
+        return [epoch_batches(n, tp.batch_size, tp.seed, e) for e in range(tp.epochs)]
+    if n < world:
+        raise UserError(f"the train split has {n} sequences, fewer than the {world} processes; synthesize more prompts")
+    lengths = [train_ds.length(i) for i in range(n)]
+    longest = max(lengths)
+    if tp.batch_tokens < world * longest:
+        raise UserError(f"params.yaml: train.batch_tokens {tp.batch_tokens} cannot hold one sequence of {longest} tokens "
+                        f"(the longest, after train.max_length) per process ({world}); set train.batch_tokens to at least "
+                        f"{world * longest}")
+    return [token_batches(lengths, tp.batch_tokens, tp.seed, e, world) for e in range(tp.epochs)]
+
+
+def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
     """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
     state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
     Raises for a file that is not such a checkpoint (damaged, another format, out-of-range
@@ -221,9 +254,9 @@ def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: i
         return None
     step, epoch, batch, history, running = (ckpt.get(k) for k in ("step", "epoch", "batch", "history", "running"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch, batch))
-    if not ints or epoch > epochs or batch > steps_per_epoch or step > epochs * steps_per_epoch:
+    if not ints or epoch > epochs or batch > epoch_steps[min(epoch, epochs - 1)] or step > sum(epoch_steps):
         raise ValueError(f"position step={step!r} epoch={epoch!r} batch={batch!r} outside this run's {epochs} epochs "
-                         f"of {steps_per_epoch} steps")
+                         f"of {sorted(set(epoch_steps))} steps")
     if not (isinstance(history, list) and all(isinstance(h, dict) for h in history) and isinstance(running, list)
             and len(running) == 2 and all(isinstance(x, (int, float)) for x in running)):
         raise ValueError("history or running loss of the wrong shape")
@@ -245,19 +278,17 @@ def fit(
     world: int = 1,
     stop_after_steps: int | None = None,
     on_step=None,
+    meter=None,
 ) -> list[dict]:
     """Train `draft` in place with TrainParams `tp`; returns the per-epoch history.
 
     Resumes from `resume_path` when it holds a checkpoint of the same `run_key` (the stage's
     config hash); a checkpoint of any other run is ignored. `stop_after_steps` stops early as an
     interruption would (tests). `on_step(step, global_loss, seconds)` is called after every
-    optimizer step (benchmarks/data_parallel.py records the loss curve with it).
+    optimizer step (benchmarks/data_parallel.py records the loss curve with it). `meter`
+    (draftlab.train.flops.Meter) counts each step's tokens, padding and FLOPs against its time.
     """
-    if tp.batch_size % world:
-        raise UserError(f"train.batch_size {tp.batch_size} must be a multiple of the number of processes ({world})")
-    if len(train_ds) < tp.batch_size:
-        raise UserError(f"params.yaml: train.batch_size {tp.batch_size} is more than the {len(train_ds)} sequences of the train "
-                        f"split; set train.batch_size to {len(train_ds)} or less, or synthesize more prompts")
+    plans = epoch_plans(train_ds, tp, world)
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
@@ -265,8 +296,8 @@ def fit(
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
-    steps_per_epoch = len(train_ds) // tp.batch_size
-    total = steps_per_epoch * tp.epochs
+    epoch_steps = [len(p) for p in plans]  # equal under batch_size; under batch_tokens each epoch packs its own
+    total = sum(epoch_steps)
 
     step, epoch0, batch0, history = 0, 0, 0, []
     running = [0.0, 0]  # train loss sum and steps of the current epoch (checkpointed: resume must not change it)
@@ -276,7 +307,7 @@ def fit(
     if resume_path.exists():
         fresh = {k: v.clone() for k, v in draft.state_dict().items()}
         try:
-            state = restore(resume_path, run_key, draft, opt, device, tp.epochs, steps_per_epoch)
+            state = restore(resume_path, run_key, draft, opt, device, tp.epochs, epoch_steps)
         except Exception as e:  # noqa: BLE001 - unreadable or not this run's (older format, damaged, edited): start over
             draft.load_state_dict(fresh)  # a checkpoint that failed halfway may have loaded some tensors
             opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
@@ -300,7 +331,7 @@ def fit(
 
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
     for epoch in range(epoch0, tp.epochs):
-        batches = epoch_batches(len(train_ds), tp.batch_size, tp.seed, epoch)
+        batches = plans[epoch]
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
             batch = train_ds.batch(batches[b][rank::world], device)
@@ -322,6 +353,8 @@ def fit(
             if world > 1:
                 dist.all_reduce(global_loss)
             running = [running[0] + global_loss.item(), running[1] + 1]
+            if meter is not None:  # after the .item() above: the counts are ready, no extra wait
+                meter.step([train_ds.length(i) for i in batches[b]], counts.tolist(), time.perf_counter() - t0, world)
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, global_loss.item(), time.perf_counter() - t0)
@@ -332,8 +365,12 @@ def fit(
             if stop_after_steps is not None and step >= stop_after_steps:
                 bar.close()
                 return history
-        metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world)
-        history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]), **{f"eval_{k}": v for k, v in metrics.items()}})
+        metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
+                           None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
+        lengths = {i: train_ds.length(i) for batch in batches for i in batch}
+        history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
+                        "train_padding_share": padding_share(batches, lengths, world),
+                        **{f"eval_{k}": v for k, v in metrics.items()}})
         running = [0.0, 0]
         if rank == 0:
             tqdm.write(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f}, accept {[round(a, 3) for a in metrics['accept']]}, tau_pred {metrics['tau_pred']:.3f}")

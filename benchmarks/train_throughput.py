@@ -1,0 +1,238 @@
+"""Online training throughput: today's padded batches against token-budget batches, tokens/s and MFU.
+
+    python benchmarks/train_throughput.py                        # tiny shape (CPU, a minute)
+    python benchmarks/train_throughput.py --shape smollm2        # SmolLM2-135M's shape (one GPU)
+    python benchmarks/train_throughput.py --shape smollm2 --compile --profile --out results.json
+
+Method. A target of the chosen shape is built with transformers' LlamaForCausalLM from a config,
+random weights (bf16 on CUDA, float32 on CPU; nothing is downloaded), and a synthetic train split
+is written as the extract stage writes it in online mode (a tokens record, draftlab.features.dataset
+.write_tokens): `--sequences` random token sequences whose lengths are drawn like a chat set
+(log-normal, median `median` tokens, clamped to [min, max]: 20-1600 at smollm2), the first 30%
+of each a prompt (loss mask off), the rest an answer. The split is read by the train stage's own
+reader (draftlab.features.online.OnlineFeatures: the target's forward and layer capture per batch)
+and trained by the stage's own loop, draftlab.train.loop.fit, with a fresh seeded draft
+(ttt_steps, draft vocab as the shape says; bf16 autocast on CUDA), once per mode:
+  padded   train.batch_size `--batch-size` random sequences per step, padded to the longest (today)
+  tokens   train.batch_tokens `--batch-tokens`: similar lengths, at most that many padded tokens
+fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures cover the last
+`--steps` (draftlab.train.flops.Meter, as the stage records them): real tokens/s, padding share
+(padded / all tokens of the timed steps), FLOPs counted from the shapes for the target (forward
++ the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
+and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
+overrides; none on a CPU). `--compile` also runs the token mode with the draft's decoder layer
+under torch.compile(dynamic=True). `--profile` runs 3 more token-mode steps under torch.profiler
+and prints the top operators by self time (device time on CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftlab.features.dataset import build_draft_vocab, write_tokens  # noqa: E402
+from draftlab.features.extract import TOKENS_FILE  # noqa: E402
+from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
+from draftlab.params import TrainParams  # noqa: E402
+from draftlab.train import loop  # noqa: E402
+from draftlab.train.draft import DraftConfig  # noqa: E402
+from draftlab.train.flops import Meter, peak_flops  # noqa: E402
+
+
+def _quiet_bar(*a, **kw):  # fit's progress bar off: the figures below say it all
+    return loop.tqdm.__wrapped__(*a, **{**kw, "disable": True})
+
+
+_quiet_bar.__wrapped__, _quiet_bar.write = loop.tqdm, loop.tqdm.write
+loop.tqdm = _quiet_bar
+
+SHAPES = {
+    # SmolLM2-135M (its config.json), a 16k draft vocab, 7 TTT steps; lengths of a chat set
+    "smollm2": dict(target=dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                                rms_norm_eps=1e-5, tie_word_embeddings=True),
+                    draft_vocab=16384, ttt_steps=7, lengths=(20, 1600, 350), sequences=2048, batch_size=32,
+                    batch_tokens=32768, steps=20, warmup=5),
+    # small enough for two CPU cores
+    "tiny": dict(target=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
+                             rms_norm_eps=1e-5, tie_word_embeddings=False),
+                 draft_vocab=256, ttt_steps=3, lengths=(8, 160, 40), sequences=96, batch_size=8,
+                 batch_tokens=640, steps=6, warmup=2),
+}
+
+
+def chat_lengths(n: int, low: int, high: int, median: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.9 + math.log(median)
+    return x.exp().round().clamp(low, high).long().tolist()
+
+
+def build_target(t: dict, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**t)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def write_split(root: Path, lengths: list[int], t: dict, physical: list[int], dtype: str) -> Path:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, t["vocab_size"], (sum(lengths),), generator=g)
+    mask = torch.cat([torch.arange(n) >= int(0.3 * n) for n in lengths])
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    meta = {"physical_layers": physical, "hidden_size": t["hidden_size"], "num_layers": t["num_hidden_layers"],
+            "architecture": "LlamaForCausalLM", "vocab_size": t["vocab_size"], "dtype": dtype}
+    split = root / "train"
+    split.mkdir(parents=True, exist_ok=True)
+    write_tokens(split / TOKENS_FILE, {"input_ids": ids, "loss_mask": mask, "seq_offsets": offsets}, meta)
+    return split
+
+
+class Timed(Meter):
+    """The stage's Meter over the steps after the first `skip` (warm-up: allocator, kernels, compile)."""
+
+    def __init__(self, skip: int, *a):
+        super().__init__(*a)
+        self.skip = skip
+
+    def step(self, *a, **kw):
+        if self.skip:
+            self.skip -= 1
+            return
+        super().step(*a, **kw)
+
+
+def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False):
+    t = shape["target"]
+    facts = {**t, "num_layers": t["num_hidden_layers"], "head_dim": t["hidden_size"] // t["num_attention_heads"]}
+    target = OnlineTarget(None)
+    target._model, target.device = model, device  # the benchmark's target: nothing loaded from disk
+    ds = OnlineFeatures(split, max(shape["lengths"][:2]), target)
+    cfg = DraftConfig.from_target(facts, len(physical), len(d2t))
+    draft = loop.init_draft(cfg, embed, head, d2t, t2d, seed=0)
+    if compiled:
+        draft.midlayer.compile(dynamic=True)
+    tp = TrainParams(seed=0, epochs=1, batch_size=args.batch_size, max_length=max(shape["lengths"][:2]), lr=1e-4,
+                     min_lr_ratio=0.1, warmup_ratio=0.0, weight_decay=0.0, grad_clip=0.5, ttt_steps=shape["ttt_steps"],
+                     ttt_decay=0.8, intermediate_size=None, checkpoint_every=0, device=device.type, autocast="auto",
+                     features="online", batch_tokens=batch_tokens)
+    steps = 3 if profile else args.steps
+    available = len(loop.epoch_plans(ds, tp, 1)[0])  # past the epoch, fit would evaluate: not timed here
+    if args.warmup + steps > available:
+        raise SystemExit(f"{name}: an epoch has {available} steps, fewer than --warmup {args.warmup} + --steps {steps}; "
+                         f"raise --sequences or lower the steps")
+    meter = Timed(args.warmup, facts, cfg, True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        call = lambda: loop.fit(draft, head, ds, ds, tp, Path(tmp) / "resume.pt", name, device,  # noqa: E731
+                                stop_after_steps=args.warmup + steps, meter=meter)
+        if not profile:
+            call()
+        else:
+            from torch.profiler import ProfilerActivity, profile as prof
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with prof(activities=acts) as p:
+                call()
+            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            print(p.key_averages().table(sort_by=key, row_limit=args.top), flush=True)
+            return None
+    s = meter.summary(peak_flops(device))
+    s["mode"] = name
+    s["step_s"] = round(meter.seconds / max(1, meter.steps), 4)
+    if device.type == "cuda":
+        s["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return s
+
+
+def show(s: dict) -> str:
+    mfu = "n/a (CPU or unknown GPU)" if s["mfu"] is None else f"{s['mfu']:.1%}"
+    flops = (f"target {s['target_flops_per_s'] / 1e12:.2f} + draft {s['draft_flops_per_s'] / 1e12:.2f} TFLOP/s "
+             f"(target share {s['target_flop_share']:.0%})") if s["target_flops_per_s"] else "FLOPs n/a"
+    mem = f", peak {s['peak_mem_gb']} GB" if "peak_mem_gb" in s else ""
+    return (f"{s['mode']:>15}: {s['tokens_per_s']:>10,.0f} tok/s, {s['step_s'] * 1e3:7.1f} ms/step, "
+            f"padding {s['padding_share']:.1%}, MFU {mfu}, {flops}{mem}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--device", default="auto", help="auto: cuda when visible, else cpu")
+    ap.add_argument("--sequences", type=int, help="train sequences (default: the shape's)")
+    ap.add_argument("--batch-size", type=int, help="padded mode: sequences per step (default: the shape's)")
+    ap.add_argument("--batch-tokens", type=int, nargs="*", help="token mode: budgets to time (default: the shape's)")
+    ap.add_argument("--steps", type=int, help="timed optimizer steps per mode")
+    ap.add_argument("--warmup", type=int, help="untimed optimizer steps first")
+    ap.add_argument("--compile", action="store_true", help="also time token mode with torch.compile of the draft layer")
+    ap.add_argument("--profile", action="store_true", help="top operators of 3 token-mode steps (torch.profiler)")
+    ap.add_argument("--top", type=int, default=20, help="rows of the profile table")
+    ap.add_argument("--skip-padded", action="store_true", help="time the token mode only")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    for k in ("sequences", "batch_size", "steps", "warmup"):
+        if getattr(args, k) is None:
+            setattr(args, k, shape[k])
+    budgets = args.batch_tokens or [shape["batch_tokens"]]
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    t = shape["target"]
+    L = t["num_hidden_layers"]
+    physical = [2, L // 2, L - 3]  # three layers low, middle, high, as EAGLE-3 captures
+    low, high, median = shape["lengths"]
+    lengths = chat_lengths(args.sequences, low, high, median)
+    model = build_target(t, device)
+    embed = model.get_input_embeddings().weight.detach().float().cpu()
+    head = model.get_output_embeddings().weight.detach().float().cpu()
+    counts = torch.bincount(torch.randint(0, t["vocab_size"], (100_000,), generator=torch.Generator().manual_seed(2)),
+                            minlength=t["vocab_size"])
+    d2t, t2d = build_draft_vocab(counts, shape["draft_vocab"])
+    print(f"shape {args.shape} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}): "
+          f"target hidden {t['hidden_size']} x {L} layers, vocab {t['vocab_size']}; draft vocab {shape['draft_vocab']}, "
+          f"{shape['ttt_steps']} TTT steps; {len(lengths)} sequences of {low}-{high} tokens (median {sorted(lengths)[len(lengths) // 2]}, "
+          f"mean {sum(lengths) / len(lengths):.0f}); {args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as root:
+        split = write_split(Path(root), lengths, t, physical, "bfloat16" if device.type == "cuda" else "float32")
+        common = (args, shape, model, split, physical, head, embed, d2t, t2d, device)
+        t0 = time.perf_counter()
+        if not args.skip_padded:
+            results.append(run_mode(f"padded B={args.batch_size}", *common, batch_tokens=None))
+            print(show(results[-1]), flush=True)
+        for budget in budgets:
+            results.append(run_mode(f"tokens {budget}", *common, batch_tokens=budget))
+            print(show(results[-1]), flush=True)
+        if args.compile:
+            try:
+                results.append(run_mode(f"tokens {budgets[-1]} +compile", *common, batch_tokens=budgets[-1], compiled=True))
+                print(show(results[-1]), flush=True)
+            except Exception as e:  # noqa: BLE001 - report it, keep the other figures
+                print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if args.profile:
+            run_mode("profile", *common, batch_tokens=budgets[-1], profile=True)
+        print(f"({time.perf_counter() - t0:.0f} s in all)")
+    f = results[0]
+    print(f"FLOPs per real token: target {f['target_flops_per_token'] / 1e6:,.1f} MFLOP (forward + soft-label head), "
+          f"draft {f['draft_flops_per_token'] / 1e6:,.1f} MFLOP ({shape['ttt_steps']} TTT steps, forward + backward), "
+          f"at these lengths")
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "device": str(device), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
