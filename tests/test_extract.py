@@ -68,6 +68,32 @@ def test_loss_mask_covers_only_the_last_assistant_turn():
     assert masked == "fine<|end|>"
 
 
+def test_loss_mask_of_a_regenerated_conversation_labels_every_token():
+    """Every assistant turn the target wrote is learned (content and its closing end-of-turn token);
+    the system and user turns and every role marker are not. Each token's label written out by hand."""
+    tok = make_micro_tokenizer()
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>\nx\n</think>\nyo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    want = [("<|system|>", 0), ("Ċ", 0), ("S", 0), ("<|end|>", 0),
+            ("<|user|>", 0), ("Ċ", 0), ("h", 0), ("i", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("<think>", 1), ("Ċ", 1), ("x", 1), ("Ċ", 1), ("</think>", 1), ("Ċ", 1),
+            ("y", 1), ("o", 1), ("<|end|>", 1),
+            ("<|user|>", 0), ("Ċ", 0), ("o", 0), ("k", 0), ("?", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("f", 1), ("i", 1), ("n", 1), ("e", 1), ("<|end|>", 1)]
+    ids, mask = extract.render(tok, msgs, turns=2)
+    assert list(zip(tok.convert_ids_to_tokens(ids), map(int, mask))) == want
+    # turns=1 (a single answer after a given history): only the last turn, as before
+    _, last = extract.render(tok, msgs)
+    assert [int(m) for m in last] == [0] * 28 + [1] * 5
+    with pytest.raises(ValueError, match="turns 3: the conversation has 2 assistant turns"):
+        extract.render(tok, msgs, turns=3)
+
+
 def test_plan_shards_sorted_and_complete():
     lengths = [50, 10, 30, 20, 40]
     plan = extract.plan_shards(lengths, shard_tokens=45)
