@@ -85,8 +85,8 @@ def fitted(tok, row: dict, limit: int, path: Path) -> tuple[list[int], list[bool
         messages = messages[:last_user]  # the last (user, assistant) pair off
         ids, mask = extract.render(tok, messages, turns - left_out)
     if len(ids) > limit:
-        what = "its first turn has" if turns > 1 else "has"
-        raise UserError(f"{path}: row {row['id']} {what} {len(ids)} tokens, more than extract.max_length/context {limit}; "
+        what = ": its first turn alone has" if turns > 1 else " has"
+        raise UserError(f"{path}: row {row['id']}{what} {len(ids)} tokens, more than extract.max_length/context {limit}; "
                         "raise extract.max_length or shorten synth.max_new_tokens")
     return ids, mask, left_out
 

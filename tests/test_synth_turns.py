@@ -38,7 +38,7 @@ def make_conv_prompts(dir, train, evals):
 
 def oracle(model, tok, turns, max_new=MAX_NEW):
     """The conversation answered one turn at a time, unbatched, with the target's own answers as history."""
-    messages, answers = [], []
+    messages = []
     for k, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         ids = synth.prompt_ids(tok, messages)
@@ -48,7 +48,6 @@ def oracle(model, tok, turns, max_new=MAX_NEW):
                              eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
         stop = tok.eos_token_id in out
         messages.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
-        answers.append(stop)
         if not stop:
             return messages, "length" if k + 1 < len(turns) else None
     return messages, None
