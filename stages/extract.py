@@ -5,6 +5,8 @@
 Reads params sections: target, capture, extract, train.features, and export.sglang_version (only to
 refuse, before any compute, layers that SGLang release cannot capture: the embedding output of a
 Llama target before 0.5.22, say; it changes nothing the stage writes, so it stays out of the hash).
+A conversation (several answered turns) is one sequence with the loss on every answer; one longer
+than extract.max_length ends after its last turn that fits (counted in the manifest).
 With train.features online, only the first extract.online_sample_sequences rows of each split are
 captured (the stats and the check need them); every row's tokens go to <split>/tokens.safetensors
 (no states), and the train stage runs the target itself.
@@ -70,6 +72,25 @@ def hashed_params(params) -> dict:
     return out
 
 
+def fitted(tok, row: dict, limit: int, path: Path) -> tuple[list[int], list[bool], int]:
+    """(ids, loss mask, turns left out) of a synthesized row within `limit` tokens. A conversation of
+    several answered turns that runs longer ends after its last turn that fits (the loss on the
+    answers kept); a single answer, or a first turn, that does not fit is an error naming the row."""
+    messages, turns = row["messages"], row.get("turns", 1)
+    ids, mask = extract.render(tok, messages, turns)
+    left_out = 0
+    while len(ids) > limit and left_out < turns - 1:
+        left_out += 1
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages = messages[:last_user]  # the last (user, assistant) pair off
+        ids, mask = extract.render(tok, messages, turns - left_out)
+    if len(ids) > limit:
+        what = ": its first turn alone has" if turns > 1 else " has"
+        raise UserError(f"{path}: row {row['id']}{what} {len(ids)} tokens, more than extract.max_length/context {limit}; "
+                        "raise extract.max_length or shorten synth.max_new_tokens")
+    return ids, mask, left_out
+
+
 def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
@@ -121,13 +142,11 @@ def main(synth: Path, out: Path) -> None:
     t0, tokens_done, bytes_written, counts = time.time(), 0, 0, {}
     for split in ("train", "eval"):
         rows = read_rows(synth / f"{split}.jsonl")
-        rendered = [extract.render(tok, r["messages"]) for r in rows]
-        for r, (ids, _) in zip(rows, rendered):
-            if len(ids) > limit:
-                raise UserError(
-                    f"{synth / (split + '.jsonl')}: row {r['id']} has {len(ids)} tokens, more than "
-                    f"extract.max_length/context {limit}; raise extract.max_length or shorten synth.max_new_tokens"
-                )
+        rendered, dropped = [], []  # dropped: later turns left out of each conversation cut to fit
+        for r in rows:
+            ids, mask, left_out = fitted(tok, r, limit, synth / f"{split}.jsonl")
+            rendered.append((ids, mask))
+            dropped.append(left_out)
         lengths = [len(ids) for ids, _ in rendered]
         plan = extract.plan_shards(lengths, extract_params.shard_tokens)
         (out / split).mkdir(exist_ok=True)
@@ -147,6 +166,8 @@ def main(synth: Path, out: Path) -> None:
                 if int(old.stem.split("-")[1]) >= len(plan):
                     old.unlink()
         counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths)}
+        if any(dropped):  # conversations longer than extract.max_length: their first turns kept
+            counts[split] |= {"conversations_cut": sum(n > 0 for n in dropped), "turns_cut": sum(dropped)}
         if mode == "online":
             counts[split] |= {"sample_rows": sum(len(s) for s in plan), "sample_tokens": sum(lengths[i] for s in plan for i in s)}
             if len(rows) < extract_params.online_sample_sequences and rank == 0:  # said, and recorded in counts: no silent clamp

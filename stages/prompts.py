@@ -4,9 +4,11 @@
 Reads params: the prompts section; target.model and target.revision (the tokenizer, for
 prompts.min_prompt_tokens / max_prompt_tokens).
 
-Order: read (a file's rows, ShareGPT's first human turns, or the built-in generator), drop bad
-rows (prompts.on_bad_row) and duplicates, filter by length in target tokens, take the seeded
-subset of prompts.num_prompts (a file; the built-in generator draws that many), split by content hash.
+Order: read (a file's rows, ShareGPT's first human turns or with prompts.turns all every human turn,
+or the built-in generator), drop bad rows (prompts.on_bad_row) and duplicates, filter by length in
+target tokens (the first turn; a later turn over prompts.max_prompt_tokens ends its conversation),
+take the seeded subset of prompts.num_prompts (a file; the built-in generator draws that many),
+split by the content hash of each row's first turn.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def main(out: Path, metrics: Path) -> None:
         inputs = {"source": "builtin"}
     else:
         path = prompts.resolve_source(pp.source)
-        ps = prompts.read_prompt_file(path)
+        ps = prompts.read_prompt_file(path, pp.turns)
         inputs = {"source": pp.source, "source_sha256": dir_hash(path)}
         if ps.truncated and ps.truncated["dropped_bytes"]:
             print(f"warning: {path.name} ends inside a record: read its {ps.truncated['records']:,} complete records, "
@@ -57,7 +59,7 @@ def main(out: Path, metrics: Path) -> None:
               file=sys.stderr)
     if not ps.rows:
         raise UserError(f"prompts.source {pp.source}: no valid prompts")
-    rows, dropped = ps.rows, {"too_short": 0, "too_long": 0}
+    rows, dropped, long_turns = ps.rows, {"too_short": 0, "too_long": 0}, None
     if pp.min_prompt_tokens is not None or pp.max_prompt_tokens is not None:
         tokenizer = load_tokenizer(params.target.model, params.target.revision)
         rows, dropped = prompts.filter_length(rows, tokenizer, pp.min_prompt_tokens, pp.max_prompt_tokens)
@@ -65,6 +67,8 @@ def main(out: Path, metrics: Path) -> None:
             raise UserError(f"prompts: no prompt of {pp.source} is {pp.min_prompt_tokens}-{pp.max_prompt_tokens} target tokens "
                             f"long ({dropped['too_short']} shorter, {dropped['too_long']} longer); widen "
                             f"prompts.min_prompt_tokens / prompts.max_prompt_tokens")
+        if pp.turns == "all":
+            rows, long_turns = prompts.cut_long_turns(rows, tokenizer, pp.max_prompt_tokens)
     usable = len(rows)
     if pp.source != "builtin":
         if pp.num_prompts is not None and pp.num_prompts > usable:
@@ -83,6 +87,12 @@ def main(out: Path, metrics: Path) -> None:
     counts = {"train": len(train), "eval": len(evals), "skipped_bad_rows": len(ps.bad), "duplicates": ps.duplicates,
               "read": len(ps.rows), "usable": usable, **dropped,
               "num_prompts_requested": pp.num_prompts, "used": len(train) + len(evals)}
+    if pp.turns == "all":  # rows are conversations: how many user turns each side holds, and what ended some early
+        counts |= {"train_turns": sum(1 + len(r.get("next_turns", ())) for r in train),
+                   "eval_turns": sum(1 + len(r.get("next_turns", ())) for r in evals),
+                   "cut_at_long_turn": (long_turns or {}).get("cut_at_long_turn", 0),
+                   "duplicates_after_cut": (long_turns or {}).get("duplicates", 0),
+                   "cut_at_empty_turn": ps.cut.get("empty later human turn", 0)}
     info = {**counts, **ps.counts(), "bad_rows": [str(b) for b in ps.bad[:MAX_LISTED]]}
     if ps.families is not None:  # built-in: the mix drawn, and the families that ran out (the others filled in for them)
         info |= {"families": ps.families, "families_ran_out": ps.ran_out}
@@ -98,7 +108,8 @@ def main(out: Path, metrics: Path) -> None:
     write_manifest(out, manifest)
     atomic_write_json(metrics, with_lineage(counts, manifest, {"source": pp.source, "eval_fraction": pp.eval_fraction}))
     length = f", {dropped['too_short']} too short, {dropped['too_long']} too long" if any(dropped.values()) else ""
-    print(f"prompts: {len(train)} train, {len(evals)} eval, {len(ps.bad)} bad rows skipped, {ps.duplicates} duplicates{length} -> {out}")
+    turns = f" ({counts['train_turns']} and {counts['eval_turns']} user turns)" if pp.turns == "all" else ""
+    print(f"prompts: {len(train)} train, {len(evals)} eval{turns}, {len(ps.bad)} bad rows skipped, {ps.duplicates} duplicates{length} -> {out}")
 
 
 if __name__ == "__main__":

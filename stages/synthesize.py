@@ -4,6 +4,10 @@
 Reads params sections: target, synth.
 Writes data/synth/{train,eval}.jsonl, errors.jsonl, manifest.json. Interrupted (Ctrl-C, kill)?
 Run it again: finished rows are kept and only the rest is generated.
+A prompt row with later user turns (prompts.turns all) is answered turn by turn; its output row holds
+the whole regenerated conversation, "turns" (answered), "stopped" when it ended before its last user
+turn ("length": an answer cut at synth.max_new_tokens; "context": the next turn would not fit), the
+last answer's finish_reason and the completion_tokens of every turn.
 
 synth.backend sglang: the stage starts `python -m sglang.launch_server` for the target (the folder
 every stage loads: a GGUF target's dequantized one) in target.dtype on a free port, with
@@ -101,16 +105,20 @@ def run(params, splits, inputs, out: Path, backend) -> None:
 
     sampling = {"temperature": synth_params.temperature, "top_p": synth_params.top_p, "max_new_tokens": synth_params.max_new_tokens, "seed": synth_params.seed}
 
-    def make_row(prompt, ans: synth.Answer) -> dict:
+    def make_row(prompt, reply: synth.Reply) -> dict:
         row = {
             "id": prompt["id"],
-            "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
+            "messages": synth.conversation(prompt, reply),
             "model": target_params.model,
             "revision": target_params.revision,
             "sampling": sampling,
-            "finish_reason": ans.finish_reason,
-            "completion_tokens": ans.completion_tokens,
+            "finish_reason": reply.finish_reason,  # of the last answer
+            "completion_tokens": reply.completion_tokens,  # of every turn
         }
+        if prompt.get("next_turns"):  # a conversation (a row of one turn stays as it always was)
+            row["turns"] = len(reply.answers)
+            if reply.stopped:
+                row["stopped"] = reply.stopped
         if "source" in prompt:
             row["source"] = prompt["source"]
         return row
@@ -136,7 +144,9 @@ def run(params, splits, inputs, out: Path, backend) -> None:
         "errors": n_err,
         "counts": counts,
         "resumed": stats["resumed"],
-        "finish_reasons": stats["finish_reasons"],
+        "finish_reasons": stats["finish_reasons"],  # of each row's last answer
+        "turns_answered": stats["turns"],  # answers in the outputs, every turn of every row
+        "conversations_stopped": stats["stopped"],  # rows ended before their last user turn, by reason
         "completion_tokens": stats["completion_tokens"],  # generated in this run (not the resumed rows)
         "generation_s": round(stats["generation_s"], 3),
         "tokens_per_s": round(stats["completion_tokens"] / stats["generation_s"], 1) if stats["generation_s"] > 0 else None,
@@ -149,7 +159,11 @@ def run(params, splits, inputs, out: Path, backend) -> None:
     write_manifest(out, manifest)
     length = stats["finish_reasons"].get("length", 0)
     failed = f"{n_err} failed (reasons in {out / 'errors.jsonl'})" if n_err else "0 failed"
-    print(f"synthesize: {n_ok} answered, {failed}, {length} cut at synth.max_new_tokens, {info['tokens_per_s']} tokens/s -> {out}")
+    turns = f" ({stats['turns']} turns)" if stats["turns"] != n_ok else ""
+    stopped = f", {stats['stopped']['context']} conversations stopped before a turn that would not fit the context" \
+        if stats["stopped"].get("context") else ""
+    print(f"synthesize: {n_ok} answered{turns}, {failed}, {length} cut at synth.max_new_tokens{stopped}, "
+          f"{info['tokens_per_s']} tokens/s -> {out}")
 
 
 if __name__ == "__main__":

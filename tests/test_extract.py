@@ -68,6 +68,32 @@ def test_loss_mask_covers_only_the_last_assistant_turn():
     assert masked == "fine<|end|>"
 
 
+def test_loss_mask_of_a_regenerated_conversation_labels_every_token():
+    """Every assistant turn the target wrote is learned (content and its closing end-of-turn token);
+    the system and user turns and every role marker are not. Each token's label written out by hand."""
+    tok = make_micro_tokenizer()
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>\nx\n</think>\nyo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    want = [("<|system|>", 0), ("Ċ", 0), ("S", 0), ("<|end|>", 0),
+            ("<|user|>", 0), ("Ċ", 0), ("h", 0), ("i", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("<think>", 1), ("Ċ", 1), ("x", 1), ("Ċ", 1), ("</think>", 1), ("Ċ", 1),
+            ("y", 1), ("o", 1), ("<|end|>", 1),
+            ("<|user|>", 0), ("Ċ", 0), ("o", 0), ("k", 0), ("?", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("f", 1), ("i", 1), ("n", 1), ("e", 1), ("<|end|>", 1)]
+    ids, mask = extract.render(tok, msgs, turns=2)
+    assert list(zip(tok.convert_ids_to_tokens(ids), map(int, mask))) == want
+    # turns=1 (a single answer after a given history): only the last turn, as before
+    _, last = extract.render(tok, msgs)
+    assert [int(m) for m in last] == [0] * 28 + [1] * 5
+    with pytest.raises(ValueError, match="turns 3: the conversation has 2 assistant turns"):
+        extract.render(tok, msgs, turns=3)
+
+
 def test_plan_shards_sorted_and_complete():
     lengths = [50, 10, 30, 20, 40]
     plan = extract.plan_shards(lengths, shard_tokens=45)
@@ -89,3 +115,25 @@ def test_shard_is_the_same_whatever_the_batching():
     half = extract.extract_shard(model, rows, [1, 3], batch_size=2, dtype=torch.bfloat16, device="cpu")
     assert half["hidden.1"].dtype == torch.bfloat16 and half["hidden.1"].shape == (10, one["hidden.1"].shape[1])
     torch.testing.assert_close(half["final_hidden"].float(), one["final_hidden"], rtol=2e-2, atol=2e-2)
+
+
+def test_a_conversation_too_long_ends_after_its_last_turn_that_fits(tmp_path):
+    from stages.extract import fitted
+    from draftlab.errors import UserError
+
+    tok = make_micro_tokenizer()  # one token per byte
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 10},
+            {"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "b" * 10},
+            {"role": "user", "content": "v" * 30}, {"role": "assistant", "content": "c" * 30}]
+    row = {"id": "r1", "messages": msgs, "turns": 3}
+    full, _ = extract.render(tok, msgs, 3)
+    two, two_mask = extract.render(tok, msgs[:4], 2)
+    assert fitted(tok, row, len(full), tmp_path / "t.jsonl")[2] == 0
+    ids, mask, left_out = fitted(tok, row, len(full) - 1, tmp_path / "t.jsonl")
+    assert (ids, mask, left_out) == (two, two_mask, 1) and tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "a" * 10 + "<|end|>" + "b" * 10 + "<|end|>"
+    assert fitted(tok, row, len(two) - 1, tmp_path / "t.jsonl")[2] == 2
+    with pytest.raises(UserError, match=r"t.jsonl: row r1: its first turn alone has \d+ tokens, more than extract.max_length/context 5"):
+        fitted(tok, row, 5, tmp_path / "t.jsonl")
+    with pytest.raises(UserError, match=r"t.jsonl: row r2 has \d+ tokens"):  # a single answer: an error, as always
+        fitted(tok, {"id": "r2", "messages": msgs}, 5, tmp_path / "t.jsonl")

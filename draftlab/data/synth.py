@@ -6,7 +6,17 @@ Backends (synth.backend):
           concurrency, per-request timeout, retries with exponential backoff; rows that still
           fail go to errors.jsonl with the reason.
 
-Both call `answer(rows, done)` and report each prompt through `done(row, Answer | None, error)`.
+Both call `answer(rows, done)` and report each prompt through `done(row, Reply | None, error)`.
+
+Conversations (prompt rows with "next_turns", prompts.turns all): the target answers turn k with
+its own answers to turns 1..k-1 in the chat template, never the source's recorded answers. The hf
+backend goes round by round (every conversation's turn k in one set of batches); the openai
+backend runs each conversation's turns in sequence inside one worker, so `concurrency`
+conversations are in flight and no round waits for its slowest answer. A conversation ends early
+when a turn is cut at max_new_tokens (finish_reason "length": the next question would follow a
+cut answer) or when its next turn plus max_new_tokens would not fit the target's context
+(stopped "context"); the turns answered so far are kept. A first turn that does not fit is an
+error before any generation (check_context).
 
 Reasoning (synth.reasoning):
   keep  the assistant content as the target's chat template renders it: `<think>`, the
@@ -20,7 +30,8 @@ Reasoning (synth.reasoning):
         differs from the hf backend's in whitespace only.
   drop  only the answer after `</think>`.
 
-Resume: each finished row is appended to `<split>.jsonl.partial` and flushed at once. A rerun
+Resume: each finished row (a conversation: all its turns answered) is appended to
+`<split>.jsonl.partial` and flushed at once. A rerun
 with the same resume key (`resume_key`) keeps those rows, discards a torn last line, skips
 their ids and generates only the rest; the final `<split>.jsonl` is written in input order, so
 it does not depend on completion order, concurrency or interruptions.
@@ -31,6 +42,7 @@ and answer types here; each is a short class or function.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 import os
@@ -62,7 +74,85 @@ class Answer:
     completion_tokens: int  # generated tokens, the EOS included (as servers count them)
 
 
-Done = Callable[[dict, "Answer | None", "str | None"], None]
+@dataclass
+class Reply:
+    """The target's answers to one prompt row: one per user turn asked, in order."""
+    answers: list[Answer]
+    stopped: str | None = None  # a conversation ended before its last user turn: "length" (a cut answer) or "context"
+
+    @property
+    def finish_reason(self) -> str:  # of the last answer
+        return self.answers[-1].finish_reason
+
+    @property
+    def completion_tokens(self) -> int:  # over every turn
+        return sum(a.completion_tokens for a in self.answers)
+
+
+Done = Callable[[dict, "Reply | None", "str | None"], None]
+
+
+class Dialogue:
+    """One prompt row answered turn by turn: what the next request sends, and the answers so far."""
+
+    def __init__(self, row: dict, tok, context_length: int, max_new_tokens: int):
+        self.row, self.tok, self.context_length, self.max_new_tokens = row, tok, context_length, max_new_tokens
+        self.messages = list(row["messages"])  # the prompt of the turn being asked
+        self.left = list(row.get("next_turns") or ())  # user turns not asked yet
+        self.reply = Reply([])
+        self.ids: list[int] | None = None  # the prompt's token ids, once measured
+
+    @property
+    def turn(self) -> int:  # 1-based, the turn being asked
+        return len(self.reply.answers) + 1
+
+    def prompt_ids(self) -> list[int]:
+        if self.ids is None:
+            self.ids = prompt_ids(self.tok, self.messages)
+        return self.ids
+
+    def seed_key(self) -> str:
+        """What a turn's sampling seed derives from: the row id for turn 1 (as for a single turn)."""
+        return self.row["id"] if self.turn == 1 else f"{self.row['id']}:turn{self.turn}"
+
+    def advance(self, ans: Answer) -> bool:
+        """Record the answer to the turn asked; True when the next turn is to be asked (self.messages)."""
+        self.reply.answers.append(ans)
+        if not self.left:
+            return False
+        if ans.finish_reason != "stop":
+            self.reply.stopped = "length"
+            return False
+        nxt = self.messages + [{"role": "assistant", "content": ans.content}, {"role": "user", "content": self.left[0]}]
+        ids = prompt_ids(self.tok, nxt)
+        if len(ids) + self.max_new_tokens > self.context_length:
+            self.reply.stopped = "context"
+            return False
+        self.messages, self.ids = nxt, ids
+        self.left.pop(0)
+        return True
+
+
+def conversation(prompt: dict, reply: Reply) -> list[dict]:
+    """The whole regenerated conversation of a prompt row: its messages, answer 1, user turn 2, answer 2, ..."""
+    out = list(prompt["messages"])
+    later = prompt.get("next_turns") or []
+    for k, ans in enumerate(reply.answers):
+        if k:
+            out.append({"role": "user", "content": later[k - 1]})
+        out.append({"role": "assistant", "content": ans.content})
+    return out
+
+
+def follows(row: dict, prompt: dict) -> bool:
+    """Whether an answer row (a partial file's) answers this very prompt row: its messages, then
+    answers alternating with the prompt's later user turns, in order, ending with an answer."""
+    n, msgs = len(prompt["messages"]), row["messages"]
+    tail, later = msgs[n:], prompt.get("next_turns") or []
+    if msgs[:n] != prompt["messages"] or len(tail) % 2 == 0 or len(tail) // 2 > len(later):
+        return False
+    want = conversation(prompt, Reply([Answer(m["content"], "stop", 0) for m in tail[::2]]))
+    return msgs == want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +170,10 @@ def read_prompts(path: str | Path) -> list[dict]:
             raise UserError(f"{path}:{n}: a prompt row needs 'id' (string) and 'messages' (non-empty list)")
         if row["messages"][-1].get("role") != "user":
             raise UserError(f"{path}:{n}: row {row['id']}: the last message must be from the user")
+        later = row.get("next_turns", [])
+        if not isinstance(later, list) or not all(isinstance(t, str) and t.strip() for t in later):
+            raise UserError(f"{path}:{n}: row {row['id']}: 'next_turns' must be a list of non-empty strings (the later "
+                            "user turns); re-run the prompts stage (dvc repro -f prompts)")
         if row["id"] in seen:
             raise UserError(f"{path}:{n}: duplicate prompt id {row['id']}")
         seen.add(row["id"])
@@ -93,7 +187,8 @@ def prompt_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def check_context(splits: dict[str, list[dict]], tok, context_length: int, max_new_tokens: int) -> None:
-    """Every prompt plus max_new_tokens must fit the target's context; else name the rows."""
+    """Every prompt (a conversation's first turn) plus max_new_tokens must fit the target's context;
+    else name the rows. A later turn that would not fit ends its conversation instead (Dialogue)."""
     bad = []
     for split, rows in splits.items():
         for row in rows:
@@ -174,10 +269,24 @@ class HFBackend:
         self.info = {}
 
     def answer(self, rows: list[dict], done: Done) -> None:
+        """Round by round: every conversation's turn k, then the turn k+1 of those that go on."""
+        synth_params = self.synth_params
+        active = [Dialogue(r, self.tokenizer, self.context_length, synth_params.max_new_tokens) for r in rows]
+        while active:
+            going = []
+            for dialogue, ans in self._round(active):
+                if dialogue.advance(ans):
+                    going.append(dialogue)
+                else:
+                    done(dialogue.row, dialogue.reply, None)
+            active = going
+
+    def _round(self, dialogues: list[Dialogue]):
+        """(dialogue, its answer to the turn asked), batch by batch."""
         import torch
 
         synth_params, tok = self.synth_params, self.tokenizer
-        encoded = sorted(((prompt_ids(tok, r["messages"]), r) for r in rows), key=lambda x: -len(x[0]))  # longest first: OOM shows at once
+        encoded = sorted(((d.prompt_ids(), d) for d in dialogues), key=lambda x: -len(x[0]))  # longest first: OOM shows at once
         for i in range(0, len(encoded), synth_params.batch_size):
             batch = encoded[i:i + synth_params.batch_size]
             width = max(len(ids) for ids, _ in batch)
@@ -185,7 +294,7 @@ class HFBackend:
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=self.device)
             sampled = synth_params.temperature > 0
             with torch.random.fork_rng(devices=[]), torch.inference_mode():
-                torch.manual_seed(row_seed(synth_params.seed, batch[0][1]["id"]))
+                torch.manual_seed(row_seed(synth_params.seed, batch[0][1].seed_key()))
                 out = self.model.generate(
                     input_ids=input_ids, attention_mask=mask, max_new_tokens=synth_params.max_new_tokens,
                     do_sample=sampled, temperature=synth_params.temperature if sampled else None, top_p=synth_params.top_p if sampled else None,
@@ -194,26 +303,28 @@ class HFBackend:
                     top_k=0 if sampled else None, repetition_penalty=1.0,
                     pad_token_id=tok.pad_token_id, eos_token_id=self.eos_ids,
                 )
-            for (ids, row), seq in zip(batch, out[:, width:].tolist()):
+            for (ids, dialogue), seq in zip(batch, out[:, width:].tolist()):
                 stop = next((k for k, t in enumerate(seq) if t in self.eos_ids), None)
                 gen = seq[: stop + 1] if stop is not None else seq
                 text = tok.decode(gen, skip_special_tokens=True)
                 content = text if synth_params.reasoning == "keep" else answer_only(text)
-                done(row, Answer(content, "stop" if stop is not None else "length", len(gen)), None)
+                yield dialogue, Answer(content, "stop" if stop is not None else "length", len(gen))
 
 
 class OpenAIBackend:
-    """Chat completions against an OpenAI-compatible server, `concurrency` requests in flight."""
+    """Chat completions against an OpenAI-compatible server, `concurrency` conversations in flight
+    (each one's turns in sequence, in one worker)."""
 
     def __init__(self, tok, synth_params, context_length: int, api_key: str | None = None,
                  base_urls: list[str] | None = None):
         """base_urls: the servers' URLs up to /v1 (default [synth.base_url]; the sglang backend's own
-        servers). Several servers of one target share the load: each request goes to the one with
-        the fewest requests in flight."""
+        servers). Several servers of one target share the load by conversation (`_url`)."""
         self.tokenizer, self.synth_params, self.context_length = tok, synth_params, context_length
         self.base_urls = [u.rstrip("/") for u in (base_urls or [synth_params.base_url])]
         self.base_url = self.base_urls[0]  # the one asked for the model name; the one named in messages
-        self.in_flight = dict.fromkeys(self.base_urls, 0)  # requests in flight per server (one event loop: no lock)
+        self.in_flight = dict.fromkeys(self.base_urls, 0)  # conversations in flight per server (one event loop: no lock)
+        self.assigned: dict[str, str] = {}  # row id -> its server, while the conversation runs
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="synth-tokenize")
         self.sent = dict.fromkeys(self.base_urls, 0)  # requests sent per server, retries included
         self._key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -223,8 +334,19 @@ class OpenAIBackend:
         self.info = {"served_model": self.model_name, "reasoning_layout": list(self.layout), "servers": len(self.base_urls)}
 
     def _url(self, row: dict) -> str:
-        """The server for `row`: the least loaded one (ties: the first listed)."""
-        return min(self.base_urls, key=self.in_flight.__getitem__)
+        """The server that answers `row`, every turn of it: the one with the fewest conversations in
+        flight when its first turn is asked (ties: the first listed), then the same one, whose prefix
+        cache holds the conversation so far."""
+        url = self.assigned.get(row["id"])
+        if url is None:
+            url = self.assigned[row["id"]] = min(self.base_urls, key=self.in_flight.__getitem__)
+            self.in_flight[url] += 1
+        return url
+
+    def _release(self, row: dict) -> None:
+        url = self.assigned.pop(row["id"], None)
+        if url is not None:
+            self.in_flight[url] -= 1
 
     def redact(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
@@ -255,20 +377,39 @@ class OpenAIBackend:
             async def worker():
                 while queue:
                     row = queue.pop()
-                    ans, err = await self._answer_one(client, row)
-                    done(row, ans, err)
+                    reply, err = await self._converse(client, row)
+                    done(row, reply, err)
 
             await asyncio.gather(*(worker() for _ in range(max(1, self.synth_params.concurrency))))
 
-    async def _answer_one(self, client: httpx.AsyncClient, row: dict) -> tuple[Answer | None, str | None]:
+    async def _converse(self, client: httpx.AsyncClient, row: dict) -> tuple[Reply | None, str | None]:
+        """Every turn of one prompt row, in sequence; a failed turn fails the row (a rerun asks it again
+        from its first turn: only whole conversations are kept)."""
+        dialogue = Dialogue(row, self.tokenizer, self.context_length, self.synth_params.max_new_tokens)
+        turns = 1 + len(dialogue.left)
+        try:
+            while True:
+                ans, err = await self._answer_one(client, row, dialogue.messages, dialogue.seed_key())
+                if ans is None:
+                    return None, err if turns == 1 else f"turn {dialogue.turn} of {turns}: {err}"
+                # advance() renders and tokenizes the conversation so far (its context check): in one worker
+                # thread (a fast tokenizer shared by threads can fail "Already borrowed"), so the event loop
+                # keeps every other request going meanwhile.
+                if not await asyncio.get_running_loop().run_in_executor(self.tokenizing, dialogue.advance, ans):
+                    return dialogue.reply, None
+        finally:
+            self._release(row)
+
+    async def _answer_one(self, client: httpx.AsyncClient, row: dict, messages: list[dict], seed_key: str
+                          ) -> tuple[Answer | None, str | None]:
         synth_params = self.synth_params
         body = {
             "model": self.model_name,
-            "messages": row["messages"],
+            "messages": messages,
             "max_tokens": synth_params.max_new_tokens,
             "temperature": synth_params.temperature,
             "top_p": synth_params.top_p,
-            "seed": row_seed(synth_params.seed, row["id"]),
+            "seed": row_seed(synth_params.seed, seed_key),
             "stream": False,
         }
         reason, retry_after = "not attempted", None
@@ -277,7 +418,6 @@ class OpenAIBackend:
                 await asyncio.sleep(_backoff(synth_params.retry_backoff_s, attempt, retry_after))
             retry_after = None
             url = self._url(row)
-            self.in_flight[url] += 1
             self.sent[url] += 1
             try:
                 r = await client.post(f"{url}/chat/completions", json=body)
@@ -297,8 +437,6 @@ class OpenAIBackend:
             except httpx.HTTPError as e:
                 reason = f"{type(e).__name__}: {e}"
                 continue
-            finally:
-                self.in_flight[url] -= 1
             self.connect_failures = 0
             if r.status_code != 200:
                 reason = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -366,6 +504,11 @@ def row_problem(row) -> str | None:
     tokens = row.get("completion_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         return f"row {row['id']}: 'completion_tokens' must be an integer >= 0, got {tokens!r}"
+    turns = row.get("turns", 1)
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        return f"row {row['id']}: 'turns' must be an integer >= 1 (the turns answered), got {turns!r}"
+    if row.get("stopped") not in (None, "length", "context"):
+        return f"row {row['id']}: 'stopped' must be \"length\" or \"context\" when present, got {row.get('stopped')!r}"
     return None
 
 
@@ -428,13 +571,14 @@ def prepare_resume(out: Path, key: str) -> bool:
 def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None) -> dict:
     """Answer every row of every split into `out`; returns counts and token figures.
 
-    `make_row(prompt_row, answer)` builds the output row; `progress(split, total, initial)`
+    `make_row(prompt_row, reply)` builds the output row; `progress(split, total, initial)`
     returns a tqdm-like bar (or None).
     """
     import time
 
     resumed = prepare_resume(out, key)
-    stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {}}
+    stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
+             "turns": 0, "stopped": {}}
     errors: list[dict] = []
     done_rows: dict[str, dict[str, dict]] = {}
     for split, rows in splits.items():
@@ -443,7 +587,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
         wanted = {r["id"] for r in rows}
         done = {i: r for i, r in done.items() if i in wanted}
         for prow in rows:  # the id is the prompt's content hash: a kept answer must follow that very prompt
-            if prow["id"] in done and done[prow["id"]]["messages"][:-1] != prow["messages"]:
+            if prow["id"] in done and not follows(done[prow["id"]], prow):
                 raise UserError(f"{partial}: row {prow['id']} holds other prompt messages than that prompt's row in "
                                 f"{split}.jsonl of the prompts; delete that line, or delete {partial} to answer this split over")
         todo = [r for r in rows if r["id"] not in done]
@@ -482,6 +626,9 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
         done = done_rows[split]
         for r in done.values():
             stats["finish_reasons"][r["finish_reason"]] = stats["finish_reasons"].get(r["finish_reason"], 0) + 1
+            stats["turns"] += r.get("turns", 1)  # a row of one turn carries no count
+            if r.get("stopped"):
+                stats["stopped"][r["stopped"]] = stats["stopped"].get(r["stopped"], 0) + 1
         jsonl.write(out / f"{split}.jsonl", (done[r["id"]] for r in rows if r["id"] in done))
     jsonl.write(out / "errors.jsonl", errors)
     for split in splits:

@@ -1,0 +1,164 @@
+"""Synthesis of conversations (prompt rows with next_turns): turn k is asked after the target's own
+answers to turns 1..k-1, the same by both backends; a cut answer or a turn that would not fit the
+context ends a conversation with the turns so far; a run killed midway resumes per conversation."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draftlab.data import synth
+from draftlab.lifecycle import free_port, serve
+from tests.support.micro import make_micro_tokenizer
+from tests.test_synth import ENV, FAKE_OPENAI, ROOT, TAUGHT, plain_server, run_stage, target, write_params  # noqa: F401
+
+MAX_NEW = 24  # the stage tests' synth.max_new_tokens (write_params)
+
+
+def conv_row(*turns):
+    from draftlab.data.prompts import conversation_id
+
+    messages = [{"role": "user", "content": turns[0]}]
+    row = {"id": conversation_id(messages, list(turns[1:])), "messages": messages, "source": "test"}
+    return row | ({"next_turns": list(turns[1:])} if len(turns) > 1 else {})
+
+
+def make_conv_prompts(dir, train, evals):
+    dir.mkdir(parents=True, exist_ok=True)
+    for name, convs in (("train", train), ("eval", evals)):
+        (dir / f"{name}.jsonl").write_text("".join(json.dumps(conv_row(*c)) + "\n" for c in convs))
+    (dir / "manifest.json").write_text(json.dumps({"config_hash": str(hash((str(train), str(evals))))}))
+    return dir
+
+
+def oracle(model, tok, turns, max_new=MAX_NEW):
+    """The conversation answered one turn at a time, unbatched, with the target's own answers as history."""
+    messages = []
+    for k, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        ids = synth.prompt_ids(tok, messages)
+        if k and len(ids) + max_new > model.config.max_position_embeddings:
+            return messages[:-1], "context"
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        stop = tok.eos_token_id in out
+        messages.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+        if not stop:
+            return messages, "length" if k + 1 < len(turns) else None
+    return messages, None
+
+
+CONVS = [(TAUGHT[0][0], TAUGHT[1][0], "and now?"), (TAUGHT[2][0], TAUGHT[0][0]), ("What is 7 times 6?", "then?"),
+         (TAUGHT[1][0],), (TAUGHT[0][0], "x" * 460)]  # the last one's turn 2 does not fit the 512-token context
+
+
+def test_both_backends_answer_each_turn_after_the_targets_own_answers(tmp_path, monkeypatch, target, plain_server):
+    prompts = make_conv_prompts(tmp_path / "prompts", CONVS[:3], CONVS[3:])
+    hf, hf_man = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, batch_size=2)
+    asked = []
+    real_url = synth.OpenAIBackend._url
+    monkeypatch.setattr(synth.OpenAIBackend, "_url", lambda self, row: asked.append(row["id"]) or real_url(self, row))
+    oa, oa_man = run_stage(tmp_path / "oa", monkeypatch, prompts, tmp_path / "oa" / "out", target, backend="openai",
+                           base_url=plain_server + "/v1", concurrency=3)
+    assert oa == hf
+
+    model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), make_micro_tokenizer()
+    rows = hf["train"] + hf["eval"]
+    for turns, r in zip(CONVS, rows):
+        messages, stopped = oracle(model, tok, turns)
+        assert r["messages"] == messages, turns
+        answered = sum(m["role"] == "assistant" for m in messages)
+        if len(turns) > 1:  # a conversation records its turns and why it ended early
+            assert r["turns"] == answered and r.get("stopped") == stopped
+        else:  # a single turn stays a plain row
+            assert "turns" not in r and "stopped" not in r
+    assert rows[0]["turns"] == 3 and len(rows[0]["messages"]) == 6  # every turn asked: the test reaches turn 3
+    assert rows[-1]["stopped"] == "context" and rows[-1]["finish_reason"] == "stop" and len(rows[-1]["messages"]) == 2
+    info = hf_man["info"]
+    assert info["turns_answered"] == sum(r.get("turns", 1) for r in rows) > len(rows)
+    assert info["conversations_stopped"]["context"] == 1 and info["ok"] == 5
+    assert oa_man["info"]["turns_answered"] == info["turns_answered"]
+    assert sorted(asked) == sorted(r["id"] for r in rows for _ in range(r.get("turns", 1)))  # every request through _url(row)
+
+
+def test_completion_tokens_and_finish_reason_cover_the_whole_conversation(tmp_path):
+    class Scripted:
+        def answer(self, rows, done):
+            for r in rows:
+                d = synth.Dialogue(r, make_micro_tokenizer(), 512, 8)
+                while d.advance(synth.Answer(f"a{d.turn}", "length" if "cut" in d.messages[-1]["content"] else "stop", 5)):
+                    pass
+                done(r, d.reply, None)
+
+    rows = [conv_row("q", "u2", "cut here", "never asked"), conv_row("p", "u2")]
+    make = lambda p, reply: {"id": p["id"], "messages": synth.conversation(p, reply), "finish_reason": reply.finish_reason,  # noqa: E731
+                             "completion_tokens": reply.completion_tokens, "turns": len(reply.answers),
+                             **({"stopped": reply.stopped} if reply.stopped else {})}
+    stats = synth.synthesize({"train": rows, "eval": []}, Scripted(), tmp_path, "k", make)
+    out = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [m["content"] for m in out[0]["messages"]] == ["q", "a1", "u2", "a2", "cut here", "a3"]
+    assert (out[0]["turns"], out[0]["stopped"], out[0]["finish_reason"], out[0]["completion_tokens"]) == (3, "length", "length", 15)
+    assert (out[1]["turns"], out[1].get("stopped"), out[1]["completion_tokens"]) == (2, None, 10)
+    assert stats["turns"] == 5 and stats["stopped"] == {"length": 1}
+
+
+def test_a_partial_row_must_answer_the_very_conversation():
+    prompt = conv_row("q", "u2", "u3")
+    reply = synth.Reply([synth.Answer("a1", "stop", 1), synth.Answer("a2", "length", 1)])
+    good = {"messages": synth.conversation(prompt, reply)}
+    assert synth.follows(good, prompt)
+    assert not synth.follows(good, conv_row("q", "other", "u3"))  # a different later turn
+    assert not synth.follows({"messages": good["messages"][:-1]}, prompt)  # ends with a user turn
+    assert not synth.follows(good, conv_row("q"))  # more turns than the prompt has
+    assert synth.follows({"messages": good["messages"][:2]}, prompt)  # ended after turn 1
+
+
+def test_a_failed_later_turn_fails_the_conversation_naming_the_turn(tmp_path, monkeypatch, target):
+    script = tmp_path / "fake_openai.py"
+    script.write_text(FAKE_OPENAI)
+    prompts = make_conv_prompts(tmp_path / "prompts", [("good one", "please fail"), ("good two", "fine")], [("good three",)])
+    port = free_port()
+    with serve([sys.executable, script, port, tmp_path / "log.jsonl"], f"http://127.0.0.1:{port}", tmp_path / "fake.log", 30):
+        rows, man = run_stage(tmp_path / "run", monkeypatch, prompts, tmp_path / "run" / "out", target, backend="openai",
+                              base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
+    errors = [json.loads(x) for x in (tmp_path / "run" / "out" / "errors.jsonl").read_text().splitlines()]
+    assert [e["id"] for e in errors] == [conv_row("good one", "please fail")["id"]]
+    assert errors[0]["error"].startswith("turn 2 of 2: HTTP 500")
+    assert [m["content"] for m in rows["train"][0]["messages"]] == ["good two", "ok: good two", "fine", "ok: fine"]
+    assert man["info"]["turns_answered"] == 3 and man["info"]["errors"] == 1
+
+
+def test_kill_9_mid_run_then_rerun_keeps_whole_conversations_only(tmp_path, monkeypatch, target):
+    convs = [(TAUGHT[i % 3][0], f"follow-up {i}") for i in range(34)]
+    prompts = make_conv_prompts(tmp_path / "prompts", convs[:30], convs[30:])
+    clean, _ = run_stage(tmp_path / "clean", monkeypatch, prompts, tmp_path / "clean" / "out", target, batch_size=1)
+
+    work, out = tmp_path / "work", tmp_path / "work" / "out"
+    work.mkdir()
+    write_params(work, target, batch_size=1)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.synthesize", "--prompts", str(prompts), "--out", str(out)],
+                            cwd=work, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = out / "train.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.exists() and partial.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert 3 <= len(kept) < 30 and all(r["turns"] == 2 for r in kept)  # only whole conversations were written
+    with open(partial, "a") as f:
+        f.write('{"id": "torn-by-the-kill", "mess')
+
+    resumed, man = run_stage(work, monkeypatch, prompts, out, target, batch_size=1)
+    assert resumed == clean
+    assert man["info"]["counts"]["train"]["resumed"] >= len(kept)
+    assert man["info"]["turns_answered"] == sum(r["turns"] for side in clean.values() for r in side)
+    assert not partial.exists()
