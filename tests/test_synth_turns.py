@@ -53,12 +53,25 @@ def oracle(model, tok, turns, max_new=MAX_NEW):
     return messages, None
 
 
-CONVS = [(TAUGHT[0][0], TAUGHT[1][0], "and now?"), (TAUGHT[2][0], TAUGHT[0][0]), ("What is 7 times 6?", "then?"),
+CONVS = [(TAUGHT[2][0], TAUGHT[0][0]), ("What is 7 times 6?", "then?"),
          (TAUGHT[1][0],), (TAUGHT[0][0], "x" * 460)]  # the last one's turn 2 does not fit the 512-token context
 
 
+def answered_to_the_end(model, tok):
+    """A three-turn conversation whose every answer the target ends itself (within MAX_NEW tokens).
+    The tiny target was taught single turns only: whether a later answer ends in time depends on
+    the torch build's numerics, so the oracle picks one rather than the test guessing."""
+    firsts, later = [q for q, _, _ in TAUGHT], [q for q, _, _ in TAUGHT] + ["and now?", "ok", "then?", "why?"]
+    for turns in ((a, b, c) for a in firsts for b in later for c in later):
+        if len(oracle(model, tok, turns)[0]) == 6:
+            return turns
+    raise AssertionError("no three-turn conversation of the taught questions is answered to its end by the test target")
+
+
 def test_both_backends_answer_each_turn_after_the_targets_own_answers(tmp_path, monkeypatch, target, plain_server):
-    prompts = make_conv_prompts(tmp_path / "prompts", CONVS[:3], CONVS[3:])
+    model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), make_micro_tokenizer()
+    convs = [answered_to_the_end(model, tok), *CONVS]
+    prompts = make_conv_prompts(tmp_path / "prompts", convs[:3], convs[3:])
     hf, hf_man = run_stage(tmp_path / "hf", monkeypatch, prompts, tmp_path / "hf" / "out", target, batch_size=2)
     asked = []
     real_url = synth.OpenAIBackend._url
@@ -67,9 +80,8 @@ def test_both_backends_answer_each_turn_after_the_targets_own_answers(tmp_path, 
                            base_url=plain_server + "/v1", concurrency=3)
     assert oa == hf
 
-    model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), make_micro_tokenizer()
     rows = hf["train"] + hf["eval"]
-    for turns, r in zip(CONVS, rows):
+    for turns, r in zip(convs, rows):
         messages, stopped = oracle(model, tok, turns)
         assert r["messages"] == messages, turns
         answered = sum(m["role"] == "assistant" for m in messages)

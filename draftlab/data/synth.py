@@ -42,6 +42,7 @@ and answer types here; each is a short class or function.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
@@ -65,6 +66,7 @@ RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}  # transient: overloaded, res
 # Consecutive connection failures (refused, unreachable; any row) after which the server is taken
 # for dead and synthesis stops naming the URL: retrying every row would take minutes to say so.
 DEAD_SERVER_FAILURES = 3
+WORKERS_PER_CLIENT = 16  # conversations in flight per HTTP client (see OpenAIBackend._answer_all)
 
 
 @dataclass
@@ -371,16 +373,25 @@ class OpenAIBackend:
 
     async def _answer_all(self, rows: list[dict], done: Done) -> None:
         queue = list(reversed(rows))  # workers pop from the end: input order
-        limits = httpx.Limits(max_connections=self.synth_params.concurrency)
-        async with httpx.AsyncClient(headers=self.headers, timeout=self.synth_params.timeout_s, limits=limits, trust_env=False) as client:
+        workers = max(1, self.synth_params.concurrency)
+        # httpx's pool scans every connection it holds for each request it places: one client for
+        # 1,024 requests in flight spent 85% of the client's time there (15k tok/s from servers that
+        # can give 60k). Clients of WORKERS_PER_CLIENT workers each keep that scan short; each keeps
+        # every connection it opens (keep-alive), so no request pays for a new one.
+        n_clients = -(-workers // WORKERS_PER_CLIENT)
+        size = WORKERS_PER_CLIENT * len(self.base_urls)  # a worker's conversations may go to any server
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(httpx.AsyncClient(
+                headers=self.headers, timeout=self.synth_params.timeout_s, limits=limits, trust_env=False)) for _ in range(n_clients)]
 
-            async def worker():
+            async def worker(client):
                 while queue:
                     row = queue.pop()
                     reply, err = await self._converse(client, row)
                     done(row, reply, err)
 
-            await asyncio.gather(*(worker() for _ in range(max(1, self.synth_params.concurrency))))
+            await asyncio.gather(*(worker(clients[w // WORKERS_PER_CLIENT]) for w in range(workers)))
 
     async def _converse(self, client: httpx.AsyncClient, row: dict) -> tuple[Reply | None, str | None]:
         """Every turn of one prompt row, in sequence; a failed turn fails the row (a rerun asks it again
