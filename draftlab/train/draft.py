@@ -322,14 +322,16 @@ class Eagle3Draft(nn.Module):
         """The first step's input: fc over the concatenated aux states, [.., k*H_t] -> [.., H]."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
-    def step(self, input_ids, hidden, position_ids, cache, mask=None):
+    def step(self, input_ids, hidden, position_ids, cache, mask=None, rope=None):
         """One draft step over T rows; returns the pre-norm state [B, T, H] (feed it back as `hidden`).
 
         input_ids [B, T]: the tokens whose embeddings enter (the token after each hidden's position);
         hidden [B, T, H]: project(aux) or the previous step's state; position_ids [B, T]: rope positions;
         cache: KVCache (decoding) or TTTCache (training); mask: see KVCache.attend.
+        rope: (cos, sin) [B or 1, T, head_dim] of position_ids when the caller has them already
+        (training: slices of one table per batch); position_ids is then unused.
         """
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids) if rope is None else rope
         return self.midlayer(self.embed(input_ids), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, mask)
 
     def logits(self, state):

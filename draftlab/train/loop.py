@@ -125,11 +125,13 @@ class TTT(nn.Module):
         target_top1 = target_top1.flatten()
         cache = TTTCache()
         state = draft.project(batch["aux_hidden"])
+        # Every row of step i sits at rope position t + i: one cos/sin table over 0..T+K-2, sliced per step.
+        cos, sin = (x.to(state.dtype) for x in draft.rotary(torch.arange(T + self.steps - 1, device=ids.device)[None]))
         loss = torch.zeros((), device=ids.device)
         ce_sums = []
         correct = torch.zeros_like(valid)
         for i in range(self.steps):
-            state = draft.step(shift(ids, 1 + i), state, positions + i, cache)
+            state = draft.step(shift(ids, 1 + i), state, positions + i, cache, rope=(cos[:, i : i + T], sin[:, i : i + T]))
             r, seen = rows[i], rows[i] + 1 + i  # the rows that count, and where the target's view of each sits
             logits = draft.logits(state.flatten(0, 1)[r]).float()  # only rows that count: [N_i, Vd]
             ce = -(target_p[seen] * torch.log_softmax(logits, dim=-1)).sum(-1)
