@@ -294,6 +294,8 @@ def fit(
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
+    if tp.compile:  # in place: the parameter names, so checkpoints and the export, stay the eager ones
+        draft.midlayer.compile(dynamic=True)
     ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay)
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
