@@ -21,7 +21,7 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 + the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
 overrides; none on a CPU). `--compile` also runs the token mode with the draft's decoder layer
-under torch.compile(dynamic=True). `--profile` runs 3 more token-mode steps under torch.profiler
+under torch.compile(dynamic=True) (train.compile). `--profile` runs 3 more token-mode steps under torch.profiler
 and prints the top operators by self time (device time on CUDA).
 """
 from __future__ import annotations
@@ -124,12 +124,11 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
     ds = OnlineFeatures(split, max(shape["lengths"][:2]), target)
     cfg = DraftConfig.from_target(facts, len(physical), len(d2t))
     draft = loop.init_draft(cfg, embed, head, d2t, t2d, seed=0)
-    if compiled:
-        draft.midlayer.compile(dynamic=True)
     tp = TrainParams(seed=0, epochs=1, batch_size=args.batch_size, max_length=max(shape["lengths"][:2]), lr=1e-4,
                      min_lr_ratio=0.1, warmup_ratio=0.0, weight_decay=0.0, grad_clip=0.5, ttt_steps=shape["ttt_steps"],
                      ttt_decay=0.8, intermediate_size=None, checkpoint_every=0, device=device.type, autocast="auto",
-                     features="online", batch_tokens=batch_tokens)
+                     features="online", batch_tokens=batch_tokens,
+                     compile=compiled)  # train.compile: the stage compiles the draft's decoder layer itself
     steps = 3 if profile else args.steps
     available = len(loop.epoch_plans(ds, tp, 1)[0])  # past the epoch, fit would evaluate: not timed here
     if args.warmup + steps > available:

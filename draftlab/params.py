@@ -280,6 +280,9 @@ class TrainParams:
     # step takes sequences of similar length, at most this many padded tokens (sequences x the
     # longest), all processes together (draftlab.train.batches); batch_size is then unused.
     batch_tokens: Annotated[Int | None, Field(ge=2)] = None
+    # true: the draft's decoder layer runs under torch.compile(dynamic=True) (fused elementwise
+    # kernels; for GPUs, ~1 minute of compiling at the start); false: eager, as before.
+    compile: Bool = False
 
 
 @dataclass(frozen=True, config=STRICT)

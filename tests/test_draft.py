@@ -1,7 +1,9 @@
+import math
+
 import pytest
 import torch
 
-from draftlab.train.draft import DraftConfig, KVCache, Rotary, TTTCache
+from draftlab.train.draft import DraftConfig, KVCache, Rotary, TTTCache, rotate
 from draftlab.errors import UserError
 from draftlab.sglang.checkpoint import expected_tensors
 from tests.support.micro import make_micro_model
@@ -45,6 +47,40 @@ def test_training_time_test_equals_step_by_step_drafting():
                 assert torch.allclose(h[0, 0], states[i][b, t], atol=1e-5), (b, t, i)
 
 
+def plain_ttt_attention(q, ks, vs):
+    """TTT step i written out: every query head its own copy of its key head, the keys of steps
+    0..i side by side, and an explicit [T, (i+1)T] mask (row t: step-0 keys 0..t, row t of each later step)."""
+    groups, T, i = q.shape[1] // ks[0].shape[1], q.shape[2], len(ks) - 1
+    keys = torch.cat([k.repeat_interleave(groups, dim=1) for k in ks], dim=2)
+    values = torch.cat([v.repeat_interleave(groups, dim=1) for v in vs], dim=2)
+    allowed = torch.cat([torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * i, dim=1)
+    scores = (q @ keys.transpose(2, 3) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_ttt_attention_equals_the_plain_masked_attention_with_its_gradients(kv_heads):
+    B, heads, T, hd, steps = 2, 4, 9, 8, 4
+    g = torch.Generator().manual_seed(kv_heads)
+    qs = [torch.randn(B, heads, T, hd, generator=g, requires_grad=True) for _ in range(steps)]
+    ks = [torch.randn(B, kv_heads, T, hd, generator=g, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(B, kv_heads, T, hd, generator=g, requires_grad=True) for _ in range(steps)]
+    weights = [torch.randn(B, heads, T, hd, generator=g) for _ in range(steps)]  # a loss that reaches every output
+
+    def outputs_and_grads(attend):
+        outs = [attend(i) for i in range(steps)]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), qs + ks + vs)
+        return outs, grads
+
+    cache = TTTCache()
+    got_out, got_grad = outputs_and_grads(lambda i: cache.attend(qs[i], ks[i], vs[i]))
+    want_out, want_grad = outputs_and_grads(lambda i: plain_ttt_attention(qs[i], ks[: i + 1], vs[: i + 1]))
+    for i, (a, b) in enumerate(zip(got_out, want_out)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"step {i} output"
+    for n, (a, b) in enumerate(zip(got_grad, want_grad)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"gradient of {'qkv'[n // steps]} at step {n % steps}"
+
+
 @torch.no_grad()
 def test_kv_cache_crop_forgets_rejected_drafts_and_explicit_mask_matches_default():
     draft = make_draft()
@@ -72,6 +108,16 @@ def test_rope_is_the_targets_own():
     assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
     scaled = make_draft(rope_scaling={"rope_type": "linear", "factor": 4.0}).rotary
     assert torch.allclose(scaled.inv_freq, draft.rotary.inv_freq / 4)
+
+
+def test_rotation_is_transformers_rotate_half_bit_for_bit():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg, g = make_draft().config, torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 7, cfg.head_dim, generator=g), torch.randn(2, 2, 7, cfg.head_dim, generator=g)
+    cos, sin = Rotary(cfg)(torch.arange(3, 10).expand(2, 7))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(rotate(q, cos, sin), want_q) and torch.equal(rotate(k, cos, sin), want_k)
 
 
 def test_draft_ids_map_to_target_ids_through_d2t():

@@ -126,6 +126,34 @@ def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tm
     assert all(torch.equal(w, fresh.state_dict()[k]) for k, w in weights(straight).items())
 
 
+def cpu_compile_unavailable() -> str | None:
+    """Why torch.compile cannot run on this machine's CPU (no C++ compiler, ...), or None."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - any failure of the toolchain means: nothing to compare here
+        return f"torch.compile does not run on this CPU ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def test_train_compile_gives_the_eager_losses_and_the_eager_checkpoint_names(feats, tmp_path):
+    """train.compile changes kernels, not math: the same losses step by step (float rounding
+    apart), and checkpoints under SGLang's parameter names."""
+    if reason := cpu_compile_unavailable():
+        pytest.skip(reason)
+    runs = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        draft, losses = new_draft(feats), []
+        fit(draft, feats["head"], feats["train"], feats["eval"], params(compile=compiled, ttt_steps=2), tmp_path / f"{name}.pt", "run",
+            torch.device("cpu"), stop_after_steps=3, on_step=lambda _s, loss, _t: losses.append(loss))
+        runs[name] = draft, losses
+    (eager, eager_losses), (compiled, compiled_losses) = runs["eager"], runs["compiled"]
+    # Steps 2 and 3 score the weights each run's updates made. (The weights themselves are not
+    # compared: AdamW moves a weight whose gradient is ~0 by up to lr either way on rounding.)
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+    saved = torch.load(tmp_path / "compiled.pt", weights_only=True)["model"]  # checkpoint_every 3: written at step 3
+    assert list(saved) == list(eager.state_dict())
+
+
 def test_a_checkpoint_that_is_not_this_runs_is_discarded_with_a_warning(feats, tmp_path, capsys):
     """Resume state damaged or edited by hand never gives a traceback: fit() warns and trains from
     the start, to exactly the weights of a run that never saw the file (a checkpoint that failed
@@ -177,7 +205,7 @@ def write_params(root: Path, target_dir: Path):
 target: {{model: {target_dir}, revision: null, dtype: float32, device: cpu}}
 train: {{seed: 0, epochs: 1, batch_size: 4, max_length: 512, lr: 0.003, min_lr_ratio: 0.1, warmup_ratio: 0.1,
         weight_decay: 0.0, grad_clip: 0.5, ttt_steps: 3, ttt_decay: 0.8, intermediate_size: null,
-        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: null}}
+        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: null, compile: false}}
 """)
 
 

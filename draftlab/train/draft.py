@@ -131,10 +131,16 @@ class Rotary(nn.Module):
 
 
 def rotate(x, cos, sin):
-    """Rotary embedding, rotate-half (neox) style as Llama in transformers and SGLang."""
+    """Rotary embedding, rotate-half (neox) style as Llama in transformers and SGLang.
+
+    rotate_half(x) * sin == swap_halves(x) * cat(-sin_1, sin_2) bit for bit (the sign moves from
+    x to sin): one flip of x instead of neg + cat, whose backward zero-pads each half.
+    cos, sin: [B or 1, T, head_dim]; x: [B, heads, T, head_dim].
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # h times smaller than x
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x_2, x_1]
+    return x * cos[:, None] + swapped * signed_sin[:, None]
 
 
 def repeat_kv(x, n: int):
@@ -197,26 +203,43 @@ class TTTCache:
 
     def __init__(self):
         self.ks, self.vs = [], []
+        self._k0 = self._v0 = self._mask = None
 
     def attend(self, q, k, v, mask=None):
+        B, h, T, hd = q.shape
+        n_kv = k.shape[1]
+        groups = h // n_kv
+        if not self.ks:  # step 0's keys serve every step: one [B*n_kv, T, hd] copy each, made once per batch
+            self._k0, self._v0 = k.reshape(B * n_kv, T, hd), v.reshape(B * n_kv, T, hd)
         self.ks.append(k)
         self.vs.append(v)
-        groups = q.shape[1] // k.shape[1]
-        T = q.shape[2]
-        q = q * (1.0 / math.sqrt(q.shape[-1]))  # scaled once: [B, h, T, hd] is small next to the [T, T] scores
-        k0, v0 = repeat_kv(self.ks[0], groups), repeat_kv(self.vs[0], groups)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = [torch.matmul(q, k0.transpose(2, 3)).masked_fill_(~causal, float("-inf"))]  # [B, h, T, T]
-        for kj in self.ks[1:]:
-            scores.append((q * repeat_kv(kj, groups)).sum(-1, keepdim=True))  # [B, h, T, 1]
-        # The [B, h, T, T + i] softmax dominates this attention's memory traffic: it runs in the
+        # The query heads that share a key head are folded into the rows ([B*n_kv, groups*T, hd];
+        # head groups*j + g reads key head j, as repeat_kv): keys broadcast instead of being copied per
+        # head. Scaled once: [B, h, T, hd] is small next to the [T, T] scores.
+        q = (q * (1.0 / math.sqrt(hd))).reshape(B * n_kv, groups * T, hd)
+        causal = torch.bmm(q, self._k0.transpose(1, 2)).view(B * n_kv, groups, T, T)
+        scores = [(causal + self.causal_mask(causal)).view(B * n_kv, groups * T, T)]
+        q_by_group = q.view(B, n_kv, groups, T, hd)
+        for kj in self.ks[1:]:  # step j's key at the row's own position: [B*n_kv, groups*T, 1]
+            scores.append((q_by_group * kj[:, :, None]).sum(-1, keepdim=True).view(B * n_kv, groups * T, 1))
+        # The [.., T, T + i] softmax dominates this attention's memory traffic: it runs in the
         # scores' own dtype (bf16 under autocast; float32 accumulation inside the kernel), not in
         # a float32 copy, which halves the bytes moved and the activations kept for backward.
         p = torch.softmax(torch.cat(scores, dim=-1), dim=-1, dtype=q.dtype)
-        out = torch.matmul(p[..., :T], v0)
+        out = torch.bmm(p[..., :T], self._v0).view(B, n_kv, groups, T, hd)
         for j, vj in enumerate(self.vs[1:]):
-            out = out + p[..., T + j : T + j + 1] * repeat_kv(vj, groups)
-        return out
+            out = out + p[..., T + j : T + j + 1].view(B, n_kv, groups, T, 1) * vj[:, :, None]
+        return out.view(B, h, T, hd)
+
+    def causal_mask(self, scores):
+        """Additive causal mask [T, T] in the scores' dtype (0 on and below the diagonal, -inf
+        above), built once per batch: every step has the same T. Added, not masked_fill'ed, so
+        backward has no masking pass (the softmax's gradient is already 0 where p is 0)."""
+        T = scores.shape[-1]
+        m = self._mask
+        if m is None or m.shape[0] != T or m.dtype != scores.dtype or m.device != scores.device:
+            m = self._mask = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
+        return m
 
 
 class Attention(nn.Module):
@@ -299,14 +322,16 @@ class Eagle3Draft(nn.Module):
         """The first step's input: fc over the concatenated aux states, [.., k*H_t] -> [.., H]."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
-    def step(self, input_ids, hidden, position_ids, cache, mask=None):
+    def step(self, input_ids, hidden, position_ids, cache, mask=None, rope=None):
         """One draft step over T rows; returns the pre-norm state [B, T, H] (feed it back as `hidden`).
 
         input_ids [B, T]: the tokens whose embeddings enter (the token after each hidden's position);
         hidden [B, T, H]: project(aux) or the previous step's state; position_ids [B, T]: rope positions;
         cache: KVCache (decoding) or TTTCache (training); mask: see KVCache.attend.
+        rope: (cos, sin) [B or 1, T, head_dim] of position_ids when the caller has them already
+        (training: slices of one table per batch); position_ids is then unused.
         """
-        cos, sin = self.rotary(position_ids)
+        cos, sin = self.rotary(position_ids) if rope is None else rope
         return self.midlayer(self.embed(input_ids), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, mask)
 
     def logits(self, state):

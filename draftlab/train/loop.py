@@ -125,11 +125,13 @@ class TTT(nn.Module):
         target_top1 = target_top1.flatten()
         cache = TTTCache()
         state = draft.project(batch["aux_hidden"])
+        # Every row of step i sits at rope position t + i: one cos/sin table over 0..T+K-2, sliced per step.
+        cos, sin = (x.to(state.dtype) for x in draft.rotary(torch.arange(T + self.steps - 1, device=ids.device)[None]))
         loss = torch.zeros((), device=ids.device)
         ce_sums = []
         correct = torch.zeros_like(valid)
         for i in range(self.steps):
-            state = draft.step(shift(ids, 1 + i), state, positions + i, cache)
+            state = draft.step(shift(ids, 1 + i), state, positions + i, cache, rope=(cos[:, i : i + T], sin[:, i : i + T]))
             r, seen = rows[i], rows[i] + 1 + i  # the rows that count, and where the target's view of each sits
             logits = draft.logits(state.flatten(0, 1)[r]).float()  # only rows that count: [N_i, Vd]
             ce = -(target_p[seen] * torch.log_softmax(logits, dim=-1)).sum(-1)
@@ -292,6 +294,8 @@ def fit(
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
+    if tp.compile:  # in place: the parameter names, so checkpoints and the export, stay the eager ones
+        draft.midlayer.compile(dynamic=True)
     ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay)
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
