@@ -66,7 +66,7 @@ def test_loss_targets_and_masks_on_a_hand_checkable_case():
              "aux_hidden": torch.randn(1, T, K * H), "final_hidden": torch.randn(1, T, H)}
     batch["loss_mask"][0, 5] = True
     target_logits, top1 = torch.randn(1, T, VD), torch.randint(0, V, (1, T))
-    counts = step_token_counts(batch["loss_mask"], steps, 1)
+    counts = step_token_counts(batch, steps, 1)
     assert counts.tolist() == [1, 1, 1]
     loss, stats = TTT(draft, steps, decay)(batch, (target_logits, top1), counts)
     states = ttt_states(draft, batch["input_ids"], batch["aux_hidden"], steps)

@@ -81,7 +81,7 @@ def new_draft(f):
 def loss_and_grads(draft, batch, head, steps=3):
     draft.zero_grad(set_to_none=True)
     labels = target_labels(batch["final_hidden"], head, draft.d2t)
-    loss, stats = TTT(draft, steps, 0.8)(batch, labels, step_token_counts(batch["loss_mask"], steps, 1))
+    loss, stats = TTT(draft, steps, 0.8)(batch, labels, step_token_counts(batch, steps, 1))
     loss.backward()
     return loss.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 

@@ -84,7 +84,7 @@ def training(P) -> None:
             loss_mask[:, : T // 8] = False  # a prompt: not scored, as in real data
             batch = {"input_ids": ids, "loss_mask": loss_mask,
                      "aux_hidden": torch.randn(B, T, 3 * H, device=dev), "final_hidden": torch.randn(B, T, H, device=dev)}
-            counts = step_token_counts(loss_mask, steps, 1)
+            counts = step_token_counts(batch, steps, 1)
             split = {"labels": 0.0, "fwd_bwd": 0.0, "opt": 0.0}
 
             def one(acc: bool):

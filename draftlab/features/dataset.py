@@ -250,6 +250,37 @@ def collate(items: list[dict], device) -> dict[str, torch.Tensor]:
     }
 
 
+def pack(batch: dict[str, torch.Tensor], rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """A padded batch (one sequence per batch row) laid end to end into `rows`: row r holds the
+    sequences of lengths rows[r], in batch order, each starting where the one before it ends;
+    rows are as wide as the fullest and padded only at their end (0 / False / 0.0, as collate
+    pads). Adds position_ids (restarting at 0 for every sequence; 0 on padding) and seq_ids (the
+    sequence's index in the batch; -1 on padding): what keeps attention and the loss within
+    each sequence (draftlab.train.loop.TTT)."""
+    T_in = batch["input_ids"].shape[1]
+    width = max(sum(row) for row in rows)
+    src = torch.full((len(rows), width), -1, dtype=torch.long)  # flat index into [B*T_in] of every slot
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    seq = torch.full((len(rows), width), -1, dtype=torch.long)
+    j = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for n in row:
+            src[r, at : at + n] = j * T_in + torch.arange(n)
+            pos[r, at : at + n] = torch.arange(n)
+            seq[r, at : at + n] = j
+            at, j = at + n, j + 1
+    device = batch["input_ids"].device
+    src, real = src.to(device), (src >= 0).to(device)
+    out = {}
+    for name, x in batch.items():
+        flat = x.flatten(0, 1)[src.clamp(min=0)]  # [R, width, ...]
+        keep = real.view(*real.shape, *([1] * (flat.ndim - 2)))
+        out[name] = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=device))
+    out["position_ids"], out["seq_ids"] = pos.to(device), seq.to(device)
+    return out
+
+
 class Sequences:
     """What both training datasets share: sequences as (start, end) spans over token arrays, cut
     to `max_length`, and the metadata that names their physical layers. A subclass sets
@@ -265,6 +296,13 @@ class Sequences:
     def length(self, i: int) -> int:
         a, b = self.span(i)
         return min(b - a, self.max_length) if self.max_length else b - a
+
+    def packed_batch(self, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
+        """Rows of sequence indices (draftlab.train.batches.packed_batches) as one packed batch
+        (see pack). Every sequence's states are those of the sequence alone: online, the target
+        runs on the sequences padded apart, then they are packed."""
+        flat = [i for row in rows for i in row]
+        return pack(self.batch(flat, device), [[self.length(i) for i in row] for row in rows])
 
 
 BATCH_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")

@@ -199,11 +199,16 @@ class TTTCache:
     Step 0 is ordinary causal attention. Step i at row t attends to the step-0 keys of rows
     0..t plus the keys of steps 1..i at the same row t: exactly what serving does when it
     extends the draft on a prefix ending at t and then drafts i tokens on top of it.
+
+    seq_ids [B, T] (packed rows, draftlab.features.dataset.pack; -1 on padding): the step-0 keys
+    are then only those rows 0..t of t's own sequence (block-diagonal causal); the same-row
+    terms of later steps need nothing more. None: plain causal, as before.
     """
 
-    def __init__(self):
+    def __init__(self, seq_ids: torch.Tensor | None = None):
         self.ks, self.vs = [], []
         self._k0 = self._v0 = self._mask = None
+        self.seq_ids = seq_ids
 
     def attend(self, q, k, v, mask=None):
         B, h, T, hd = q.shape
@@ -218,7 +223,10 @@ class TTTCache:
         # head. Scaled once: [B, h, T, hd] is small next to the [T, T] scores.
         q = (q * (1.0 / math.sqrt(hd))).reshape(B * n_kv, groups * T, hd)
         causal = torch.bmm(q, self._k0.transpose(1, 2)).view(B * n_kv, groups, T, T)
-        scores = [(causal + self.causal_mask(causal)).view(B * n_kv, groups * T, T)]
+        if self.seq_ids is None:
+            scores = [(causal + self.causal_mask(causal)).view(B * n_kv, groups * T, T)]
+        else:  # per row of the batch: [B, 1, 1, T, T] over [B, n_kv, groups, T, T]
+            scores = [(causal.view(B, n_kv, groups, T, T) + self.block_mask(causal)).view(B * n_kv, groups * T, T)]
         q_by_group = q.view(B, n_kv, groups, T, hd)
         for kj in self.ks[1:]:  # step j's key at the row's own position: [B*n_kv, groups*T, 1]
             scores.append((q_by_group * kj[:, :, None]).sum(-1, keepdim=True).view(B * n_kv, groups * T, 1))
@@ -239,6 +247,20 @@ class TTTCache:
         m = self._mask
         if m is None or m.shape[0] != T or m.dtype != scores.dtype or m.device != scores.device:
             m = self._mask = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
+        return m
+
+
+    def block_mask(self, scores):
+        """Additive block-diagonal causal mask [B, 1, 1, T, T] from seq_ids (0 where the key is of
+        the query's sequence and not after it, -inf elsewhere), built once per batch. Padding
+        (-1) attends to padding before it: never an all -inf row, whose softmax would be NaN."""
+        m = self._mask
+        if m is None or m.dtype != scores.dtype or m.device != scores.device:
+            seq = self.seq_ids.to(scores.device)
+            T = seq.shape[1]
+            allowed = (seq[:, :, None] == seq[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=seq.device).tril()
+            m = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~allowed, float("-inf"))
+            m = self._mask = m[:, None, None]
         return m
 
 

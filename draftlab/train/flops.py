@@ -84,8 +84,10 @@ def draft_flops(cfg, lengths: list[int], scored: list[int]) -> float:
 class Meter:
     """Tokens, padding, FLOPs and seconds of the optimizer steps one process times (fit's `meter`).
 
-    step(lengths, scored, seconds, world): the lengths of the step's sequences over all processes,
-    the scored rows per TTT step (global), this process's seconds for the step."""
+    step(lengths, scored, seconds, world, slots): the lengths of the step's sequences over all
+    processes, the scored rows per TTT step (global), this process's seconds for the step, and
+    the token slots computed on (None: each process's share padded to its longest sequence;
+    packed steps pass rows x width)."""
 
     def __init__(self, target_cfg: dict, draft_cfg, online: bool):
         self.target_cfg, self.draft_cfg, self.online = target_cfg, draft_cfg, online
@@ -97,10 +99,12 @@ class Meter:
         self.tokens = self.slots = self.steps = 0
         self.target = self.draft = self.seconds = 0.0
 
-    def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1) -> None:
+    def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None) -> None:
         self.steps += 1
         self.tokens += sum(lengths)
-        self.slots += sum(len(lengths[r::world]) * max(lengths[r::world], default=0) for r in range(world))
+        if slots is None:
+            slots = sum(len(lengths[r::world]) * max(lengths[r::world], default=0) for r in range(world))
+        self.slots += slots
         if self.countable:
             self.target += target_flops(self.target_cfg, lengths, self.online)
             self.draft += draft_flops(self.draft_cfg, lengths, [int(n) for n in scored])

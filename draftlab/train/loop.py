@@ -7,12 +7,18 @@ the cross-entropy against the target's distribution over the draft vocab (soft l
 target's lm_head on final_hidden), averaged over the tokens that count, weighted ttt_decay**i.
 
 Reproducibility: the batches of epoch e are a function of (seed, e) and the sequence lengths
-(draftlab.train.batches: `batch_size` random sequences, or sequences of similar length within
-`batch_tokens` padded tokens); a checkpoint holds weights, optimizer state and the position in
-that list, so a resumed run replays exactly the batches an uninterrupted run would have seen.
-Data parallel (torchrun): every optimizer step takes the same sequences, split across processes
-(batch[rank::world]); the loss is normalized by the global token count so the gradient equals
-the single-process one, whatever each process's share holds.
+(draftlab.train.batches: `batch_size` random sequences padded apart, or the same shuffle packed
+end to end into rows within `batch_tokens`); a checkpoint holds weights, optimizer state and the
+position in that list, so a resumed run replays exactly the batches an uninterrupted run would
+have seen. Data parallel (torchrun): every optimizer step takes the same sequences, split across
+processes (batch[rank::world], or rows[rank::world] when packed); the loss is normalized by the
+global token count so the gradient equals the single-process one, whatever each process's share
+holds.
+
+Packed batches carry position_ids and seq_ids (draftlab.features.dataset.pack): rope restarts
+for every sequence, attention stays within it (TTTCache), and a row counts only while the
+tokens it reads and predicts are of its own sequence, so a packed batch gives the loss sums and
+gradients of its sequences run one at a time.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 from tqdm import tqdm
 
-from draftlab.train.batches import epoch_batches, padding_share, token_batches  # noqa: F401 - epoch_batches: also loop.epoch_batches
+from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share, packed_slots, padding_share  # noqa: F401 - epoch_batches: also loop.epoch_batches
 from draftlab.train.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
@@ -110,28 +116,32 @@ class TTT(nn.Module):
     def forward(self, batch, labels, token_counts, world: int = 1):
         """token_counts[i]: tokens that count at step i summed over all processes (the normalizer)."""
         draft = self.draft
-        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        ids = batch["input_ids"]
         B, T = ids.shape
         target_logits, target_top1 = labels
-        positions = torch.arange(T, device=ids.device).expand(B, T)
+        packed = batch.get("position_ids")  # packed rows: rope restarts for each sequence
+        positions = torch.arange(T, device=ids.device).expand(B, T) if packed is None else packed
         # Row t at step i: embeds token t+1+i, predicts token t+2+i, scored iff it is an
-        # assistant token; the target's view of it is at position t+1+i. Rope position t+i.
+        # assistant token (of t's own sequence, packed); the target's view of it is at position
+        # t+1+i. Rope position t+i (of t's sequence).
         # The scored rows of every step as flat indices into [B*T], found once per batch: one
         # host sync here instead of several inside each step, so the GPU queue never drains.
-        valid = torch.stack([shift(loss_mask, 2 + i, False).flatten() for i in range(self.steps)])  # [K, B*T]
+        valid = scored_rows(batch, self.steps)  # [K, B*T]
         where = valid.nonzero()
         rows = where[:, 1].split(valid.sum(1).tolist())
         target_p = torch.softmax(target_logits.flatten(0, 1).float(), dim=-1)  # once, not once per step
         target_top1 = target_top1.flatten()
-        cache = TTTCache()
+        cache = TTTCache(batch.get("seq_ids"))
         state = draft.project(batch["aux_hidden"])
-        # Every row of step i sits at rope position t + i: one cos/sin table over 0..T+K-2, sliced per step.
+        # Every row of step i sits at rope position t + i: one cos/sin table over 0..T+K-2, sliced
+        # per step (packed: gathered at each row's position in its sequence).
         cos, sin = (x.to(state.dtype) for x in draft.rotary(torch.arange(T + self.steps - 1, device=ids.device)[None]))
         loss = torch.zeros((), device=ids.device)
         ce_sums = []
         correct = torch.zeros_like(valid)
         for i in range(self.steps):
-            state = draft.step(shift(ids, 1 + i), state, positions + i, cache, rope=(cos[:, i : i + T], sin[:, i : i + T]))
+            rope = (cos[:, i : i + T], sin[:, i : i + T]) if packed is None else (cos[0][packed + i], sin[0][packed + i])
+            state = draft.step(shift(ids, 1 + i), state, positions + i, cache, rope=rope)
             r, seen = rows[i], rows[i] + 1 + i  # the rows that count, and where the target's view of each sits
             logits = draft.logits(state.flatten(0, 1)[r]).float()  # only rows that count: [N_i, Vd]
             ce = -(target_p[seen] * torch.log_softmax(logits, dim=-1)).sum(-1)
@@ -143,8 +153,23 @@ class TTT(nn.Module):
         return loss, stats  # stats [5, K]: ce sum, scored tokens, top-1 hits, accepted, reached
 
 
-def step_token_counts(loss_mask: torch.Tensor, steps: int, world: int) -> torch.Tensor:
-    counts = torch.stack([shift(loss_mask, 2 + i, False).sum() for i in range(steps)]).float()
+def scored_rows(batch: dict, steps: int) -> torch.Tensor:
+    """[K, B*T] bool: row t counts at step i iff token t+2+i is an assistant token and, in a
+    packed batch, of t's own sequence (so are the tokens t+1..t+1+i it reads: sequences are
+    contiguous), so no row learns across a sequence's end."""
+    loss_mask, seq = batch["loss_mask"], batch.get("seq_ids")
+    valid = []
+    for i in range(steps):
+        v = shift(loss_mask, 2 + i, False)
+        if seq is not None:
+            v = v & (shift(seq, 2 + i, -2) == seq)
+        valid.append(v.flatten())
+    return torch.stack(valid)
+
+
+def step_token_counts(batch: dict, steps: int, world: int) -> torch.Tensor:
+    """Scored rows per TTT step, summed over processes: [K] float."""
+    counts = scored_rows(batch, steps).sum(1).float()
     if world > 1:
         dist.all_reduce(counts)
     return counts
@@ -199,7 +224,7 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     for rows in eval_batches(mine, [dataset.length(i) for i in mine], batch_size, batch_tokens):
         batch = dataset.batch(rows, device)
         labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
-        counts = step_token_counts(batch["loss_mask"], ttt.steps, 1)
+        counts = step_token_counts(batch, ttt.steps, 1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt(batch, labels, counts)
         stats += s
@@ -241,7 +266,20 @@ def epoch_plans(train_ds, tp, world: int) -> list[list[list[int]]]:
         raise UserError(f"params.yaml: train.batch_tokens {tp.batch_tokens} cannot hold one sequence of {longest} tokens "
                         f"(the longest, after train.max_length) per process ({world}); set train.batch_tokens to at least "
                         f"{world * longest}")
-    return [token_batches(lengths, tp.batch_tokens, tp.seed, e, world) for e in range(tp.epochs)]
+    # Rows as wide as the longest sequence (train.max_length once any sequence reaches it): any
+    # sequence fits a row, and no budget goes to width no sequence can use.
+    return [packed_batches(lengths, longest, tp.batch_tokens // longest, tp.seed, e, world) for e in range(tp.epochs)]
+
+
+def lengths_of(ds, plan) -> dict[int, int]:
+    """{sequence index: length} of every sequence a plan (steps, or rows of steps) names."""
+    out = {}
+    for x in plan:
+        if isinstance(x, list):
+            out.update(lengths_of(ds, x))
+        else:
+            out[x] = ds.length(x)
+    return out
 
 
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
@@ -291,6 +329,7 @@ def fit(
     (draftlab.train.flops.Meter) counts each step's tokens, padding and FLOPs against its time.
     """
     plans = epoch_plans(train_ds, tp, world)
+    packed = tp.batch_tokens is not None  # a plan's step is then a list of rows, not of sequences
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
@@ -338,11 +377,13 @@ def fit(
         batches = plans[epoch]
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
-            batch = train_ds.batch(batches[b][rank::world], device)
+            mine = batches[b][rank::world]
+            batch = train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
             if b + 1 < len(batches) and hasattr(train_ds, "prefetch"):  # stored states: read the next batch during this step
-                train_ds.prefetch(batches[b + 1][rank::world], device)
+                ahead = batches[b + 1][rank::world]
+                train_ds.prefetch([i for row in ahead for i in row] if packed else ahead, device)
             labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
-            counts = step_token_counts(batch["loss_mask"], tp.ttt_steps, world)
+            counts = step_token_counts(batch, tp.ttt_steps, world)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, tp.lr, tp.warmup_ratio, tp.min_lr_ratio)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -358,7 +399,9 @@ def fit(
                 dist.all_reduce(global_loss)
             running = [running[0] + global_loss.item(), running[1] + 1]
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
-                meter.step([train_ds.length(i) for i in batches[b]], counts.tolist(), time.perf_counter() - t0, world)
+                seqs = [i for row in batches[b] for i in row] if packed else batches[b]
+                slots = packed_slots(batches[b], lengths_of(train_ds, batches[b]), world) if packed else None
+                meter.step([train_ds.length(i) for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots)
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, global_loss.item(), time.perf_counter() - t0)
@@ -371,9 +414,10 @@ def fit(
                 return history
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
-        lengths = {i: train_ds.length(i) for batch in batches for i in batch}
+        lengths = lengths_of(train_ds, batches)
+        share = packed_padding_share(batches, lengths, world) if packed else padding_share(batches, lengths, world)
         history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
-                        "train_padding_share": padding_share(batches, lengths, world),
+                        "train_padding_share": share,
                         **{f"eval_{k}": v for k, v in metrics.items()}})
         running = [0.0, 0]
         if rank == 0:
