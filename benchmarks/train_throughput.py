@@ -1,4 +1,4 @@
-"""Online training throughput: today's padded batches against token-budget batches, tokens/s and MFU.
+"""Online training throughput: padded batches against packed ones (train.batch_tokens), tokens/s and MFU.
 
     python benchmarks/train_throughput.py                        # tiny shape (CPU, a minute)
     python benchmarks/train_throughput.py --shape smollm2        # SmolLM2-135M's shape (one GPU)
@@ -13,15 +13,16 @@ of each a prompt (loss mask off), the rest an answer. The split is read by the t
 reader (draftlab.features.online.OnlineFeatures: the target's forward and layer capture per batch)
 and trained by the stage's own loop, draftlab.train.loop.fit, with a fresh seeded draft
 (ttt_steps, draft vocab as the shape says; bf16 autocast on CUDA), once per mode:
-  padded   train.batch_size `--batch-size` random sequences per step, padded to the longest (today)
-  tokens   train.batch_tokens `--batch-tokens`: similar lengths, at most that many padded tokens
+  padded   train.batch_size `--batch-size` random sequences per step, padded to the longest
+  packed   train.batch_tokens `--batch-tokens`: the same shuffle laid end to end into rows as
+           wide as the longest sequence, batch_tokens // that rows per step (row padding only)
 fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures cover the last
 `--steps` (draftlab.train.flops.Meter, as the stage records them): real tokens/s, padding share
-(padded / all tokens of the timed steps), FLOPs counted from the shapes for the target (forward
+(padded / all token slots of the timed steps), FLOPs counted from the shapes for the target (forward
 + the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
-overrides; none on a CPU). `--compile` also runs the token mode with the draft's decoder layer
-under torch.compile(dynamic=True) (train.compile). `--profile` runs 3 more token-mode steps under torch.profiler
+overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
+under torch.compile(dynamic=True) (train.compile). `--profile` runs 3 more packed-mode steps under torch.profiler
 and prints the top operators by self time (device time on CUDA).
 """
 from __future__ import annotations
@@ -174,13 +175,13 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto: cuda when visible, else cpu")
     ap.add_argument("--sequences", type=int, help="train sequences (default: the shape's)")
     ap.add_argument("--batch-size", type=int, help="padded mode: sequences per step (default: the shape's)")
-    ap.add_argument("--batch-tokens", type=int, nargs="*", help="token mode: budgets to time (default: the shape's)")
+    ap.add_argument("--batch-tokens", type=int, nargs="*", help="packed mode: budgets to time (default: the shape's)")
     ap.add_argument("--steps", type=int, help="timed optimizer steps per mode")
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps first")
-    ap.add_argument("--compile", action="store_true", help="also time token mode with torch.compile of the draft layer")
-    ap.add_argument("--profile", action="store_true", help="top operators of 3 token-mode steps (torch.profiler)")
+    ap.add_argument("--compile", action="store_true", help="also time packed mode with torch.compile of the draft layer")
+    ap.add_argument("--profile", action="store_true", help="top operators of 3 packed-mode steps (torch.profiler)")
     ap.add_argument("--top", type=int, default=20, help="rows of the profile table")
-    ap.add_argument("--skip-padded", action="store_true", help="time the token mode only")
+    ap.add_argument("--skip-padded", action="store_true", help="time the packed mode only")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
@@ -214,11 +215,11 @@ def main() -> None:
             results.append(run_mode(f"padded B={args.batch_size}", *common, batch_tokens=None))
             print(show(results[-1]), flush=True)
         for budget in budgets:
-            results.append(run_mode(f"tokens {budget}", *common, batch_tokens=budget))
+            results.append(run_mode(f"packed {budget}", *common, batch_tokens=budget))
             print(show(results[-1]), flush=True)
         if args.compile:
             try:
-                results.append(run_mode(f"tokens {budgets[-1]} +compile", *common, batch_tokens=budgets[-1], compiled=True))
+                results.append(run_mode(f"packed {budgets[-1]} +compile", *common, batch_tokens=budgets[-1], compiled=True))
                 print(show(results[-1]), flush=True)
             except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                 print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

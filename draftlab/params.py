@@ -277,8 +277,9 @@ class TrainParams:
     # params.yaml loader still requires the key.
     features: Literal["offline", "online"] = "offline"
     # None: every step takes batch_size random sequences padded to the longest. A number: every
-    # step takes sequences of similar length, at most this many padded tokens (sequences x the
-    # longest), all processes together (draftlab.train.batches); batch_size is then unused.
+    # step packs the same random order end to end into rows as wide as the longest sequence,
+    # batch_tokens // that rows, all processes together (draftlab.train.batches.packed_batches);
+    # batch_size is then unused.
     batch_tokens: Annotated[Int | None, Field(ge=2)] = None
     # true: the draft's decoder layer runs under torch.compile(dynamic=True) (fused elementwise
     # kernels; for GPUs, ~1 minute of compiling at the start); false: eager, as before.

@@ -1,9 +1,9 @@
-"""train.batch_tokens: steps of similar-length sequences under a token budget.
+"""train.batch_tokens: packed steps under a token budget (tests/test_train_packing.py has the packing itself).
 
-What a user relies on: every train sequence once per epoch, the budget kept, the same batches
-after a resume, and padding changing nothing: a sequence scores the same loss and gradients
-whatever it is padded to, and a token-budget split of sequences sums to the stats of one padded
-batch of them (the loss stays per token)."""
+What a user relies on: far less padding than random padded batches, the same batches after a
+resume, and padding changing nothing: a sequence scores the same loss and gradients whatever it
+is padded to, and a split of sequences sums to the stats of one padded batch of them (the loss
+stays per token)."""
 import json
 
 import pytest
@@ -14,7 +14,7 @@ from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, load_draft_vocab
 from draftlab.params import TrainParams
 from draftlab.target.weights import load_target_head
-from draftlab.train.batches import epoch_batches, padding_share, token_batches
+from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share, padding_share
 from draftlab.train.draft import DraftConfig
 from draftlab.train.loop import TTT, evaluate, fit, init_draft, step_token_counts, target_labels
 from tiny_features import make_features
@@ -26,23 +26,11 @@ def chat_lengths(n, seed=0):
     return (torch.exp(torch.empty(n).uniform_(3.0, 7.38, generator=g)).clamp(20, 1600)).long().tolist()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_sequence_once_per_epoch_within_the_budget(world):
-    lengths, budget = chat_lengths(3000), 16384
-    for epoch in range(3):
-        batches = token_batches(lengths, budget, seed=5, epoch=epoch, min_sequences=world)
-        flat = [i for b in batches for i in b]
-        assert sorted(flat) == list(range(len(lengths)))  # each exactly once
-        over = [b for b in batches if len(b) * max(lengths[i] for i in b) > budget]
-        assert len(over) <= 1 and all(len(b) >= world for b in batches)  # only a merged last batch may pass it
-        assert batches == token_batches(lengths, budget, seed=5, epoch=epoch, min_sequences=world)  # resumable
-    assert token_batches(lengths, budget, 5, 0) != token_batches(lengths, budget, 5, 1)  # a new order each epoch
-
-
 def test_token_budget_pads_far_less_than_random_batches():
     lengths = chat_lengths(20000)
     padded = padding_share(epoch_batches(len(lengths), 32, seed=0, epoch=0), lengths)
-    packed = padding_share(token_batches(lengths, 32 * 1024, seed=0, epoch=0), lengths)
+    longest = max(lengths)
+    packed = packed_padding_share(packed_batches(lengths, longest, 32 * 1024 // longest, seed=0, epoch=0), lengths)
     assert padded > 0.6 and packed < 0.03, (padded, packed)
 
 
@@ -94,7 +82,7 @@ def test_padding_changes_neither_the_loss_nor_the_gradients(feats):
     """The same sequences, tight (as a token-budget batch holds them) or padded to a far longer
     sequence (as today's random batches pad them): the same per-token loss and gradients."""
     ds, draft = feats["train"], new_draft(feats)
-    rows = sorted(range(len(ds)), key=ds.length)[4:7]  # similar lengths, as token_batches groups them
+    rows = sorted(range(len(ds)), key=ds.length)[4:7]  # similar lengths
     tight = ds.batch(rows, "cpu")
     loss, stats, grads = loss_and_grads(draft, tight, feats["head"])
     loss2, stats2, grads2 = loss_and_grads(draft, pad_to(tight, tight["input_ids"].shape[1] + 41), feats["head"])
@@ -104,15 +92,13 @@ def test_padding_changes_neither_the_loss_nor_the_gradients(feats):
         assert torch.allclose(g, grads2[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_a_split_into_token_batches_sums_to_the_one_padded_batch(feats):
-    """Per-token normalisation: the ce sums and counts of two token-budget batches are those of
-    one padded batch of the same sequences, so the epoch's pooled loss is the same."""
+def test_a_split_into_batches_sums_to_the_one_padded_batch(feats):
+    """Per-token normalisation: the ce sums and counts of smaller batches are those of one padded
+    batch of the same sequences, so the epoch's pooled loss is the same."""
     ds, draft = feats["train"], new_draft(feats)
     rows = list(range(8))
     _, whole, _ = loss_and_grads(draft, ds.batch(rows, "cpu"), feats["head"])
-    lengths = [ds.length(i) for i in rows]
-    parts = token_batches(lengths, 3 * max(lengths), seed=0, epoch=0)  # indices into rows
-    assert len(parts) > 1
+    parts = [[0, 3, 5], [1, 2], [4, 6, 7]]  # indices into rows
     summed = sum(loss_and_grads(draft, ds.batch([rows[j] for j in p], "cpu"), feats["head"])[1] for p in parts)
     assert torch.allclose(summed, whole, rtol=1e-5, atol=1e-4)
 

@@ -13,8 +13,6 @@ list.
   steps stay random mixes of lengths (sorting by length cost tau on the embedded default:
   3.25 against 3.57). Each process takes `rows[rank::world]` of every step: equal row counts (to
   one row), equal row widths, so equal work.
-- `token_batches`: the former length-bucketed plan (similar lengths, a padded-token budget);
-  kept for benchmarks/train_throughput.py's comparison, used by no stage.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ import torch
 
 LOOKAHEAD = 32  # sequences a packed step may take ahead of their place to fill its rows: 4000 chat-like
 # lengths (20-512) in 4 rows of 512: padding 10.8% at 0, 4.0% at 8, 1.3% at 32
-CHUNK_BATCHES = 128  # budgets per sorted chunk: larger pads less, smaller mixes more. 60k chat-like lengths
-# (20-1600, log-uniform) at 32k tokens: padding 16% at 8, 5.6% at 32, 1.5% at 128, 0.3% sorted whole
 
 
 def _order(n: int, seed: int, epoch: int) -> list[int]:
@@ -103,49 +99,6 @@ def packed_padding_share(steps: list[list[list[int]]], lengths: list[int], world
     slots = sum(packed_slots(step, lengths, world) for step in steps)
     real = sum(lengths[i] for step in steps for row in step for i in row)
     return (slots - real) / slots if slots else 0.0
-
-
-def token_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, min_sequences: int = 1) -> list[list[int]]:
-    """Sequence indices of every optimizer step of `epoch` under a budget of `batch_tokens`
-    padded tokens (len(batch) x its longest length); every index exactly once.
-
-    min_sequences: the fewest sequences of a step (the number of processes: each takes at least
-    one). A batch closes only when the next sequence would break the budget, so with
-    batch_tokens >= min_sequences x the longest length every batch but the epoch's last has
-    enough; a last batch with fewer joins the one before it (the only step that may pass the
-    budget, by less than min_sequences sequences).
-    """
-    order = _order(len(lengths), seed, epoch)
-    # Chunks of equal sequence counts, about CHUNK_BATCHES budgets each: no small last chunk,
-    # whose few sequences would spread over every length and pad much.
-    chunks = max(1, round(sum(lengths) / (CHUNK_BATCHES * batch_tokens)))
-    bounds = [len(order) * c // chunks for c in range(chunks + 1)]
-    batches: list[list[int]] = []
-    pending: list[int] = []  # the not yet full batch a chunk leaves over: sorted into the next chunk
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        chunk = sorted(pending + order[a:b], key=lambda i: (-lengths[i], i))  # longest first; ties by index
-        full, pending = _cut(chunk, lengths, batch_tokens)
-        batches += full
-    if pending:
-        batches.append(pending)
-    if len(batches) > 1 and len(batches[-1]) < min_sequences:
-        last = batches.pop()  # popped first: `batches[-2] += batches.pop()` stores into the wrong batch
-        batches[-1] += last
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 500_009)  # another stream than the order's
-    return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def _cut(chunk: list[int], lengths: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
-    """Cut a chunk sorted longest first into batches of at most `budget` padded tokens; the
-    last, not yet full, batch is returned apart (it joins the next chunk)."""
-    out, cur = [], []
-    for i in chunk:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and (len(cur) + 1) * longest > budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out, cur
 
 
 def padding(batches: list[list[int]], lengths: list[int], world: int = 1) -> tuple[int, int]:
