@@ -96,6 +96,23 @@ def test_online_states_of_a_packed_row_are_those_of_each_sequence_alone(feats):
         at += n
 
 
+def test_the_target_of_a_packed_batch_runs_on_groups_no_wider_than_the_packed_rows(feats, monkeypatch):
+    """Online, each step's sequences go through the target padded apart: in groups of similar length,
+    each at most the packed batch's slots, not all of them padded to the longest (a step of 40
+    chat turns of 100-4,000 tokens would cost the target 5x its packed tokens)."""
+    online, calls = feats["online"], []
+    real_batch = type(online).batch
+    monkeypatch.setattr(type(online), "batch", lambda self, idx, dev: calls.append(list(idx)) or real_batch(self, idx, dev))
+    lengths = [online.length(i) for i in range(len(online))]
+    rows = packed_batches(lengths, 3 * max(lengths), 2, seed=0, epoch=0)[0]  # one step: two rows of 3x the longest
+    assert len(sum(rows, [])) > 4
+    packed = online.packed_batch(rows, "cpu")
+    slots = packed["input_ids"].numel()
+    assert sorted(i for c in calls for i in c) == sorted(i for row in rows for i in row)  # each sequence once
+    assert all(len(c) * max(lengths[i] for i in c) <= slots for c in calls)
+    assert sum(len(c) * max(lengths[i] for i in c) for c in calls) < len(sum(rows, [])) * max(lengths[i] for i in sum(rows, []))
+
+
 def test_pack_lays_sequences_end_to_end_and_pads_rows_only_at_their_end():
     batch = {"input_ids": torch.tensor([[1, 2, 0], [4, 5, 0], [6, 0, 0]]), "loss_mask": torch.ones(3, 3, dtype=torch.bool)}
     out = pack(batch, [[2, 2], [1]])  # the batch's sequences in order: lengths 2 and 2 in row 0, 1 in row 1

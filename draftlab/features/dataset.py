@@ -281,6 +281,18 @@ def pack(batch: dict[str, torch.Tensor], rows: list[list[int]]) -> dict[str, tor
     return out
 
 
+def length_groups(lengths: list[int], slots: int) -> list[list[int]]:
+    """Indices into `lengths`, longest first, cut into groups of at most `slots` padded tokens
+    (group size x its longest); a sequence longer than `slots` is a group of its own."""
+    groups: list[list[int]] = []
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slots:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
+
+
 class Sequences:
     """What both training datasets share: sequences as (start, end) spans over token arrays, cut
     to `max_length`, and the metadata that names their physical layers. A subclass sets
@@ -299,10 +311,20 @@ class Sequences:
 
     def packed_batch(self, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
         """Rows of sequence indices (draftlab.train.batches.packed_batches) as one packed batch
-        (see pack). Every sequence's states are those of the sequence alone: online, the target
-        runs on the sequences padded apart, then they are packed."""
+        (see pack). Every sequence's states are those of the sequence alone: they are made (online:
+        the target runs) on the sequences padded apart, in groups of similar length of at most the
+        packed batch's own slots each (`length_groups`), so the padding costs the target little."""
         flat = [i for row in rows for i in row]
-        return pack(self.batch(flat, device), [[self.length(i) for i in row] for row in rows])
+        lengths = [self.length(i) for i in flat]
+        parts: list[dict[str, torch.Tensor] | None] = [None] * len(flat)
+        for group in length_groups(lengths, len(rows) * max(sum(self.length(i) for i in row) for row in rows)):
+            b = self.batch([flat[j] for j in group], device)
+            for k, j in enumerate(group):
+                parts[j] = {name: x[k, : lengths[j]] for name, x in b.items()}
+        longest = max(lengths)
+        padded = {name: torch.stack([F.pad(p[name], (0, 0) * (p[name].ndim - 1) + (0, longest - len(p[name]))) for p in parts])
+                  for name in parts[0]}
+        return pack(padded, [[self.length(i) for i in row] for row in rows])
 
 
 BATCH_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")
