@@ -23,7 +23,7 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
 overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
 under torch.compile(dynamic=True) (train.compile). `--profile` runs 3 more packed-mode steps under torch.profiler
-and prints the top operators by self time (device time on CUDA).
+and prints the top operators by self time (GPU kernel time on CUDA).
 """
 from __future__ import annotations
 

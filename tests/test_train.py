@@ -8,13 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftlab.train.draft import DraftConfig, TTTCache
+from draftlab.train.draft import TTTCache
 from draftlab.errors import UserError
-from draftlab.features.dataset import FeatureDataset, load_draft_vocab
 from draftlab.params import TrainParams
 from draftlab.target.weights import load_target_head
 from draftlab.train.loop import TTT, evaluate, fit, init_draft, lr_at, shift, step_token_counts
-from tiny_features import K, V, VD, make_draft, make_features
+from tiny_features import K, V, VD, make_draft, training_kit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,14 +86,7 @@ def test_lr_warms_up_then_decays_to_the_floor():
 
 @pytest.fixture(scope="module")
 def feats(tmp_path_factory):
-    root = tmp_path_factory.mktemp("feat")
-    feat, target_dir, _ = make_features(root, n_train=16, n_eval=8)
-    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
-    d2t, t2d = load_draft_vocab(feat)
-    embed, head = load_target_head(str(target_dir))
-    cfg = DraftConfig.from_target(info, 3, len(d2t))
-    return {"root": root, "feat": feat, "cfg": cfg, "embed": embed, "head": head, "d2t": d2t, "t2d": t2d,
-            "train": FeatureDataset(feat / "train"), "eval": FeatureDataset(feat / "eval")}
+    return training_kit(tmp_path_factory.mktemp("feat"))
 
 
 def new_draft(f, seed=0):

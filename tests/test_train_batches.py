@@ -11,13 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.errors import UserError
-from draftlab.features.dataset import FeatureDataset, load_draft_vocab
 from draftlab.params import TrainParams
-from draftlab.target.weights import load_target_head
 from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share, padding_share
-from draftlab.train.draft import DraftConfig
 from draftlab.train.loop import TTT, evaluate, fit, init_draft, step_token_counts, target_labels
-from tiny_features import make_features
+from tiny_features import make_features, training_kit
 
 
 def chat_lengths(n, seed=0):
@@ -46,13 +43,7 @@ def test_padding_share_counts_each_process_share_padded_to_its_own_longest():
 
 @pytest.fixture(scope="module")
 def feats(tmp_path_factory):
-    root = tmp_path_factory.mktemp("feat")
-    feat, target_dir, _ = make_features(root, n_train=16, n_eval=8)
-    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
-    d2t, t2d = load_draft_vocab(feat)
-    embed, head = load_target_head(str(target_dir))
-    return {"cfg": DraftConfig.from_target(info, 3, len(d2t)), "embed": embed, "head": head, "d2t": d2t, "t2d": t2d,
-            "train": FeatureDataset(feat / "train"), "eval": FeatureDataset(feat / "eval")}
+    return training_kit(tmp_path_factory.mktemp("feat"))
 
 
 def params(**kw):

@@ -4,35 +4,25 @@ What a user relies on: a packed batch trains exactly as its sequences would one 
 same loss sums, scores and gradients: no attention, rope position or label crosses a sequence's
 end), offline and online; every sequence once per epoch, rows within train.max_length and the
 budget, the same plan on resume and on every process."""
-import json
-
 import pytest
 import torch
 
 from draftlab.errors import UserError
-from draftlab.features.dataset import FeatureDataset, load_draft_vocab, pack, write_tokens
+from draftlab.features.dataset import FeatureDataset, pack, write_tokens
 from draftlab.features.extract import TOKENS_FILE, tokens_record
 from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import TrainParams
-from draftlab.target.weights import load_target_head
 from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share
-from draftlab.train.draft import DraftConfig
 from draftlab.train.loop import TTT, epoch_plans, fit, init_draft, step_token_counts, target_labels
-from tiny_features import make_features
+from tiny_features import training_kit
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def feats(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pack")
-    feat, target_dir, model = make_features(root, n_train=16, n_eval=8)
-    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
-    d2t, t2d = load_draft_vocab(feat)
-    embed, head = load_target_head(str(target_dir))
-    train = FeatureDataset(feat / "train")
-    return {"cfg": DraftConfig.from_target(info, 3, len(d2t)), "embed": embed, "head": head, "d2t": d2t, "t2d": t2d,
-            "train": train, "eval": FeatureDataset(feat / "eval"), "online": online_features(root, train, model)}
+    kit = training_kit(tmp_path_factory.mktemp("pack"))
+    return {**kit, "online": online_features(kit["root"], kit["train"], kit["model"])}
 
 
 def online_features(root, stored: FeatureDataset, model) -> OnlineFeatures:

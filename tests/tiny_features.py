@@ -96,3 +96,21 @@ def make_draft(seed=0, rope_scaling=None, vocab=V, draft_vocab=VD):
                 if p.ndim == 1:
                     p.uniform_(0.5, 1.5)
     return draft.eval()
+
+
+def training_kit(root) -> dict:
+    """make_features(root, 16 train, 8 eval) with what training needs beside it: the draft config
+    (3 capture layers), the target's embedding and head, the draft vocab and both splits; "model"
+    is the micro target (for online features)."""
+    import json
+
+    from draftlab.features.dataset import FeatureDataset, load_draft_vocab
+    from draftlab.target.weights import load_target_head
+
+    feat, target_dir, model = make_features(root, n_train=16, n_eval=8)
+    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
+    d2t, t2d = load_draft_vocab(feat)
+    embed, head = load_target_head(str(target_dir))
+    return {"root": Path(root), "feat": feat, "model": model, "cfg": DraftConfig.from_target(info, 3, len(d2t)),
+            "embed": embed, "head": head, "d2t": d2t, "t2d": t2d,
+            "train": FeatureDataset(feat / "train"), "eval": FeatureDataset(feat / "eval")}

@@ -311,20 +311,10 @@ class Sequences:
 
     def packed_batch(self, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
         """Rows of sequence indices (draftlab.train.batches.packed_batches) as one packed batch
-        (see pack). Every sequence's states are those of the sequence alone: they are made (online:
-        the target runs) on the sequences padded apart, in groups of similar length of at most the
-        packed batch's own slots each (`length_groups`), so the padding costs the target little."""
+        (see pack): the step's sequences read as one padded batch (the one the train loop
+        prefetched), then laid end to end. Every sequence's states are those of the sequence alone."""
         flat = [i for row in rows for i in row]
-        lengths = [self.length(i) for i in flat]
-        parts: list[dict[str, torch.Tensor] | None] = [None] * len(flat)
-        for group in length_groups(lengths, len(rows) * max(sum(self.length(i) for i in row) for row in rows)):
-            b = self.batch([flat[j] for j in group], device)
-            for k, j in enumerate(group):
-                parts[j] = {name: x[k, : lengths[j]] for name, x in b.items()}
-        longest = max(lengths)
-        padded = {name: torch.stack([F.pad(p[name], (0, 0) * (p[name].ndim - 1) + (0, longest - len(p[name]))) for p in parts])
-                  for name in parts[0]}
-        return pack(padded, [[self.length(i) for i in row] for row in rows])
+        return pack(self.batch(flat, device), [[self.length(i) for i in row] for row in rows])
 
 
 BATCH_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden")

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.features.extract import TOKENS_FILE, capture, read_tokens_record
-from draftlab.features.dataset import REQUIRED_METADATA, Sequences, read_metadata
+from draftlab.features.dataset import REQUIRED_METADATA, Sequences, length_groups, pack, read_metadata
 from draftlab.target.load import load_target
 
 
@@ -98,6 +99,22 @@ class OnlineFeatures(Sequences):
         self.tokens_served += sum(len(r) for r, _ in seqs)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def packed_batch(self, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
+        """Sequences.packed_batch with the states made by the target on the sequences padded apart,
+        in groups of similar length of at most the packed batch's own slots each (length_groups):
+        one padded batch of all of them would cost the target every sequence at the longest's length."""
+        flat = [i for row in rows for i in row]
+        lengths = [self.length(i) for i in flat]
+        parts: list[dict[str, torch.Tensor] | None] = [None] * len(flat)
+        for group in length_groups(lengths, len(rows) * max(sum(self.length(i) for i in row) for row in rows)):
+            b = self.batch([flat[j] for j in group], device)
+            for k, j in enumerate(group):
+                parts[j] = {name: x[k, : lengths[j]] for name, x in b.items()}
+        longest = max(lengths)
+        padded = {name: torch.stack([F.pad(p[name], (0, 0) * (p[name].ndim - 1) + (0, longest - len(p[name]))) for p in parts])
+                  for name in parts[0]}
+        return pack(padded, [[self.length(i) for i in row] for row in rows])
 
     def _as_stored(self, x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Rounded as a stored shard holds it, as float32; padding 0.0 exactly as collate pads."""

@@ -249,7 +249,6 @@ class TTTCache:
             m = self._mask = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1)
         return m
 
-
     def block_mask(self, scores):
         """Additive block-diagonal causal mask [B, 1, 1, T, T] from seq_ids (0 where the key is of
         the query's sequence and not after it, -inf elsewhere), built once per batch. Padding

@@ -271,17 +271,6 @@ def epoch_plans(train_ds, tp, world: int) -> list[list[list[int]]]:
     return [packed_batches(lengths, longest, tp.batch_tokens // longest, tp.seed, e, world) for e in range(tp.epochs)]
 
 
-def lengths_of(ds, plan) -> dict[int, int]:
-    """{sequence index: length} of every sequence a plan (steps, or rows of steps) names."""
-    out = {}
-    for x in plan:
-        if isinstance(x, list):
-            out.update(lengths_of(ds, x))
-        else:
-            out[x] = ds.length(x)
-    return out
-
-
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
     """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
     state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
@@ -330,6 +319,7 @@ def fit(
     """
     plans = epoch_plans(train_ds, tp, world)
     packed = tp.batch_tokens is not None  # a plan's step is then a list of rows, not of sequences
+    lengths = [train_ds.length(i) for i in range(len(train_ds))]  # after train.max_length
     autocast = use_autocast(tp.autocast, device)
     head = head.to(device)
     draft.to(device).train()
@@ -400,8 +390,8 @@ def fit(
             running = [running[0] + global_loss.item(), running[1] + 1]
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
                 seqs = [i for row in batches[b] for i in row] if packed else batches[b]
-                slots = packed_slots(batches[b], lengths_of(train_ds, batches[b]), world) if packed else None
-                meter.step([train_ds.length(i) for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots)
+                slots = packed_slots(batches[b], lengths, world) if packed else None
+                meter.step([lengths[i] for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots)
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, global_loss.item(), time.perf_counter() - t0)
@@ -414,7 +404,6 @@ def fit(
                 return history
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
-        lengths = lengths_of(train_ds, batches)
         share = packed_padding_share(batches, lengths, world) if packed else padding_share(batches, lengths, world)
         history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
                         "train_padding_share": share,
