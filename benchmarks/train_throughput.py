@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                        # tiny shape (CPU, a minute)
     python benchmarks/train_throughput.py --shape smollm2        # SmolLM2-135M's shape (one GPU)
     python benchmarks/train_throughput.py --shape smollm2 --compile --profile --out results.json
+    python benchmarks/train_throughput.py --shape smollm2-conversations --skip-padded --attention eager flex --compile --check-grads
 
 Method. A target of the chosen shape is built with transformers' LlamaForCausalLM from a config,
 random weights (bf16 on CUDA, float32 on CPU; nothing is downloaded), and a synthetic train split
@@ -22,7 +23,10 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 + the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
 overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
-under torch.compile(dynamic=True) (train.compile). `--profile` runs 3 more packed-mode steps under torch.profiler
+under torch.compile(dynamic=True) (train.compile). `--attention eager flex` times the packed modes with
+each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
+`--check-grads` first compares one packed step's loss and gradients under both. The shape
+`smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--profile` runs 3 more packed-mode steps under torch.profiler
 and prints the top operators by self time (GPU kernel time on CUDA).
 """
 from __future__ import annotations
@@ -45,6 +49,7 @@ from draftlab.features.extract import TOKENS_FILE  # noqa: E402
 from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
 from draftlab.train import loop  # noqa: E402
+from draftlab.train.batches import packed_batches  # noqa: E402
 from draftlab.train.draft import DraftConfig  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
 
@@ -63,6 +68,12 @@ SHAPES = {
                                 rms_norm_eps=1e-5, tie_word_embeddings=True),
                     draft_vocab=16384, ttt_steps=7, lengths=(20, 1600, 350), sequences=2048, batch_size=32,
                     batch_tokens=32768, steps=20, warmup=5),
+    # the same model over whole regenerated conversations (prompts.turns all): up to 4096 tokens
+    "smollm2-conversations": dict(target=dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                              intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                                              rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
+                                  draft_vocab=16384, ttt_steps=7, lengths=(20, 4096, 1200), sequences=1024, batch_size=8,
+                                  batch_tokens=32768, steps=12, warmup=4),
     # small enough for two CPU cores
     "tiny": dict(target=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=128, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
@@ -117,7 +128,8 @@ class Timed(Meter):
         super().step(*a, **kw)
 
 
-def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False):
+def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False,
+             attention="auto"):
     t = shape["target"]
     facts = {**t, "num_layers": t["num_hidden_layers"], "head_dim": t["hidden_size"] // t["num_attention_heads"]}
     target = OnlineTarget(None)
@@ -129,7 +141,8 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
                      min_lr_ratio=0.1, warmup_ratio=0.0, weight_decay=0.0, grad_clip=0.5, ttt_steps=shape["ttt_steps"],
                      ttt_decay=0.8, intermediate_size=None, checkpoint_every=0, device=device.type, autocast="auto",
                      features="online", batch_tokens=batch_tokens,
-                     compile=compiled)  # train.compile: the stage compiles the draft's decoder layer itself
+                     compile=compiled,  # train.compile: the stage compiles the draft's decoder layer itself
+                     attention=attention)  # train.attention: the TTT attention's kernel
     steps = 3 if profile else args.steps
     available = len(loop.epoch_plans(ds, tp, 1)[0])  # past the epoch, fit would evaluate: not timed here
     if args.warmup + steps > available:
@@ -160,6 +173,36 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
     return s
 
 
+def check_grads(args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens):
+    """One packed step of the shape, eager against flex TTT attention: loss and every gradient,
+    as relative differences (bf16 autocast on CUDA: ~1e-2 is rounding, a mask error is O(1))."""
+    if device.type != "cuda":
+        print("grad check: FlexAttention computes gradients on CUDA only; skipped", flush=True)
+        return
+    t = shape["target"]
+    facts = {**t, "num_layers": t["num_hidden_layers"], "head_dim": t["hidden_size"] // t["num_attention_heads"]}
+    target = OnlineTarget(None)
+    target._model, target.device = model, device
+    ds = OnlineFeatures(split, max(shape["lengths"][:2]), target)
+    cfg = DraftConfig.from_target(facts, len(physical), len(d2t))
+    longest = max(ds.length(i) for i in range(len(ds)))
+    rows = packed_batches([ds.length(i) for i in range(len(ds))], longest, batch_tokens // longest, 0, 0)[0]
+    batch = ds.packed_batch(rows, device)
+    got = {}
+    for kernel in ("eager", "flex"):
+        draft = loop.init_draft(cfg, embed, head, d2t, t2d, seed=0).to(device)
+        labels = loop.target_labels(batch["final_hidden"], head.to(device), draft.d2t, dtype=loop.labels_dtype(device.type == "cuda"))
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = loop.TTT(draft, shape["ttt_steps"], 0.8, kernel, device.type == "cuda")(
+                batch, labels, loop.step_token_counts(batch, shape["ttt_steps"], 1))
+        loss.backward()
+        got[kernel] = (loss.detach().float(), {n: p.grad.float() for n, p in draft.named_parameters() if p.grad is not None})
+    (le, ge), (lf, gf) = got["eager"], got["flex"]
+    worst = max(((ge[n] - gf[n]).norm() / ge[n].norm().clamp(min=1e-12)).item() for n in ge)
+    print(f"grad check ({sum(map(len, rows))} sequences in {len(rows)} rows): loss eager {le.item():.5f} flex {lf.item():.5f} "
+          f"(relative {abs(le - lf).item() / abs(le).item():.2e}); worst parameter gradient relative difference {worst:.2e}", flush=True)
+
+
 def show(s: dict) -> str:
     mfu = "n/a (CPU or unknown GPU)" if s["mfu"] is None else f"{s['mfu']:.1%}"
     flops = (f"target {s['target_flops_per_s'] / 1e12:.2f} + draft {s['draft_flops_per_s'] / 1e12:.2f} TFLOP/s "
@@ -179,6 +222,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="timed optimizer steps per mode")
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps first")
     ap.add_argument("--compile", action="store_true", help="also time packed mode with torch.compile of the draft layer")
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "eager", "flex"],
+                    help="train.attention kernels to time in packed mode (auto: flex on CUDA, eager elsewhere)")
+    ap.add_argument("--check-grads", action="store_true",
+                    help="first compare one packed step's loss and gradients, eager against flex attention (CUDA)")
     ap.add_argument("--profile", action="store_true", help="top operators of 3 packed-mode steps (torch.profiler)")
     ap.add_argument("--top", type=int, default=20, help="rows of the profile table")
     ap.add_argument("--skip-padded", action="store_true", help="time the packed mode only")
@@ -214,17 +261,22 @@ def main() -> None:
         if not args.skip_padded:
             results.append(run_mode(f"padded B={args.batch_size}", *common, batch_tokens=None))
             print(show(results[-1]), flush=True)
-        for budget in budgets:
-            results.append(run_mode(f"packed {budget}", *common, batch_tokens=budget))
-            print(show(results[-1]), flush=True)
-        if args.compile:
-            try:
-                results.append(run_mode(f"packed {budgets[-1]} +compile", *common, batch_tokens=budgets[-1], compiled=True))
+        if args.check_grads:
+            check_grads(*common, batch_tokens=budgets[-1])
+        for attention in args.attention:
+            tag = "" if attention == "auto" else f" {attention}"
+            for budget in budgets:
+                results.append(run_mode(f"packed {budget}{tag}", *common, batch_tokens=budget, attention=attention))
                 print(show(results[-1]), flush=True)
-            except Exception as e:  # noqa: BLE001 - report it, keep the other figures
-                print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if args.compile:
+                try:
+                    results.append(run_mode(f"packed {budgets[-1]}{tag} +compile", *common, batch_tokens=budgets[-1], compiled=True,
+                                            attention=attention))
+                    print(show(results[-1]), flush=True)
+                except Exception as e:  # noqa: BLE001 - report it, keep the other figures
+                    print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if args.profile:
-            run_mode("profile", *common, batch_tokens=budgets[-1], profile=True)
+            run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile, attention=args.attention[-1])
         print(f"({time.perf_counter() - t0:.0f} s in all)")
     f = results[0]
     print(f"FLOPs per real token: target {f['target_flops_per_token'] / 1e6:,.1f} MFLOP (forward + soft-label head), "

@@ -162,3 +162,23 @@ def test_the_dequantized_folder_holds_the_stages_manifest_outside_the_pin(tmp_pa
     assert manifest["stage"] == "target" and manifest["inputs"]["gguf_sha256"] == pin["gguf_sha256"]
     assert manifest["info"]["wall_s"] > 0 and "manifest.json" not in pin["files"]
     assert run_target_stage(tmp_path, str(gguf)) == pin
+
+
+def test_the_stage_parses_the_gguf_header_once(tmp_path, monkeypatch, micro):
+    """The pin, the check and transformers' config, tokenizer and weights all read one parse of the
+    header: parsing a real vocabulary's header takes seconds each time."""
+    import gguf as gguf_package
+
+    model, tok = micro
+    path = write_gguf(model, tok, tmp_path / "micro.Q8_0.gguf", "Q8_0")
+    parsed = []
+
+    class Counting(gguf_package.GGUFReader):
+        def __init__(self, p, *a, **kw):
+            parsed.append(Path(p).name)
+            super().__init__(p, *a, **kw)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
+    monkeypatch.chdir(tmp_path)
+    run_target_stage(tmp_path, str(path))
+    assert parsed == ["micro.Q8_0.gguf"]

@@ -10,11 +10,14 @@ training data came from.
 The weights are dequantized by transformers (`from_pretrained(DIR, gguf_file=NAME)`, which needs
 the `gguf` package) to float32: a Q4_1 weight is d * q + m with fp16 d and m, which float32 holds
 exactly and bf16 does not. SmolLM2-135M-Instruct's Q4_1 file (98 MB) becomes 538 MB in float32
-and converts in about 30 s on a 2-core CPU. transformers refuses to save a model loaded from GGUF
-while its quantization config is set; once cleared, the folder reloads as a plain model.
+and converts in about 15 s on a 2-core CPU, its header parsed once (`_reader`: five parses took
+35 of 50 s). transformers refuses to save a model loaded from GGUF while its quantization config
+is set; once cleared, the folder reloads as a plain model.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import shutil
 import sys
@@ -68,7 +71,7 @@ def read_header(path: Path, model: str) -> dict:
         raise UserError(f"a GGUF target needs the gguf and accelerate packages (the extra real): on a CPU machine "
                         f"{REAL_INSTALL}; on a GPU machine, after your CUDA build of torch, {REAL_INSTALL_GPU}") from None
     try:
-        reader = gguf.GGUFReader(path)  # memory-mapped: reads the header and checks every tensor's extent
+        reader = _reader(path)  # memory-mapped: reads the header and checks every tensor's extent
     except Exception as e:  # the reader raises ValueError/IndexError/... for a cut or damaged file
         raise UserError(f"params.yaml: target.model {model!r}: {path} ({path.stat().st_size:,} bytes) is a damaged or "
                         f"truncated GGUF file ({type(e).__name__}: {e}); download or copy it again") from None
@@ -89,6 +92,42 @@ def read_header(path: Path, model: str) -> dict:
             "quantizations": sorted({t.tensor_type.name for t in reader.tensors})}
 
 
+def _reader(path: Path):
+    """One parsed GGUFReader per file (and size and mtime) in this process. Parsing the header of
+    a 49k-token vocabulary field by field takes ~7 s of Python on a 2-core CPU, and the stage
+    needs it five times (the pin, the check, and transformers' config, tokenizer and weights)."""
+    st = path.stat()
+    return _parsed(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _parsed(path: str, size: int, mtime_ns: int):
+    import gguf
+
+    cls = gguf.GGUFReader
+    return getattr(cls, "original", cls)(path)  # the class itself, also while _parsed_once stands in for it
+
+
+@contextlib.contextmanager
+def _parsed_once(path: Path):
+    """transformers' GGUF loading (`from gguf import GGUFReader` on each call) reads `path` through
+    _reader while inside: one parse for its config, tokenizer and weights. Other files as before."""
+    import gguf
+
+    cls = gguf.GGUFReader
+    mine = path.resolve()
+
+    def reader(p, *a, **kw):
+        return _reader(Path(p)) if Path(p).resolve() == mine and not a and not kw else cls(p, *a, **kw)
+
+    reader.original = cls
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = cls
+
+
 def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZED_DIR) -> dict:
     """Dequantize `path` into the folder `out` (written whole, then swapped in: an interrupted run
     leaves the previous folder or none); returns the source record written beside the weights."""
@@ -107,8 +146,9 @@ def materialize(path: Path, model: str, gguf_sha256: str, out: Path = DEQUANTIZE
     try:
         print(f"target: dequantizing {path.name} ({header['architecture']}, {', '.join(header['quantizations'])}) "
               f"to float32 -> {out}", file=sys.stderr)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        lm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        with _parsed_once(path):
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            lm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         lm.hf_quantizer = None  # else save_pretrained refuses: "quantized with gguf and is not serializable"
         if hasattr(lm.config, "quantization_config"):
             del lm.config.quantization_config

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.errors import UserError
+from draftlab.train.ttt_flex import ttt_block_mask, ttt_flex_attend
 
 
 @dataclass
@@ -203,14 +204,25 @@ class TTTCache:
     seq_ids [B, T] (packed rows, draftlab.features.dataset.pack; -1 on padding): the step-0 keys
     are then only those rows 0..t of t's own sequence (block-diagonal causal); the same-row
     terms of later steps need nothing more. None: plain causal, as before.
+
+    kernel "eager": the scores written out (any device; the reference). "flex": one FlexAttention
+    call per step over the keys of every step so far (draftlab.train.ttt_flex: same outputs, no
+    [T, T] scores in memory; gradients on CUDA only); compiled: under torch.compile (fast on GPUs).
     """
 
-    def __init__(self, seq_ids: torch.Tensor | None = None):
+    def __init__(self, seq_ids: torch.Tensor | None = None, kernel: str = "eager", compiled: bool = False):
+        if kernel not in ("eager", "flex"):
+            raise ValueError(f"TTTCache kernel {kernel!r}: 'eager' or 'flex'")
         self.ks, self.vs = [], []
         self._k0 = self._v0 = self._mask = None
-        self.seq_ids = seq_ids
+        self.seq_ids, self.kernel, self.compiled = seq_ids, kernel, compiled
+        self._block_masks: dict[int, object] = {}  # flex: steps seen -> block mask, for this batch
 
     def attend(self, q, k, v, mask=None):
+        if self.kernel == "flex":
+            self.ks.append(k)
+            self.vs.append(v)
+            return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self.compiled)
         B, h, T, hd = q.shape
         n_kv = k.shape[1]
         groups = h // n_kv
@@ -238,6 +250,16 @@ class TTTCache:
         for j, vj in enumerate(self.vs[1:]):
             out = out + p[..., T + j : T + j + 1].view(B, n_kv, groups, T, 1) * vj[:, :, None]
         return out.view(B, h, T, hd)
+
+    @torch.compiler.disable
+    def _block_mask(self, B: int, T: int, device):
+        """flex: the block mask of the step being attended (made once per step and batch; outside
+        any compiled graph, which would otherwise trace the mask's own construction)."""
+        n = len(self.ks)
+        if n not in self._block_masks:
+            seq = None if self.seq_ids is None else self.seq_ids.to(device)
+            self._block_masks[n] = ttt_block_mask(seq, B, T, n, device, self.compiled)
+        return self._block_masks[n]
 
     def causal_mask(self, scores):
         """Additive causal mask [T, T] in the scores' dtype (0 on and below the diagonal, -inf

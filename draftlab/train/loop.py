@@ -55,6 +55,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(parallel.local_device(parallel.resolve_device(name, "train.device")))
 
 
+def attention_kernel(setting: str, device: torch.device) -> str:
+    """train.attention -> TTTCache's kernel: auto is flex on CUDA (compiled FlexAttention), eager elsewhere."""
+    if setting == "flex" and device.type != "cuda":
+        raise UserError(f"params.yaml: train.attention flex needs a CUDA device (FlexAttention computes no gradients on "
+                        f"{device.type}); set train.attention to auto or eager")
+    if setting == "auto":
+        return "flex" if device.type == "cuda" else "eager"
+    return setting
+
+
 def use_autocast(setting: str, device: torch.device) -> bool:
     """bf16 autocast: on CUDA unless disabled; never on CPU (bf16 matmuls are slow there)."""
     if setting == "bfloat16" and device.type != "cuda":
@@ -109,9 +119,10 @@ def labels_dtype(autocast: bool) -> torch.dtype:
 class TTT(nn.Module):
     """Loss and scores of one batch unrolled `steps` steps (a Module so DDP can wrap it)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, kernel: str = "eager", compiled: bool = False):
         super().__init__()
         self.draft, self.steps, self.decay = draft, steps, decay
+        self.kernel, self.compiled = kernel, compiled  # TTTCache's attention kernel (attention_kernel)
 
     def forward(self, batch, labels, token_counts, world: int = 1):
         """token_counts[i]: tokens that count at step i summed over all processes (the normalizer)."""
@@ -131,7 +142,7 @@ class TTT(nn.Module):
         rows = where[:, 1].split(valid.sum(1).tolist())
         target_p = torch.softmax(target_logits.flatten(0, 1).float(), dim=-1)  # once, not once per step
         target_top1 = target_top1.flatten()
-        cache = TTTCache(batch.get("seq_ids"))
+        cache = TTTCache(batch.get("seq_ids"), self.kernel, self.compiled)
         state = draft.project(batch["aux_hidden"])
         # Every row of step i sits at rope position t + i: one cos/sin table over 0..T+K-2, sliced
         # per step (packed: gathered at each row's position in its sequence).
@@ -325,7 +336,7 @@ def fit(
     draft.to(device).train()
     if tp.compile:  # in place: the parameter names, so checkpoints and the export, stay the eager ones
         draft.midlayer.compile(dynamic=True)
-    ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay)
+    ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay, attention_kernel(tp.attention, device), device.type == "cuda")
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = new_optimizer(params, tp.lr, tp.weight_decay, device)

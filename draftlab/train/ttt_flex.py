@@ -1,0 +1,59 @@
+"""Training-time test attention as one FlexAttention call per step: no [T, T] scores in memory.
+
+TTTCache's pattern (draftlab.train.draft) at step i over rows of width T: the query at row t sees
+the step-0 keys of rows 0..t of its own sequence, and the step-j key of row t itself for j = 1..i.
+Here the keys of steps 0..i are laid end to end, [B, n_kv, (i+1)*T, hd], and a block mask says
+which the query may see:
+
+    kv < T:   kv <= t and seq[kv] == seq[t]      (step 0: block-diagonal causal)
+    kv >= T:  kv % T == t                        (steps 1..i: the row's own position)
+
+FlexAttention skips the 128 x 128 tiles the mask leaves empty, so a step costs the causal part
+plus one tile per 128 rows for each later step, computed in fused kernels that never write the
+scores out: at 8 rows of 4096 tokens and 9 heads, the eager path's scores are 1.2G elements per
+step (2.4 GB in bf16), written, masked, concatenated and softmaxed, then kept for backward.
+
+FlexAttention runs fast only compiled, and computes gradients on CUDA only; the eager TTTCache
+path stays the reference (CPU training, tests) and gives the same outputs (tests/test_ttt_flex.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+@functools.cache
+def _compiled():
+    """flex_attention and create_block_mask under torch.compile, made once per process. dynamic:
+    packed rows change width from batch to batch and the keys grow with every step, so one graph
+    serves every shape instead of a recompile per shape."""
+    return torch.compile(flex_attention, dynamic=True), torch.compile(create_block_mask, dynamic=True)
+
+
+def ttt_block_mask(seq_ids: torch.Tensor | None, batch: int, rows: int, steps_seen: int, device, compiled: bool):
+    """The block mask of step `steps_seen - 1`: queries [B, T] over the keys of `steps_seen` steps.
+    seq_ids [B, T] (packed rows; -1 on padding, which attends to padding before it) or None (one
+    sequence per row)."""
+    # The row width as a tensor, not a Python int: a compiled mask function would otherwise be
+    # specialized (and recompiled) for every width packed batches come in.
+    T = torch.tensor(rows, device=device)
+
+    def mask_mod(b, h, q, kv):
+        pos = kv % T
+        first = (kv < T) & (kv <= q)
+        if seq_ids is not None:
+            first = first & (seq_ids[b, q] == seq_ids[b, pos])
+        return first | ((kv >= T) & (pos == q))
+
+    make = _compiled()[1] if compiled else create_block_mask
+    return make(mask_mod, batch, None, rows, steps_seen * rows, device=device)
+
+
+def ttt_flex_attend(q, keys: list, values: list, block_mask, compiled: bool):
+    """Attention of q [B, h, T, hd] over the keys/values of every step so far (each [B, n_kv, T, hd])."""
+    k = torch.cat(keys, dim=2) if len(keys) > 1 else keys[0]
+    v = torch.cat(values, dim=2) if len(values) > 1 else values[0]
+    attend = _compiled()[0] if compiled else flex_attention
+    return attend(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,59 @@
+"""train.attention flex: FlexAttention computes the same TTT attention as the eager scores.
+
+What a user relies on: switching the kernel (auto picks flex on a GPU) changes speed and memory,
+never what the draft learns. FlexAttention computes gradients on CUDA only, so on a CPU the
+outputs are compared (forward); the mask, which is all the two paths could disagree on, is in it.
+"""
+import pytest
+import torch
+
+from draftlab.errors import UserError
+from draftlab.features.dataset import pack
+from draftlab.train.draft import TTTCache
+from draftlab.train.loop import TTT, attention_kernel, init_draft, step_token_counts, target_labels
+from tiny_features import training_kit
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # uncompiled on a CPU: slow, but exact
+
+
+def attend_steps(kernel, q, ks, vs, seq_ids):
+    """Each step's attention output over the keys of the steps so far, as TTT drives the cache."""
+    cache = TTTCache(seq_ids, kernel)
+    return [cache.attend(qi, k, v) for qi, k, v in zip(q, ks, vs)]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_attention_equals_eager_over_every_step(packed):
+    torch.manual_seed(0)
+    B, h, n_kv, T, hd, steps = 2, 4, 2, 37, 8, 4  # grouped heads; a width that is no multiple of the 128-wide tiles
+    q = [torch.randn(B, h, T, hd) for _ in range(steps)]
+    ks = [torch.randn(B, n_kv, T, hd) for _ in range(steps)]
+    vs = [torch.randn(B, n_kv, T, hd) for _ in range(steps)]
+    # two rows of packed sequences (the second ends in padding, -1), or one sequence per row
+    seq_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * 30 + [-1] * 7]) if packed else None
+    eager, flex = attend_steps("eager", q, ks, vs, seq_ids), attend_steps("flex", q, ks, vs, seq_ids)
+    for i, (a, b) in enumerate(zip(eager, flex)):
+        assert torch.allclose(a, b, atol=1e-5), f"step {i}: max difference {(a - b).abs().max():.2e}"
+
+
+def test_a_packed_training_step_scores_the_same_with_either_kernel(tmp_path):
+    kit = training_kit(tmp_path)
+    draft = init_draft(kit["cfg"], kit["embed"], kit["head"], kit["d2t"], kit["t2d"], 0)
+    ds = kit["train"]
+    lengths = [ds.length(i) for i in range(4)]
+    batch = pack(ds.batch(list(range(4)), "cpu"), [lengths[:2], lengths[2:3], lengths[3:]])  # 2, 1 and 1 sequences a row
+    labels = target_labels(batch["final_hidden"], kit["head"], draft.d2t)
+    counts = step_token_counts(batch, 3, 1)
+    with torch.no_grad():
+        eager = TTT(draft, 3, 0.8, "eager")(batch, labels, counts)
+        flex = TTT(draft, 3, 0.8, "flex")(batch, labels, counts)
+    assert torch.allclose(eager[0], flex[0], atol=1e-5)
+    assert torch.allclose(eager[1], flex[1], atol=1e-4)  # ce sums, scored tokens, hits, accepted, reached per step
+
+
+def test_train_attention_setting():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert attention_kernel("auto", cpu) == "eager" and attention_kernel("auto", gpu) == "flex"
+    assert attention_kernel("eager", gpu) == "eager"
+    with pytest.raises(UserError, match="train.attention flex needs a CUDA device"):
+        attention_kernel("flex", cpu)
