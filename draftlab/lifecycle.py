@@ -79,6 +79,7 @@ class Server:
     url: str
     process: subprocess.Popen
     log_path: Path
+    stopped: bool = False  # stop() has run: its process group is gone, and the pgid may belong to another now
 
     @property
     def pid(self) -> int:
@@ -87,33 +88,63 @@ class Server:
 
 def wait_healthy(srv: Server, timeout_s: float) -> None:
     """Poll GET {url}/health until it returns 200; fail early if the process exits."""
+    wait_all_healthy([srv], timeout_s)
+
+
+def wait_all_healthy(servers: list[Server], timeout_s: float, optional: list[bool] | None = None) -> list[UserError | None]:
+    """wait_healthy for several servers at once, so that the wait is the slowest start-up, not the
+    sum: per server None once healthy, or the UserError saying why not (its process exited, or
+    `timeout_s` passed). A server not marked `optional` raises its error as soon as it fails."""
+    optional = optional or [False] * len(servers)
     deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
+    errors: list[UserError | None] = [None] * len(servers)
+    last: list[str | None] = ["no answer yet"] * len(servers)  # what each /health said; None: 200
+    pending = list(range(len(servers)))
     with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:  # trust_env: no proxy for loopback
-        while True:
-            code = srv.process.poll()
-            if code is not None:
-                raise UserError(
-                    f"server exited with code {code} while starting: {srv.process.args!r}\n"
-                    f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}"
-                )
-            try:
-                r = client.get(srv.url + "/health")
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}"
+        while pending:
             if time.monotonic() >= deadline:
-                raise UserError(
-                    f"server not healthy after {timeout_s:g} s ({srv.url}/health: {last}): {srv.process.args!r}\n"
-                    f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}"
-                )
-            time.sleep(POLL_S)
+                for i in pending:
+                    errors[i] = _not_healthy(servers[i], timeout_s, last[i])
+            for i in list(pending):
+                if errors[i] is None:
+                    try:
+                        last[i] = _probe(servers[i], client)
+                    except UserError as e:
+                        errors[i] = e
+                if errors[i] is not None and not optional[i]:
+                    raise errors[i]
+                if errors[i] is not None or last[i] is None:
+                    pending.remove(i)
+            if pending:
+                time.sleep(POLL_S)
+    return errors
+
+
+def _not_healthy(srv: Server, timeout_s: float, last: str | None) -> UserError:
+    return UserError(f"server not healthy after {timeout_s:g} s ({srv.url}/health: {last}): {srv.process.args!r}\n"
+                     f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}")
+
+
+def _probe(srv: Server, client: httpx.Client) -> str | None:
+    """None once GET {url}/health returns 200, else what it answered; UserError when the process has exited."""
+    code = srv.process.poll()
+    if code is not None:
+        raise UserError(
+            f"server exited with code {code} while starting: {srv.process.args!r}\n"
+            f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}"
+        )
+    try:
+        r = client.get(srv.url + "/health")
+    except httpx.HTTPError as e:
+        return type(e).__name__
+    return None if r.status_code == 200 else f"HTTP {r.status_code}"
 
 
 def stop(srv: Server, grace_s: float = GRACE_S) -> None:
-    """SIGTERM the server's process group, SIGKILL it after `grace_s`; safe to call twice."""
+    """SIGTERM the server's process group, SIGKILL it after `grace_s`; safe to call twice (the
+    second call signals nothing: the group id may have been given to other processes since)."""
+    if srv.stopped:
+        return
     pgid = srv.process.pid  # leader of its own group: group id == its pid
     _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -128,6 +159,7 @@ def stop(srv: Server, grace_s: float = GRACE_S) -> None:
         _signal_group(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         srv.process.wait(timeout=grace_s)
+    srv.stopped = True
 
 
 @contextlib.contextmanager
@@ -146,17 +178,22 @@ def serve(
 
 @contextlib.contextmanager
 def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]], startup_timeout_s: float = 600.0,
-               grace_s: float = GRACE_S, groups: list | None = None):
-    """Run several servers, each (argv, url, log_path, env) as `serve` runs one; yields the Servers once
-    every /health returns 200. Any failure stops them all.
+               grace_s: float = GRACE_S, groups: list | None = None, optional: list[bool] | None = None):
+    """Run several servers, each (argv, url, log_path, env) as `serve` runs one; yields the Servers,
+    in the order of `specs`, once every /health returns 200. Any failure stops them all, but that of
+    a server marked `optional`: it is stopped, its place in the list holds the UserError saying why,
+    and the others go on.
 
-    groups: one key per spec (e.g. its GPU). Servers of different groups start together, so the wait
-    is the slowest start-up rather than the sum (SGLang takes 30-70 s); servers of one group start one
-    after the other, each once the one before is healthy: two SGLang servers loading on one GPU at
-    once misjudge its free memory, and the second refuses to start. None: all start together."""
+    All start at the same time, so the wait is the slowest start-up rather than the sum (SGLang
+    takes 30-70 s). groups: one key per spec; servers of one group start one after the other, each
+    once the one before is healthy. That is for servers that size their memory from what is free
+    when they start (SGLang without --max-total-tokens: two loading on one GPU at once misjudge its
+    free memory, and the second refuses to start); servers given explicit memory pools need no
+    group (draftlab.sglang.fleet). None: every server in a group of its own."""
     groups = list(range(len(specs))) if groups is None else list(groups)
-    if len(groups) != len(specs):
-        raise ValueError("groups needs one key per spec")
+    optional = [False] * len(specs) if optional is None else list(optional)
+    if len(groups) != len(specs) or len(optional) != len(specs):
+        raise ValueError("groups and optional need one entry per spec")
     for argv, url, log_path, _ in specs:
         if isinstance(argv, str) or not argv:
             raise TypeError("argv must be a non-empty list of arguments, not a shell string")
@@ -167,38 +204,52 @@ def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]
     # Round r starts the r-th server of every group, then waits for them all.
     rank = [groups[:i].count(g) for i, g in enumerate(groups)]
     rounds = [[i for i in range(len(specs)) if rank[i] == r] for r in range(max(rank, default=-1) + 1)]
-    servers: list[Server] = []
+    got: dict[int, Server | UserError] = {}
     with contextlib.ExitStack() as logs, _sigterm_as_exit():
         try:
             for members in rounds:
-                started = []
                 for i in members:
-                    argv, url, log_path, env = specs[i]
-                    log = logs.enter_context(open(log_path, "wb"))
                     try:
-                        proc = subprocess.Popen(
-                            [str(a) for a in argv],
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env=env,
-                            start_new_session=True,  # own process group (and session): killpg reaches its children
-                        )
-                    except OSError as e:
-                        raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
-                    started.append((i, Server(url.rstrip("/"), proc, Path(log_path))))
-                    servers.append(started[-1][1])
-                    _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
-                for _, srv in started:
-                    wait_healthy(srv, startup_timeout_s)
-            started_at = [i for members in rounds for i in members]  # servers[j] runs specs[started_at[j]]
-            yield [servers[started_at.index(i)] for i in range(len(specs))]  # in the order of specs
+                        got[i] = _launch(specs[i], logs)
+                    except UserError as e:
+                        if not optional[i]:
+                            raise
+                        got[i] = e
+                running = [i for i in members if isinstance(got[i], Server)]
+                errors = wait_all_healthy([got[i] for i in running], startup_timeout_s, [optional[i] for i in running])
+                for i, error in zip(running, errors):
+                    if error is not None:  # an optional server that did not start: stopped now, reported in its place
+                        stop(got[i], grace_s)
+                        _pidfile(got[i].log_path).unlink(missing_ok=True)
+                        got[i] = error
+            yield [got[i] for i in range(len(specs))]
         finally:
+            servers = [srv for srv in got.values() if isinstance(srv, Server)]
             for srv in servers:
-                _signal_group(srv.process.pid, signal.SIGTERM)  # all at once: their grace periods overlap
+                if not srv.stopped:
+                    _signal_group(srv.process.pid, signal.SIGTERM)  # all at once: their grace periods overlap
             for srv in servers:
                 stop(srv, grace_s)
                 _pidfile(srv.log_path).unlink(missing_ok=True)
+
+
+def _launch(spec: tuple[list[str], str, str | os.PathLike, dict | None], logs: contextlib.ExitStack) -> Server:
+    """Start one server of serve_many in its own process group, its output to its log; records its pidfile."""
+    argv, url, log_path, env = spec
+    log = logs.enter_context(open(log_path, "wb"))
+    try:
+        proc = subprocess.Popen(
+            [str(a) for a in argv],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group (and session): killpg reaches its children
+        )
+    except OSError as e:
+        raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
+    _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
+    return Server(url.rstrip("/"), proc, Path(log_path))
 
 
 def _pidfile(log_path: str | os.PathLike) -> Path:

@@ -209,6 +209,7 @@ class SynthParams:
     # sglang backend: servers of the target on each visible GPU ("auto": by its weight bytes, draftlab.sglang.fleet)
     servers_per_gpu: Annotated[Annotated[Int, Field(ge=1)] | Literal["auto"], FIRST_FIT] = 1
     mem_fraction_static: Annotated[Float | None, Field(gt=0.0, lt=1.0)] = None  # sglang backend: GPU memory share of all its servers on a GPU
+    after_cut: Literal["continue", "stop"] = "continue"  # an answer cut at max_new_tokens: the next turn is asked after it, or the conversation ends
 
 
 CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers
@@ -284,6 +285,9 @@ class TrainParams:
     # true: the draft's decoder layer runs under torch.compile(dynamic=True) (fused elementwise
     # kernels; for GPUs, ~1 minute of compiling at the start); false: eager, as before.
     compile: Bool = False
+    # The TTT attention's kernel (draftlab.train.draft.TTTCache): auto = flex on CUDA (FlexAttention,
+    # compiled: no [T, T] scores in memory), eager elsewhere; flex needs CUDA (no CPU backward).
+    attention: Literal["auto", "eager", "flex"] = "auto"
 
 
 @dataclass(frozen=True, config=STRICT)

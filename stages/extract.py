@@ -5,8 +5,10 @@
 Reads params sections: target, capture, extract, train.features, and export.sglang_version (only to
 refuse, before any compute, layers that SGLang release cannot capture: the embedding output of a
 Llama target before 0.5.22, say; it changes nothing the stage writes, so it stays out of the hash).
-A conversation (several answered turns) is one sequence with the loss on every answer; one longer
-than extract.max_length ends after its last turn that fits (counted in the manifest).
+A conversation (several answered turns) is one sequence with the loss on every answer and on the
+end-of-turn token after each answer the target ended itself (none after an answer cut at
+synth.max_new_tokens: the row's finish_reasons); one longer than extract.max_length ends after its
+last turn that fits (counted in the manifest).
 With train.features online, only the first extract.online_sample_sequences rows of each split are
 captured (the stats and the check need them); every row's tokens go to <split>/tokens.safetensors
 (no states), and the train stage runs the target itself.
@@ -28,6 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftlab import jsonl
+from draftlab.data.answers import finish_reasons
 from draftlab.features import extract
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
@@ -76,14 +79,14 @@ def fitted(tok, row: dict, limit: int, path: Path) -> tuple[list[int], list[bool
     """(ids, loss mask, turns left out) of a synthesized row within `limit` tokens. A conversation of
     several answered turns that runs longer ends after its last turn that fits (the loss on the
     answers kept); a single answer, or a first turn, that does not fit is an error naming the row."""
-    messages, turns = row["messages"], row.get("turns", 1)
-    ids, mask = extract.render(tok, messages, turns)
+    messages, turns, reasons = row["messages"], row.get("turns", 1), finish_reasons(row)
+    ids, mask = extract.render(tok, messages, turns, reasons)
     left_out = 0
     while len(ids) > limit and left_out < turns - 1:
         left_out += 1
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         messages = messages[:last_user]  # the last (user, assistant) pair off
-        ids, mask = extract.render(tok, messages, turns - left_out)
+        ids, mask = extract.render(tok, messages, turns - left_out, reasons[:turns - left_out])
     if len(ids) > limit:
         what = ": its first turn alone has" if turns > 1 else " has"
         raise UserError(f"{path}: row {row['id']}{what} {len(ids)} tokens, more than extract.max_length/context {limit}; "

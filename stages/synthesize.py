@@ -4,10 +4,13 @@
 Reads params sections: target, synth.
 Writes data/synth/{train,eval}.jsonl, errors.jsonl, manifest.json. Interrupted (Ctrl-C, kill)?
 Run it again: finished rows are kept and only the rest is generated.
-A prompt row with later user turns (prompts.turns all) is answered turn by turn; its output row holds
-the whole regenerated conversation, "turns" (answered), "stopped" when it ended before its last user
-turn ("length": an answer cut at synth.max_new_tokens; "context": the next turn would not fit), the
-last answer's finish_reason and the completion_tokens of every turn.
+Every output row holds "finish_reasons", one per answer ("stop", or "length": cut at
+synth.max_new_tokens), the last answer's "finish_reason" and the completion_tokens of every turn
+(draftlab/data/answers.py). A prompt row with later user turns (prompts.turns all) is answered turn
+by turn, each after the target's answers so far, a cut one included (synth.after_cut continue); its
+output row holds the whole regenerated conversation, "turns" (answered) and "stopped" when it ended
+before its last user turn ("context": the next turn would not fit; "length": an answer was cut, with
+synth.after_cut stop).
 
 synth.backend sglang: the stage starts `python -m sglang.launch_server` for the target (the folder
 every stage loads: a GGUF target's dequantized one) in target.dtype on a free port, with
@@ -29,8 +32,9 @@ from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, 
 from draftlab.params import as_dict, load_params
 from draftlab.parallel import resolve_device
 from draftlab.progress import bar
+from draftlab.sglang.fleet import DEFAULT_SHARED_MEM
 from draftlab.target.load import (chat_template_hash, load_config, load_target, load_tokenizer, model_path,
-                             target_fingerprint, tokenizer_hash)
+                             target_fingerprint, target_info, tokenizer_hash)
 
 
 # The launch flags synth.server_args may not hold: the stage sets them (SGLang's --tp-size stays 1 here;
@@ -44,13 +48,18 @@ SERVER_MANAGED = {"--model-path": "target.model", "--model": "target.model", "--
 @contextlib.contextmanager
 def own_servers(target_params, synth_params, out: Path):
     """synth.backend sglang: SGLang servers of the target for the stage's lifetime (synth.servers_per_gpu
-    on each visible GPU, draftlab.sglang.fleet); yields their /v1 URLs."""
+    on each visible GPU, draftlab.sglang.fleet); yields their /v1 URLs. Servers that share a GPU get
+    explicit KV pools and start together; where that GPU's memory cannot be read, one after another."""
     from draftlab import lifecycle
-    from draftlab.sglang.fleet import plan_servers, server_env, servers_per_gpu, visible_gpus
+    from draftlab.sglang import fleet
     from draftlab.sglang.launch import free_port, launch_argv
 
     folder = model_path(target_params.model)
-    plan = plan_servers(servers_per_gpu(synth_params.servers_per_gpu, folder), visible_gpus(), synth_params.mem_fraction_static)
+    per_gpu = fleet.servers_per_gpu(synth_params.servers_per_gpu, folder)
+    size = fleet.footprint(folder, target_info(load_config(target_params), target_params), target_params.dtype) if per_gpu > 1 else None
+    plan = fleet.plan_servers(per_gpu, fleet.visible_gpus(), synth_params.mem_fraction_static, size)
+    given = [fleet.with_given_pool(p, synth_params.server_args, "synth.server_args") for p in plan]  # a --max-total-tokens of the user's
+    plan = [p for p, _ in given]
     ports: list[int] = []
     while len(ports) < len(plan):  # distinct: each free_port() call is free on its own
         port = free_port()
@@ -58,19 +67,30 @@ def own_servers(target_params, synth_params, out: Path):
             ports.append(port)
     out.mkdir(parents=True, exist_ok=True)
     specs = []
-    for i, (planned, port) in enumerate(zip(plan, ports)):
-        extra = list(synth_params.server_args)
-        if planned.mem_fraction is not None:
-            extra += ["--mem-fraction-static", str(planned.mem_fraction)]
-        argv = launch_argv(folder, port, baseline=True, dtype=target_params.dtype, extra_args=extra,
+    for i, ((planned, extra), port) in enumerate(zip(given, ports)):
+        argv = launch_argv(folder, port, baseline=True, dtype=target_params.dtype, extra_args=extra + planned.args(),
                            extra_key="synth.server_args", managed={k: v for k, v in SERVER_MANAGED.items() if k != "--mem-fraction-static"})
         log = out / (".sglang-server.log" if len(plan) == 1 else f".sglang-server-{i}.log")
-        specs.append((argv, f"http://127.0.0.1:{port}", log, server_env(planned)))
-    where = ", ".join(sorted({f"GPU {p.gpu}" for p in plan if p.gpu is not None})) or "the visible devices"
-    print(f"synthesize: starting {len(plan)} SGLang server(s) of {target_params.model} on {where} "
-          f"(memory share {plan[0].mem_fraction or 'SGLang default'} each; logs {out}/.sglang-server*.log)")
-    with lifecycle.serve_many(specs, synth_params.startup_timeout_s, groups=[p.gpu for p in plan]) as servers:
+        specs.append((argv, f"http://127.0.0.1:{port}", log, fleet.server_env(planned)))
+    print(f"synthesize: starting {len(plan)} SGLang server(s) of {target_params.model} on {_where(plan)} "
+          f"({_memory_text(plan[0], synth_params.mem_fraction_static, per_gpu)}; logs {out}/.sglang-server*.log)")
+    # A server with an explicit pool is a group of its own: it starts beside the others (lifecycle.serve_many)
+    groups = [i if p.explicit else p.gpu for i, p in enumerate(plan)]
+    with lifecycle.serve_many(specs, synth_params.startup_timeout_s, groups=groups) as servers:
         yield [f"{srv.url}/v1" for srv in servers]
+
+
+def _where(plan) -> str:
+    return ", ".join(sorted({f"GPU {p.gpu}" for p in plan if p.gpu is not None})) or "the visible devices"
+
+
+def _memory_text(planned, share: float | None, per_gpu: int) -> str:
+    """What each server of the plan gets, for the stage's first line."""
+    if planned.explicit:
+        return (f"{share or DEFAULT_SHARED_MEM} of each GPU for its {per_gpu} servers: each a KV pool of {planned.max_total_tokens} "
+                f"tokens, started together")
+    together = "started one after another" if per_gpu > 1 else "one per GPU"
+    return f"memory share {planned.mem_fraction or 'SGLang default'} each, {together}"
 
 
 def make_backend(target_params, synth_params, base_urls: list[str] | None = None):
@@ -113,9 +133,10 @@ def run(params, splits, inputs, out: Path, backend) -> None:
             "revision": target_params.revision,
             "sampling": sampling,
             "finish_reason": reply.finish_reason,  # of the last answer
+            "finish_reasons": reply.finish_reasons,  # of each answer: which ones were cut (extract masks after them)
             "completion_tokens": reply.completion_tokens,  # of every turn
         }
-        if prompt.get("next_turns"):  # a conversation (a row of one turn stays as it always was)
+        if prompt.get("next_turns"):  # a conversation (a row of one turn carries no count)
             row["turns"] = len(reply.answers)
             if reply.stopped:
                 row["stopped"] = reply.stopped
@@ -145,6 +166,7 @@ def run(params, splits, inputs, out: Path, backend) -> None:
         "counts": counts,
         "resumed": stats["resumed"],
         "finish_reasons": stats["finish_reasons"],  # of each row's last answer
+        "answer_finish_reasons": stats["answer_finish_reasons"],  # of every answer, every turn of every row
         "turns_answered": stats["turns"],  # answers in the outputs, every turn of every row
         "conversations_stopped": stats["stopped"],  # rows ended before their last user turn, by reason
         "completion_tokens": stats["completion_tokens"],  # generated in this run (not the resumed rows)
@@ -157,12 +179,14 @@ def run(params, splits, inputs, out: Path, backend) -> None:
     # The outputs' content hash is an input too: sampled answers differ between runs.
     manifest = build_manifest("synthesize", as_dict(params), {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)
     write_manifest(out, manifest)
-    length = stats["finish_reasons"].get("length", 0)
+    length = stats["answer_finish_reasons"].get("length", 0)
     failed = f"{n_err} failed (reasons in {out / 'errors.jsonl'})" if n_err else "0 failed"
     turns = f" ({stats['turns']} turns)" if stats["turns"] != n_ok else ""
     stopped = f", {stats['stopped']['context']} conversations stopped before a turn that would not fit the context" \
         if stats["stopped"].get("context") else ""
-    print(f"synthesize: {n_ok} answered{turns}, {failed}, {length} cut at synth.max_new_tokens{stopped}, "
+    if stats["stopped"].get("length"):
+        stopped += f", {stats['stopped']['length']} conversations ended at a cut answer (synth.after_cut stop)"
+    print(f"synthesize: {n_ok} answered{turns}, {failed}, {length} answers cut at synth.max_new_tokens{stopped}, "
           f"{info['tokens_per_s']} tokens/s -> {out}")
 
 

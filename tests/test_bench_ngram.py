@@ -12,7 +12,7 @@ from draftlab.bench.stage import bench as bench_stage
 from draftlab.params import load_params
 from draftlab.sglang.client import Client
 from draftlab.sglang.flags import SpecFlags, resolve
-from tests.test_bench_sweep import MAX_NEW, MEASURED, Started, make_project
+from tests.test_bench_sweep import MAX_NEW, MEASURED, make_project, note_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/bench_prompts/mt_bench_small.jsonl"
@@ -38,7 +38,7 @@ def run(tmp_path_factory):
         return flush(self, *a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "start", Started(bench.start, started))
+        note_starts(mp, started)
         mp.setattr(Client, "generate", noted_generate)
         mp.setattr(Client, "flush_cache", noted_flush)
         report = bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",

@@ -1,6 +1,7 @@
 """bench.sweep: every configuration served beside one baseline and measured paired against it, on
 the reference server with a micro target; and the configurations a user writes, checked before
 anything starts."""
+import dataclasses
 import json
 import math
 import types
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftlab import lifecycle
 from draftlab.bench import servers as bench, sweep as bench_sweep
 from draftlab.data import prompts
 from draftlab.bench.stage import bench as bench_stage
@@ -41,7 +43,8 @@ def make_project(root: Path, **bench_params) -> Path:
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
     p["target"]["model"] = str(root / "models/micro")
     p["spec"].update(num_steps=2, topk=1, num_draft_tokens=None)
-    p["bench"].update(num_prompts=MEASURED, warmup=1, max_new_tokens=MAX_NEW, concurrency=[1, 2], concurrency_repeats=2, **bench_params)
+    p["bench"].update({"num_prompts": MEASURED, "warmup": 1, "max_new_tokens": MAX_NEW, "concurrency": [1, 2], "concurrency_repeats": 2,
+                       **bench_params})
     (root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     return root
 
@@ -67,12 +70,45 @@ class Started:
         return Noted()
 
 
+class StartedMany:
+    """draftlab.bench.servers.start_many as it is, noting every server it started as Started does (an
+    error in place of the URL of one that did not start), and per call (servers started, /generate
+    requests sent before they were up) in `calls`."""
+
+    def __init__(self, real, log, sent=None, calls=None):
+        self.real, self.log, self.sent, self.calls = real, log, sent, calls
+
+    def __call__(self, backend, bench_params, target_params, draft, version, launches, *args, **kw):
+        cm = self.real(backend, bench_params, target_params, draft, version, launches, *args, **kw)
+        outer = self
+
+        class Noted:
+            def __enter__(self):
+                got = cm.__enter__()
+                for launch, srv in zip(launches, got):
+                    f = launch.flags
+                    outer.log.append((launch.speculative, (f.num_steps, f.topk, f.num_draft_tokens), getattr(srv, "url", srv)))
+                if outer.calls is not None:
+                    outer.calls.append((len(launches), len(outer.sent or [])))
+                return got
+
+            def __exit__(self, *exc):
+                return cm.__exit__(*exc)
+        return Noted()
+
+
+def note_starts(mp, started, sent=None, calls=None):
+    """Note every server the bench starts, alone or together (Started, StartedMany)."""
+    mp.setattr(bench, "start", Started(bench.start, started))
+    mp.setattr(bench, "start_many", StartedMany(bench.start_many, started, sent, calls))
+
+
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     """One bench stage with bench.sweep over three configurations, concurrency [1, 2]: (root, report,
-    servers started, every /generate request in the order sent, the printed output)."""
+    servers started, every /generate request in the order sent, the start_many calls)."""
     root = make_project(tmp_path_factory.mktemp("sweep"), sweep=SWEEP)
-    started, sent = [], []
+    started, sent, calls = [], [], []
     generate = Client.generate
 
     def noted_generate(self, prompt, sampling_params=None, **body):
@@ -81,15 +117,16 @@ def swept(tmp_path_factory):
         return text, meta
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "start", Started(bench.start, started))
+        note_starts(mp, started, sent, calls)
         mp.setattr(Client, "generate", noted_generate)
         report = bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",
                              params_file=root / "params.yaml")
-    return root, report, started, sent
+    return root, report, started, sent, calls
 
 
-def test_one_baseline_server_is_kept_up_and_each_configuration_starts_beside_it_in_turn(swept):
-    _, report, started, _ = swept
+def test_the_baseline_and_every_listed_configuration_start_together_before_anything_is_measured(swept):
+    _, report, started, _, calls = swept
+    assert calls == [(4, 0)]  # one start of four servers, before the first request
     assert [s for s, _, _ in started] == [False, True, True, True]  # the baseline once, first
     assert [key for spec, key, _ in started if spec] == ORDER  # spec.*'s first, then bench.sweep's, 2-1-3 not twice
     base_url = started[0][2]
@@ -100,7 +137,7 @@ def test_one_baseline_server_is_kept_up_and_each_configuration_starts_beside_it_
 
 
 def test_each_configuration_is_paired_abba_over_the_same_prompts_at_bs1_and_in_flight(swept):
-    _, report, started, sent = swept
+    _, report, started, sent, _ = swept
     base_url = started[0][2]
     # Per pairing, in order: a warm-up request per server; bs=1 ABBA; prompt-only ABBA; at 2 in
     # flight an uncounted batch per server, two ABBA pairs of whole batches, a prompt-only batch each.
@@ -125,7 +162,7 @@ def test_each_configuration_is_paired_abba_over_the_same_prompts_at_bs1_and_in_f
 
 
 def test_every_point_has_the_advice_its_measurement_and_the_error(swept):
-    _, report, _, _ = swept
+    _, report, _, _, _ = swept
     advice = report["advice"]
     candidates = {(c["num_steps"], c["topk"], c["num_draft_tokens"]): c for c in advice["candidates"]}
     assert set(ORDER) <= set(candidates)  # every configuration swept is predicted
@@ -151,7 +188,7 @@ def test_every_point_has_the_advice_its_measurement_and_the_error(swept):
 
 
 def test_the_best_configuration_and_the_advice_are_named_and_plotted(swept):
-    root, report, _, _ = swept
+    root, report, _, _, _ = swept
     best = report["best_configuration"]
     top = max(report["configurations"], key=lambda c: c["speedup"])
     assert best["measured"] == top["configuration"] and best["configurations_measured"] == 3
@@ -264,3 +301,72 @@ def test_a_repeat_spread_is_max_over_min_of_the_paired_batches():
     assert point["repeat_speedups"] == [1.6, 1.75] and math.isclose(point["repeat_spread"], 1.75 / 1.6 - 1.0)
     assert point["speedup"] == 1.5 and math.isclose(point["speedup_error"], 1.2 / 1.5 - 1.0)
     assert math.isclose(point["tau_error"], 0.1)
+
+
+@pytest.fixture(scope="module")
+def waves(tmp_path_factory):
+    """One bench stage whose GPU (a stand-in layout, on the reference server) holds the baseline,
+    spec.*'s 2-1-3 and 1-1-2 at once, and 2-2-4 only after them; 1-1-2's server cannot start (its
+    draft is missing). (report, servers started, start_many calls, events: ("start", n) and
+    ("stop", url) in order)."""
+    from draftlab.bench import memory, run as bench_run
+
+    root = make_project(tmp_path_factory.mktemp("waves"), sweep=["1-1-2", "2-2-4"], concurrency=[1])
+    started, sent, calls, events = [], [], [], []
+    names = ["2-1-3", "1-1-2", "2-2-4"]
+    layout = memory.Layout(4096, 0.95, [names[:2], names[2:]], "0", 10 * memory.GIB, dict.fromkeys([memory.BASELINE, *names], 1))
+    argv_of, start_many, stop, prepare_plan = bench.server_argv, bench.start_many, lifecycle.stop, bench_run.prepare
+
+    def broken_for_1_1_2(backend, bp, target, draft, flags, *args, **kw):
+        argv, url = argv_of(backend, bp, target, draft, flags, *args, **kw)
+        if (flags.num_steps, flags.topk, flags.num_draft_tokens) == (1, 1, 2):
+            argv[argv.index("--speculative-draft-model-path") + 1] = str(root / "models/no-such-draft")
+        return argv, url
+
+    def noted_start_many(*args, **kw):
+        events.append(("start", len(args[5])))
+        return start_many(*args, **kw)
+
+    generate = Client.generate
+
+    def noted_generate(self, prompt, sampling_params=None, **body):
+        sent.append(self.url)
+        return generate(self, prompt, sampling_params, **body)
+
+    def noted_stop(srv, *args, **kw):
+        if not srv.stopped:
+            events.append(("stop", srv.url))
+        return stop(srv, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_run, "prepare", lambda *a, **kw: dataclasses.replace(prepare_plan(*a, **kw), layout=layout))
+        mp.setattr(bench, "server_argv", broken_for_1_1_2)
+        mp.setattr(bench, "start_many", noted_start_many)
+        note_starts(mp, started, sent, calls)
+        mp.setattr(lifecycle, "stop", noted_stop)
+        mp.setattr(Client, "generate", noted_generate)
+        report = bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",
+                             params_file=root / "params.yaml")
+    return report, started, calls, events
+
+
+def test_a_configuration_whose_server_does_not_start_is_reported_and_the_sweep_goes_on(waves):
+    report, started, calls, _ = waves
+    failed = [s for s in started if s[1] == (1, 1, 2)]
+    assert len(failed) == 1 and isinstance(failed[0][2], UserError)  # started once, with its wave, and failed there
+    rows = {r["configuration"]: r for r in report["configurations"]}
+    assert list(rows) == ["2-1-3", "1-1-2", "2-2-4"]
+    assert "no-such-draft" in rows["1-1-2"]["error"] and "speedup" not in rows["1-1-2"]
+    assert rows["2-1-3"]["speedup"] > 0 and rows["2-2-4"]["speedup"] > 0  # the others measured
+    assert report["best_configuration"]["configurations_failed"] == ["1-1-2"]
+
+
+def test_a_configuration_the_gpu_cannot_hold_with_the_first_ones_starts_once_they_are_measured_and_stopped(waves):
+    _, started, calls, events = waves
+    assert calls[0] == (3, 0)  # the baseline, 2-1-3 and 1-1-2 together, before any request
+    assert calls[1][0] == 1 and calls[1][1] > 0  # 2-2-4 alone, after 2-1-3 was measured
+    spec_url = next(url for spec, key, url in started if key == (2, 1, 3) and spec)
+    base_url = next(url for spec, _, url in started if not spec)
+    second = events.index(("start", 1))
+    assert ("stop", spec_url) in events[:second]  # wave one's servers stopped before wave two starts
+    assert ("stop", base_url) in events[second:]  # the baseline up to the end

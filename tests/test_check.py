@@ -402,14 +402,27 @@ def test_training_on_answers_longer_than_the_benchs_is_named_as_the_likely_cause
 
 
 def test_the_cut_share_of_conversations_counts_every_answer():
-    """A conversation's finish_reason is its last answer's; its earlier answers all stopped (a cut one
-    ends it), so the share of answers cut is over synthesize's turns_answered."""
+    """A manifest without answer_finish_reasons (written when a cut answer ended its conversation): a
+    conversation's finish_reason is its last answer's and its earlier answers all stopped, so the share
+    of answers cut is over synthesize's turns_answered."""
     from draftlab.check.serving import answer_lengths
 
     synth = {"params": {"synth": {"max_new_tokens": 512}},
              "info": {"finish_reasons": {"length": 300, "stop": 700}, "turns_answered": 3500}}
     lengths = answer_lengths(synth, {"params": {"bench": {"max_new_tokens": 256}}})
     assert lengths["answers_cut_share"] == round(300 / 3500, 3)
+
+
+def test_the_cut_share_counts_every_cut_answer_where_synthesize_recorded_each():
+    """A cut answer no longer ends its conversation: the cut answers are counted over every turn
+    (answer_finish_reasons), not only each row's last."""
+    from draftlab.check.serving import answer_lengths
+
+    synth = {"params": {"synth": {"max_new_tokens": 512}},
+             "info": {"finish_reasons": {"length": 300, "stop": 700}, "turns_answered": 3500,
+                      "answer_finish_reasons": {"length": 2100, "stop": 1400}}}
+    lengths = answer_lengths(synth, {"params": {"bench": {"max_new_tokens": 256}}})
+    assert lengths["answers_cut_share"] == 0.6
 
 
 # --- inputs -------------------------------------------------------------------------------------

@@ -94,6 +94,36 @@ def test_loss_mask_of_a_regenerated_conversation_labels_every_token():
         extract.render(tok, msgs, turns=3)
 
 
+def test_the_end_of_turn_token_after_a_cut_answer_is_not_learned():
+    """An answer cut at synth.max_new_tokens: its own tokens are learned, the end-of-turn token the
+    template puts after it is not (the target would have gone on). Each token's label by hand."""
+    tok = make_micro_tokenizer()
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "la la"},  # cut: the target had more to say
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "no"},
+    ]
+    want = [("<|user|>", 0), ("Ċ", 0), ("h", 0), ("i", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("y", 1), ("o", 1), ("<|end|>", 1),
+            ("<|user|>", 0), ("Ċ", 0), ("g", 0), ("o", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("l", 1), ("a", 1), ("Ġ", 1), ("l", 1), ("a", 1), ("<|end|>", 0),
+            ("<|user|>", 0), ("Ċ", 0), ("o", 0), ("k", 0), ("?", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("Ċ", 0), ("n", 1), ("o", 1), ("<|end|>", 1)]
+    ids, mask = extract.render(tok, msgs, 3, ["stop", "length", "stop"])
+    assert list(zip(tok.convert_ids_to_tokens(ids), map(int, mask))) == want
+    # The last answer cut too: only its end-of-turn token changes.
+    _, last_cut = extract.render(tok, msgs, 3, ["stop", "length", "length"])
+    assert [int(m) for m in last_cut] == [m for _, m in want[:-1]] + [0]
+    # A single answer cut: its content only.
+    ids, mask = extract.render(tok, msgs[:2], 1, ["length"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "yo"
+    with pytest.raises(ValueError, match="2 finish reasons for 3 assistant turns"):
+        extract.render(tok, msgs, 3, ["stop", "stop"])
+
+
 def test_plan_shards_sorted_and_complete():
     lengths = [50, 10, 30, 20, 40]
     plan = extract.plan_shards(lengths, shard_tokens=45)
@@ -125,15 +155,30 @@ def test_a_conversation_too_long_ends_after_its_last_turn_that_fits(tmp_path):
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 10},
             {"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "b" * 10},
             {"role": "user", "content": "v" * 30}, {"role": "assistant", "content": "c" * 30}]
-    row = {"id": "r1", "messages": msgs, "turns": 3}
+    row = {"id": "r1", "messages": msgs, "turns": 3, "finish_reason": "stop", "finish_reasons": ["stop", "length", "stop"]}
     full, _ = extract.render(tok, msgs, 3)
-    two, two_mask = extract.render(tok, msgs[:4], 2)
+    two, two_mask = extract.render(tok, msgs[:4], 2, ["stop", "length"])
     assert fitted(tok, row, len(full), tmp_path / "t.jsonl")[2] == 0
     ids, mask, left_out = fitted(tok, row, len(full) - 1, tmp_path / "t.jsonl")
+    # The kept turns keep their own finish reasons: the cut second answer's end-of-turn token is not learned.
     assert (ids, mask, left_out) == (two, two_mask, 1) and tok.decode([i for i, m in zip(ids, mask) if m]) == \
-        "a" * 10 + "<|end|>" + "b" * 10 + "<|end|>"
+        "a" * 10 + "<|end|>" + "b" * 10
     assert fitted(tok, row, len(two) - 1, tmp_path / "t.jsonl")[2] == 2
     with pytest.raises(UserError, match=r"t.jsonl: row r1: its first turn alone has \d+ tokens, more than extract.max_length/context 5"):
         fitted(tok, row, 5, tmp_path / "t.jsonl")
     with pytest.raises(UserError, match=r"t.jsonl: row r2 has \d+ tokens"):  # a single answer: an error, as always
-        fitted(tok, {"id": "r2", "messages": msgs}, 5, tmp_path / "t.jsonl")
+        fitted(tok, {"id": "r2", "messages": msgs, "finish_reason": "stop"}, 5, tmp_path / "t.jsonl")
+
+
+def test_a_row_written_before_finish_reasons_masks_as_its_answers_ended(tmp_path):
+    """A row without finish_reasons: a cut answer ended its conversation then, so only its last answer
+    can have been cut; the end-of-turn token after that one is not learned."""
+    from stages.extract import fitted
+
+    tok = make_micro_tokenizer()
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "aa"},
+            {"role": "user", "content": "u"}, {"role": "assistant", "content": "bb"}]
+    ids, mask, _ = fitted(tok, {"id": "r", "messages": msgs, "turns": 2, "finish_reason": "length"}, 512, tmp_path / "t.jsonl")
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "aa<|end|>bb"
+    ids, mask, _ = fitted(tok, {"id": "r", "messages": msgs[:2], "finish_reason": "stop"}, 512, tmp_path / "t.jsonl")
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "aa<|end|>"

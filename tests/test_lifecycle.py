@@ -235,3 +235,26 @@ def test_servers_of_one_group_start_one_after_another_and_groups_start_together(
         assert abs(started[2] - started[0]) < 0.5  # gpu1's server started beside gpu0's first
         procs = [s.process for s in servers]
     assert all(p.poll() is not None for p in procs)
+
+
+def test_an_optional_server_that_fails_to_start_is_reported_in_its_place_and_the_others_go_on(fake, tmp_path):
+    """serve_many(optional=...): the bench's sweep reports a configuration whose server did not start
+    and measures the others; a server that is not optional fails them all, without waiting for the
+    slower ones."""
+    make, _ = fake
+    specs = []
+    for i, (mode, delay) in enumerate([("ok", 0.3), ("crash", 0.0), ("ok", 0.3)]):
+        argv, url, _ = make(delay=delay, mode=mode)
+        specs.append((argv, url, tmp_path / "logs" / f"s{i}.log", None))
+    with lifecycle.serve_many(specs, 30, optional=[False, True, True]) as got:
+        assert isinstance(got[1], UserError) and "CRASH-91c2" in str(got[1])  # its log's tail says why
+        assert [httpx.get(got[i].url + "/health", timeout=5).status_code for i in (0, 2)] == [200, 200]
+        procs = [got[0].process, got[2].process]
+    assert all(p.poll() is not None for p in procs)
+    argv, url, _ = make(delay=5.0)
+    slow = [(argv, url, tmp_path / "logs" / "slow.log", None), specs[1]]
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="CRASH-91c2"):
+        with lifecycle.serve_many(slow, 30):
+            pass
+    assert time.monotonic() - t0 < 4.0  # the crash is reported at once, not after the slow server's start-up

@@ -41,3 +41,127 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert fleet.visible_gpus() == ["2", "3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert fleet.visible_gpus() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers sharing a GPU: explicit KV pools, started together
+
+GIB = 1 << 30
+SMOLLM2 = {"num_layers": 30, "num_key_value_heads": 3, "head_dim": 64}  # SmolLM2-135M: 9 heads of 64, 3 KV heads
+
+
+def test_a_token_of_smollm2_takes_23040_bytes_of_kv_cache_in_bf16(tmp_path):
+    assert fleet.kv_bytes_per_token(SMOLLM2, 2) == 2 * 30 * 3 * 64 * 2 == 23_040  # K and V, 30 layers, 3 heads of 64, bf16
+    assert fleet.kv_bytes_per_token(SMOLLM2, 2, tp_size=2) == 7_680  # 3 // 2 = 1 KV head per GPU, as SGLang splits them
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert fleet.dtype_bytes("auto", tmp_path) == 2 and fleet.dtype_bytes("float32") == 4  # auto: the checkpoint's
+
+
+def test_servers_sharing_a_gpu_get_a_pool_from_their_share_and_a_fraction_that_lets_them_load_together():
+    smollm2 = fleet.Footprint(weights=270_000_000, per_token=23_040)
+    plan = fleet.plan_servers(4, ["0"], 0.8, smollm2, free_memory=lambda gpu: 140 * GIB)
+    # each: 0.8 / 4 of 140 GiB = 30,064,771,072 B, less 270 MB of weights, 0.9 of it in tokens of 23,040 B
+    assert {p.max_total_tokens for p in plan} == {1_163_858}
+    assert plan[0].args() == ["--mem-fraction-static", "0.9", "--max-total-tokens", "1163858"]  # 1 - (1 - 0.8) / 2
+    assert [p.gpu for p in plan] == ["0"] * 4 and all(p.explicit for p in plan)
+
+
+def test_without_the_gpus_memory_or_the_targets_size_the_servers_size_their_pools_themselves():
+    smollm2 = fleet.Footprint(weights=270_000_000, per_token=23_040)
+    unknown = fleet.plan_servers(2, ["0"], 0.8, smollm2, free_memory=lambda gpu: None)
+    assert [p.args() for p in unknown] == [["--mem-fraction-static", "0.4"]] * 2 and not unknown[0].explicit
+    assert not fleet.plan_servers(2, ["0"], 0.8, None, free_memory=lambda gpu: 140 * GIB)[0].explicit  # a hub id
+    one = fleet.plan_servers(1, ["0"], 0.5, smollm2, free_memory=lambda gpu: 140 * GIB)
+    assert one[0].args() == ["--mem-fraction-static", "0.5"]  # one server per GPU starts alone: SGLang sizes its pool
+
+
+def test_a_share_that_holds_no_more_than_the_weights_is_refused_before_anything_starts():
+    big = fleet.Footprint(weights=16 * GIB, per_token=131_072)
+    with pytest.raises(UserError, match=r"synth.mem_fraction_static 0.5 shared by 4 servers on GPU 0 .*no room for a KV cache"):
+        fleet.plan_servers(4, ["0"], 0.5, big, free_memory=lambda gpu: 80 * GIB)
+
+
+def test_a_pool_the_user_gives_is_kept_within_the_share_and_refused_beyond_it():
+    planned = fleet.PlannedServer("0", 0.9, 100_000)
+    kept, args = fleet.with_given_pool(planned, ["--max-total-tokens", "64k", "--grammar-backend", "none"], "synth.server_args")
+    assert kept.max_total_tokens == 64_000 and args == ["--grammar-backend", "none"]  # passed once, by the plan
+    assert fleet.with_given_pool(planned, ["--max-total-tokens=64Ki"], "k")[0].max_total_tokens == 65_536
+    with pytest.raises(UserError, match=r"synth.server_args: --max-total-tokens 200000 is more than .*100000 tokens"):
+        fleet.with_given_pool(planned, ["--max-total-tokens", "200000"], "synth.server_args")
+    alone = fleet.PlannedServer("0", None)  # no explicit pool: the user's flag goes through as given
+    assert fleet.with_given_pool(alone, ["--max-total-tokens", "5000"], "k") == (alone, ["--max-total-tokens", "5000"])
+
+
+SLOW_SGLANG = '''
+import http.server, json, os, sys, time
+port = sys.argv[sys.argv.index("--port") + 1]
+record = {"argv": sys.argv[1:], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "started": time.time()}
+open(os.path.join(os.environ["STANDIN_RECORDS"], port + ".json"), "w").write(json.dumps(record))
+time.sleep(float(os.environ["STANDIN_STARTUP_S"]))  # loading, capturing graphs
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(port)), H).serve_forever()
+'''
+STARTUP_S = 2.0
+
+
+@pytest.fixture
+def slow_sglang(tmp_path, monkeypatch):
+    """`python -m sglang.launch_server` as a stand-in that takes STARTUP_S to become healthy and
+    records its argv, GPU and start time; a micro target; GPU 0 visible. Returns a function that
+    runs the synthesize stage's own_servers and gives (records, seconds until all were healthy)."""
+    import json
+    import time
+    import types
+
+    from stages.synthesize import own_servers
+    from tests.support.micro import save_micro_model
+
+    (tmp_path / "standin/sglang").mkdir(parents=True)
+    (tmp_path / "standin/sglang/__init__.py").write_text("")
+    (tmp_path / "standin/sglang/launch_server.py").write_text(SLOW_SGLANG)
+    (tmp_path / "records").mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "standin"))
+    monkeypatch.setenv("STANDIN_RECORDS", str(tmp_path / "records"))
+    monkeypatch.setenv("STANDIN_STARTUP_S", str(STARTUP_S))
+    monkeypatch.setattr(fleet, "visible_gpus", lambda: ["0"])
+    save_micro_model(tmp_path / "target", arch="llama", num_layers=2)
+    target = types.SimpleNamespace(model=str(tmp_path / "target"), revision=None, dtype="bfloat16")
+
+    def run(free_gib, server_args=()):
+        monkeypatch.setattr(fleet, "gpu_free_memory", lambda gpu: None if free_gib is None else free_gib * GIB)
+        synth = types.SimpleNamespace(servers_per_gpu=3, mem_fraction_static=0.6, server_args=list(server_args), startup_timeout_s=60.0)
+        t0 = time.monotonic()
+        with own_servers(target, synth, tmp_path / "out") as urls:
+            took = time.monotonic() - t0
+            assert len(urls) == 3
+        records = [json.loads(p.read_text()) for p in (tmp_path / "records").iterdir()]
+        for p in (tmp_path / "records").iterdir():
+            p.unlink()
+        return sorted(records, key=lambda r: r["started"]), took
+
+    return run
+
+
+def test_servers_of_one_gpu_start_together_when_their_pools_are_explicit(slow_sglang):
+    records, took = slow_sglang(80)
+    assert took < 2 * STARTUP_S  # about one start-up, not three
+    assert records[-1]["started"] - records[0]["started"] < 1.0  # none waited for another to be healthy
+    for r in records:
+        argv = r["argv"]
+        assert r["gpu"] == "0"
+        assert argv[argv.index("--mem-fraction-static") + 1] == "0.8"  # 1 - (1 - 0.6) / 2
+        assert int(argv[argv.index("--max-total-tokens") + 1]) > 0
+        assert argv.count("--max-total-tokens") == 1 and argv.count("--mem-fraction-static") == 1
+    records, _ = slow_sglang(80, server_args=["--max-total-tokens", "1000"])  # the user's own pool, within the share
+    assert [r["argv"][r["argv"].index("--max-total-tokens") + 1] for r in records] == ["1000"] * 3
+    assert all(r["argv"].count("--max-total-tokens") == 1 for r in records)
+
+
+def test_servers_of_one_gpu_whose_memory_is_unknown_start_one_after_another(slow_sglang):
+    records, took = slow_sglang(None)
+    assert took >= 3 * STARTUP_S
+    assert all(b["started"] - a["started"] >= STARTUP_S for a, b in zip(records, records[1:]))  # each once the one before was up
+    assert all("--max-total-tokens" not in r["argv"] and "0.2" in r["argv"] for r in records)  # 0.6 / 3 each, SGLang's own pool

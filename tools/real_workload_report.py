@@ -173,7 +173,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
            f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
-           f"({(synth.get('finish_reasons') or {}).get('length')} answers cut at synth.max_new_tokens). "
+           f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
+           "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s.", "",
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",

@@ -11,7 +11,8 @@ starts the servers (draftlab.bench.servers.start), measures them (draftlab.bench
 only then loads the target's weights for the offline run (draftlab.bench.offline), so that a GPU
 holds one copy of the target at a time. With bench.sweep the offline run comes first instead, its
 copy of the target freed before any server starts, so that the advice is known while the baseline
-stays up for every configuration (draftlab.bench.sweep).
+stays up for every configuration (draftlab.bench.sweep); bench.sweep's servers start together with
+the baseline, each with its own KV pool on SGLang (draftlab.bench.memory, settled in `prepare`).
 
 bench.prompts (draftlab.bench.prompts) may name several prompt sets: each is measured on every
 server, the first giving the headline figures, the offline run and the advice. A set of several
@@ -35,6 +36,7 @@ import torch
 
 from draftlab import jsonl
 from draftlab.bench import advice, servers, prompts as bench_prompts, report as bench_report, sweep as bench_sweep, offline as cost_timing, ngram_advice, fits
+from draftlab.bench import memory
 from draftlab.engine import speculative as spec_engine
 from draftlab.errors import UserError
 from draftlab.params import HELDOUT, BenchParams, SpecParams, TargetParams
@@ -66,6 +68,7 @@ class BenchPlan:
     configurations: list = dataclasses.field(default_factory=list)  # draftlab.bench.sweep.Configuration: spec.*'s, then bench.sweep's
     advised_choices: dict = dataclasses.field(default_factory=dict)  # bench.sweep `advised`: {key: Resolution or why refused}
     sets: list = dataclasses.field(default_factory=list)  # draftlab.bench.prompts.BenchSet of bench.prompts, in order
+    layout: memory.Layout | None = None  # bench.sweep on SGLang: every server's KV pool and the waves they start in
 
     @property
     def warmup_ids(self) -> list[list[int]]:
@@ -157,8 +160,8 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
                         "bench.url is measured. Set bench.backend: sglang (with bench.side_by_side: true) or reference to "
                         "sweep, or bench.sweep: [] and one experiment per configuration (dvc exp run -S spec.num_steps=...)")
     if bench_params.sweep and bench_params.backend == "sglang" and not bench_params.side_by_side:
-        raise UserError("bench.sweep keeps one baseline server up beside each speculative one: set bench.side_by_side: true "
-                        "(and give each server --mem-fraction-static 0.4 or less in bench.extra_server_args), or bench.sweep: []")
+        raise UserError("bench.sweep keeps one baseline server up beside the speculative ones: set bench.side_by_side: true "
+                        "(on a GPU the bench then gives each server its own KV pool and starts them together), or bench.sweep: []")
     if bench_params.backend == "url":
         # The server already runs with whatever flags it was given: measure it and report, refuse nothing.
         for f in res.errors + res.adjustments:
@@ -193,8 +196,12 @@ def prepare(target_params: TargetParams, spec_params: SpecParams, bench_params: 
                 check_context(ids, firsts, bench_params, c.resolution.effective, info["max_position_embeddings"],
                               prompts, Path(bset.source))
     prompt_ids = warmup_ids + sets[0].render(tokenizer, turn=1)
+    layout = None
+    if bench_params.backend == "sglang" and bench_params.sweep:  # every server's KV pool, settled before any starts
+        lengths = memory.request_lengths(tokenizer, sets, warmup_ids, bench_params.max_new_tokens)
+        layout = memory.plan_layout(bench_params, target_params, info, draft, configurations, choices, lengths)
     return BenchPlan(target_params, spec_params, bench_params, sglang_version, draft, device, tokenizer, info, res,
-                     prompt_ids, configurations, choices, sets)
+                     prompt_ids, configurations, choices, sets, layout)
 
 
 def host_compiler() -> str | None:
@@ -258,12 +265,12 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         # the in-process run first, its copy of the target freed before any server starts.
         offline, costs, physical, ranks = measure_offline(plan)
         release_memory(plan.device)
-        with bench_sweep.baseline_server(plan, out) as base_url:
-            first = bench_sweep.measure_first(plan, base_url, out)
+        with bench_sweep.servers_up(plan, out) as fleet:  # the baseline and bench.sweep's servers, started together
+            first = bench_sweep.measure_first(plan, fleet)
             adv = advise(plan, first.baseline, first.spec, offline, costs, ranks)  # numbers in, numbers out
             pick = adv["advised"]["recommended"]
             pick = (pick["num_steps"], pick["topk"], pick["num_draft_tokens"]) if pick else None
-            pairings = [first] + bench_sweep.measure_rest(plan, base_url, out, first, pick)
+            pairings = [first] + bench_sweep.measure_rest(plan, fleet, first, pick)
     else:
         sets, log = measure_served(plan, out)
         baseline, spec = sets[plan.sets[0].name]

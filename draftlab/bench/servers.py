@@ -4,7 +4,8 @@
         figures = measure({"speculative": url}, bench_params, prompt_ids, sampling, warmup)["speculative"]
 
 `start` launches the project's reference server (backend `reference`), SGLang (`sglang`), or
-gives back a server already running (`url`); `measure` sends the same token ids to each.
+gives back a server already running (`url`); `start_many` launches several at the same time (a
+sweep's baseline and configurations); `measure` sends the same token ids to each.
 
 Figures (DESIGN.md section 9, formulas in draftlab.metrics):
   tokens/s per request  = completion tokens / client-side wall time of the request
@@ -15,11 +16,14 @@ The offline run and the costs are in draftlab.bench.offline, the advice in draft
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from draftlab import jsonl, lifecycle, progress
 from draftlab.engine import server
@@ -27,6 +31,8 @@ from draftlab.errors import UserError
 from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
 from draftlab.sglang.flags import SPEC_KEYS, SpecFlags
+from draftlab.sglang.fleet import without_flag
+from draftlab.sglang.launch import free_port as sglang_free_port
 from draftlab.sglang.launch import launch_argv, serve
 from draftlab.target.load import model_path
 
@@ -51,23 +57,76 @@ def render_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
 
 
 def start(backend: str, bench_params, target_params, draft: Path | None, flags: SpecFlags, version: str, log: Path,
-          speculative: bool, hidden: bool = False, port: int | None = None):
+          speculative: bool, hidden: bool = False, port: int | None = None, memory_args: Sequence[str] = ()):
     """Context manager yielding the base URL of a started (or given) server, stopped on exit.
 
     speculative False: a baseline server (no speculation; `flags` still gives the server-wide
     settings). hidden: start it with --enable-return-hidden-states (live parity). port: None = bench.port
-    for SGLang, a free one for the reference server.
+    for SGLang, a free one for the reference server. memory_args: SGLang's memory flags when it
+    starts beside others (draftlab.bench.memory), in place of any in bench.extra_server_args.
     """
     if backend == "url":
         if not bench_params.url:
             raise UserError("bench.backend is 'url' but bench.url is empty; give the base URL of a running server")
         return _given(bench_params.url)
     port = port or (bench_params.port if backend == "sglang" else lifecycle.free_port())
+    argv, url = server_argv(backend, bench_params, target_params, draft, flags, version, speculative, port, hidden, memory_args)
     if backend == "sglang":
+        return _url(serve(argv, log, bench_params.startup_timeout_s), url)
+    return _url(lifecycle.serve(argv, url, log, startup_timeout_s=bench_params.startup_timeout_s), url)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One server of start_many."""
+
+    flags: SpecFlags
+    log: Path
+    speculative: bool
+    optional: bool = False  # its failure to start is reported in its place and the others go on
+
+
+@contextlib.contextmanager
+def start_many(backend: str, bench_params, target_params, draft: Path | None, version: str, launches: list[Launch],
+               together: bool = True, memory_args: Sequence[str] = ()):
+    """Several servers as `start` starts one, all at the same time (together; else one after another,
+    each once the one before is healthy, for SGLang servers that size their memory pools themselves);
+    yields per launch its lifecycle.Server, or for an optional one that did not start the UserError
+    saying why. A baseline gets bench.port (SGLang), every other server a free port of its own."""
+    ports = _ports(backend, bench_params, launches)
+    specs = []
+    for launch, port in zip(launches, ports):
+        argv, url = server_argv(backend, bench_params, target_params, draft, launch.flags, version, launch.speculative, port,
+                                memory_args=memory_args)
+        specs.append((argv, url, launch.log, None))
+    with lifecycle.serve_many(specs, bench_params.startup_timeout_s, groups=None if together else [0] * len(specs),
+                              optional=[launch.optional for launch in launches]) as servers:
+        yield servers
+
+
+def _ports(backend: str, bench_params, launches: list[Launch]) -> list[int]:
+    """Distinct ports: bench.port for an SGLang baseline, else free ones (each free_port() call is free on its own)."""
+    fixed = {i: bench_params.port for i, launch in enumerate(launches) if backend == "sglang" and not launch.speculative}
+    ports = []
+    for i in range(len(launches)):
+        port = fixed.get(i)
+        while port is None or port in ports or (i not in fixed and port in fixed.values()):
+            port = sglang_free_port() if backend == "sglang" else lifecycle.free_port()
+        ports.append(port)
+    return ports
+
+
+def server_argv(backend: str, bench_params, target_params, draft: Path | None, flags: SpecFlags, version: str, speculative: bool,
+                port: int, hidden: bool = False, memory_args: Sequence[str] = ()) -> tuple[list[str], str]:
+    """(argv, base URL) of one server of `backend` (sglang or reference) on `port`."""
+    url = f"http://127.0.0.1:{port}"
+    if backend == "sglang":
+        extra = list(bench_params.extra_server_args)
+        if memory_args:  # the bench's memory flags replace the user's share (draftlab.bench.memory)
+            extra = without_flag(extra, "--mem-fraction-static") + list(memory_args)
         argv = launch_argv(model_path(target_params.model), port, draft_model=str(draft), flags=flags, baseline=not speculative,
-                           tp_size=bench_params.tp_size, dtype=bench_params.dtype, extra_args=bench_params.extra_server_args,
-                           return_hidden_states=hidden)
-        return _url(serve(argv, log, bench_params.startup_timeout_s), port)
+                           tp_size=bench_params.tp_size, dtype=bench_params.dtype, extra_args=extra, return_hidden_states=hidden)
+        return argv, url
     spec = {}
     if speculative and flags.algorithm == "NGRAM":  # no draft model: the n-gram cache's settings
         spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": flags.num_draft_tokens,
@@ -81,7 +140,7 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
     argv = server.launch_command(target_params.model, port, dtype=target_params.dtype, device=target_params.device,
                                  log_level="warning", enable_return_hidden_states=hidden,
                                  max_running_requests=flags.max_running_requests, **spec)
-    return _url(lifecycle.serve(argv, f"http://127.0.0.1:{port}", log, startup_timeout_s=bench_params.startup_timeout_s), port)
+    return argv, url
 
 
 class _given:
@@ -96,12 +155,12 @@ class _given:
 
 
 class _url:
-    def __init__(self, cm, port):
-        self.cm, self.port = cm, port
+    def __init__(self, cm, url):
+        self.cm, self.url = cm, url
 
     def __enter__(self):
         self.cm.__enter__()
-        return f"http://127.0.0.1:{self.port}"
+        return self.url
 
     def __exit__(self, *exc):
         return self.cm.__exit__(*exc)

@@ -1,13 +1,23 @@
-"""The bench stage's configuration sweep (bench.sweep): one baseline server kept up, each speculative
-configuration started beside it in turn, measured paired against it, and stopped.
+"""The bench stage's configuration sweep (bench.sweep): one baseline server kept up, every speculative
+configuration bench.sweep lists started with it before anything is measured, each measured paired
+against it in turn; all stopped at the end.
 
     configurations, choices = draftlab.bench.sweep.plan_configurations(spec_resolution, bench_params.sweep, resolve_one,
                                                               on_adjust, candidates)
-    with draftlab.bench.sweep.baseline_server(plan, out) as base_url:
-        first = draftlab.bench.sweep.measure_first(plan, base_url, out)        # spec.*'s configuration
+    with draftlab.bench.sweep.servers_up(plan, out) as fleet:
+        first = draftlab.bench.sweep.measure_first(plan, fleet)        # spec.*'s configuration
         pick = ...                                                    # the advice, from numbers (bench.run)
-        pairings = [first] + draftlab.bench.sweep.measure_rest(plan, base_url, out, first, pick)   # bench.sweep's, in order
+        pairings = [first] + draftlab.bench.sweep.measure_rest(plan, fleet, first, pick)   # bench.sweep's, in order
     rows = draftlab.bench.sweep.rows(pairings, bs1_predictions, predictions_by_concurrency)
+
+Starting them together costs one start-up (SGLang: ~70 s) instead of one per configuration, and no
+measurement overlaps a start-up. On SGLang each server then has an explicit KV pool
+(draftlab.bench.memory, plan.layout); where the GPU cannot hold them all, those that do not fit
+start in a later wave, once the ones before are measured and stopped; where the GPU's memory is
+unknown, each configuration starts beside the baseline in turn, as SGLang sizes its pools itself.
+A configuration whose server does not start is reported with its error (Pairing.error), as one
+whose requests fail; the others go on. `advised`, when it picks a configuration not measured yet,
+starts then, beside the baseline, and stops after its pairing.
 
 spec.*'s configuration is always measured first: the offline run, the tau triangle, the headline
 figures and the check use it, and its pairing calibrates the advice. `advised` in bench.sweep is
@@ -37,7 +47,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab import lifecycle
 from draftlab.bench import servers
+from draftlab.bench.memory import BASELINE
 from draftlab.errors import UserError
 from draftlab.params import ADVISED, is_ngram, parse_configuration, parse_ngram
 from draftlab.sglang.flags import Resolution
@@ -135,29 +147,118 @@ def _key(res: Resolution) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def baseline_server(plan, out: Path):
-    """The one baseline server (no speculation) every configuration is paired against, up for the
-    whole sweep; the answers that later turns follow are taken from it once, on start."""
-    bp = plan.bench_params
-    print("bench: a baseline server (no speculation), kept up for every configuration")
-    with servers.start(bp.backend, bp, plan.target_params, plan.draft.path, plan.flags, plan.sglang_version,
-                     out / "server-baseline.log", speculative=False) as base_url:
-        plan.answer_turns(base_url, out)
-        yield base_url
+def servers_up(plan, out: Path):
+    """The sweep's servers (Fleet): the baseline, up for the whole sweep, and bench.sweep's
+    configurations, started with it before anything is measured; the answers that later turns
+    follow are taken from the baseline once, on start. Every server is stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        fleet = Fleet(plan, out, stack)
+        fleet.start_wave(0)
+        plan.answer_turns(fleet.base_url, out)
+        yield fleet
 
 
-def measure_first(plan, base_url: str, out: Path) -> Pairing:
+class Fleet:
+    """The servers of a sweep: the baseline, and the speculative ones wave by wave (`waves`)."""
+
+    def __init__(self, plan, out: Path, stack: contextlib.ExitStack):
+        self.plan, self.out, self.stack = plan, out, stack
+        self.waves = waves(plan)
+        self.current: int | None = None  # the wave up
+        self.up: dict[str, object] = {}  # configuration name -> its lifecycle.Server, or the UserError its start gave
+        self.base_url: str | None = None
+
+    def log(self, config: Configuration) -> Path:
+        first = config is self.plan.configurations[0]
+        return self.out / ("server-spec.log" if first else f"server-spec-{config.name}.log")
+
+    def start_wave(self, k: int) -> None:
+        """Start wave k's servers together (the baseline with the first); the first wave's
+        spec.*'s server must start, a later one's failure is its configuration's error."""
+        plan, bp, layout = self.plan, self.plan.bench_params, self.plan.layout
+        configs = [c for c in plan.configurations if c.name in self.waves[k] and c.resolution is not None]
+        launches = [servers.Launch(c.resolution.effective, self.log(c), True, optional=c is not plan.configurations[0]) for c in configs]
+        if self.base_url is None:
+            launches.insert(0, servers.Launch(plan.flags, self.out / "server-baseline.log", False))
+        self.current = k
+        if not launches:
+            return
+        together = layout is not None or bp.backend == "reference"  # the reference server pre-allocates nothing
+        self._announce(configs, together)
+        got = self.stack.enter_context(servers.start_many(bp.backend, bp, plan.target_params, plan.draft.path, plan.sglang_version,
+                                                          launches, together, layout.args if layout else ()))
+        if self.base_url is None:
+            self.base_url, got = got[0].url, got[1:]
+        for config, srv in zip(configs, got):
+            self.up[config.name] = srv
+            if isinstance(srv, UserError):
+                print(f"bench: warning: configuration {config.name} failed to start: {str(srv).splitlines()[0]}")
+
+    def _announce(self, configs: list[Configuration], together: bool) -> None:
+        baseline = self.base_url is None
+        names = (["a baseline server (no speculation), kept up for every configuration"] if baseline else []) + \
+            [f"{c.name}'s speculative server" for c in configs]
+        how = "together" if together else "one after another (each sizing its own KV pool)"
+        layout = self.plan.layout
+        memory = f" ({layout.describe(([BASELINE] if baseline else []) + [c.name for c in configs])})" if layout else ""
+        print(f"bench: starting {', '.join(names)}, {how}{memory}")
+
+    def reach(self, name: str) -> None:
+        """Have the wave that holds configuration `name` up, the one before it stopped (nothing
+        when it is up already, or when no wave holds `name`)."""
+        k = next((i for i, wave in enumerate(self.waves) if name in wave), None)
+        if k is None or k == self.current:
+            return
+        for other in self.waves[self.current]:
+            if isinstance(self.up.get(other), lifecycle.Server):
+                lifecycle.stop(self.up[other])
+        self.start_wave(k)
+
+    @contextlib.contextmanager
+    def serving(self, config: Configuration):
+        """The URL of `config`'s speculative server: started with its wave, or (the advised pick,
+        which no wave holds) started now beside what is up and stopped after."""
+        self.reach(config.name)
+        srv = self.up.get(config.name)
+        if isinstance(srv, UserError):
+            raise srv
+        if srv is not None:
+            yield srv.url
+            return
+        bp, layout = self.plan.bench_params, self.plan.layout
+        port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
+        with servers.start(bp.backend, bp, self.plan.target_params, self.plan.draft.path, config.resolution.effective,
+                           self.plan.sglang_version, self.log(config), speculative=True, port=port,
+                           memory_args=layout.args if layout else ()) as url:
+            yield url
+
+
+def waves(plan) -> list[list[str]]:
+    """The configurations started together, wave by wave: plan.layout's (SGLang servers with explicit
+    pools); all at once on the reference server; else one at a time (SGLang sizing its own pool)."""
+    names = [c.name for c in plan.configurations]
+    if plan.layout is not None:
+        return plan.layout.waves
+    if plan.bench_params.backend == "reference":
+        return [names]
+    return [[n] for n in names]
+
+
+def measure_first(plan, fleet: Fleet) -> Pairing:
     """spec.*'s configuration beside the baseline: the pairing that calibrates the advice."""
-    return _pair(plan, base_url, plan.configurations[0], out / "server-spec.log")
+    config = plan.configurations[0]
+    with fleet.serving(config) as url:
+        return _pair(plan, fleet.base_url, config, fleet.log(config), url)
 
 
-def measure_rest(plan, base_url: str, out: Path, first: Pairing, pick: tuple[int, int, int] | None) -> list[Pairing]:
+def measure_rest(plan, fleet: Fleet, first: Pairing, pick: tuple[int, int, int] | None) -> list[Pairing]:
     """Every other configuration of plan.configurations beside the same baseline, in order; `pick`:
     the key the advice recommends (for `advised`), or None. A configuration that fails (its server
     does not start, a request fails) is recorded with its error and the sweep goes on."""
     rest = plan.configurations[1:]
     measured, pairings = {first.configuration.key: first.configuration}, []
     for config in rest:
+        fleet.reach(config.name)  # its wave up (for `advised`: the wave that keeps room for the pick)
         if config.name == ADVISED:
             config = _advised(plan, pick, measured, [c for c in rest if c.resolution is not None])
             if config is None:
@@ -166,10 +267,11 @@ def measure_rest(plan, base_url: str, out: Path, first: Pairing, pick: tuple[int
             continue
         measured[config.key] = config
         try:
-            pairings.append(_pair(plan, base_url, config, out / f"server-spec-{config.name}.log"))
+            with fleet.serving(config) as url:
+                pairings.append(_pair(plan, fleet.base_url, config, fleet.log(config), url))
         except UserError as e:
             print(f"bench: warning: configuration {config.name} failed: {str(e).splitlines()[0]}")
-            pairings.append(Pairing(config, None, None, out / f"server-spec-{config.name}.log", error=str(e)))
+            pairings.append(Pairing(config, None, None, fleet.log(config), error=str(e)))
     return pairings
 
 
@@ -190,22 +292,20 @@ def _advised(plan, pick, measured: dict, listed: list[Configuration]) -> Configu
     return Configuration(name_of(pick), [ADVISED], choice)
 
 
-def _pair(plan, base_url: str, config: Configuration, log: Path) -> Pairing:
+def _pair(plan, base_url: str, config: Configuration, log: Path, url: str) -> Pairing:
+    """Measure `config`'s server at `url` paired against the baseline, on every prompt set."""
     bp = plan.bench_params
     flags = config.resolution.effective
     print(f"bench: {config.name} ({', '.join(config.roles)}): speculative server {flags.algorithm} steps={flags.num_steps} "
           f"topk={flags.topk} draft_tokens={flags.num_draft_tokens} beside the baseline; requests in ABBA order"
           + ("; both servers' caches emptied before every measured pass" if config.ngram else ""))
-    port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
     sets = {}
-    with servers.start(bp.backend, bp, plan.target_params, plan.draft.path, flags, plan.sglang_version, log,
-                     speculative=True, port=port) as url:
-        for bset in plan.sets:
-            got = servers.measure({"baseline": base_url, "speculative": url}, bp, plan.set_prompt_ids(bset), plan.sampling,
-                                bp.warmup, abba=True, label=f"{config.name} {bset.name}", fresh=config.ngram)
-            if not got["speculative"]["spec"]:
-                raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
-            sets[bset.name] = (got["baseline"], got["speculative"])
+    for bset in plan.sets:
+        got = servers.measure({"baseline": base_url, "speculative": url}, bp, plan.set_prompt_ids(bset), plan.sampling,
+                              bp.warmup, abba=True, label=f"{config.name} {bset.name}", fresh=config.ngram)
+        if not got["speculative"]["spec"]:
+            raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
+        sets[bset.name] = (got["baseline"], got["speculative"])
     base, spec = sets[plan.sets[0].name]
     return Pairing(config, base, spec, log, {"baseline": base_url, "speculative": url}, sets=sets)
 

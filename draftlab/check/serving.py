@@ -136,11 +136,15 @@ def answer_lengths(synth_manifest: dict | None, bench_manifest: dict | None) -> 
     synth = synth_manifest or {}
     cap = ((synth.get("params") or {}).get("synth") or {}).get("max_new_tokens")
     bench_cap = (((bench_manifest or {}).get("params") or {}).get("bench") or {}).get("max_new_tokens")
-    reasons = (synth.get("info") or {}).get("finish_reasons") or {}  # of each row's last answer
+    info = synth.get("info") or {}
+    every = isinstance(info.get("answer_finish_reasons"), dict)  # of every answer, every turn of every row
+    reasons = info["answer_finish_reasons"] if every else info.get("finish_reasons") or {}  # else each row's last answer's
     total = sum(v for v in reasons.values() if isinstance(v, int))
-    # A conversation's answers before its last all stopped (a cut one ends it): the share is of every answer.
-    turns = (synth.get("info") or {}).get("turns_answered")
-    total = turns if isinstance(turns, int) and not isinstance(turns, bool) and turns >= total else total
+    # A manifest without answer_finish_reasons was written when a cut answer ended its conversation, so
+    # the answers before each last one all stopped: the share is of every answer (turns_answered).
+    turns = info.get("turns_answered")
+    if not every and isinstance(turns, int) and not isinstance(turns, bool) and turns >= total:
+        total = turns
     if not cap or not bench_cap or not total:
         return None
     return {"synth_max_new_tokens": cap, "answers_cut_share": round(reasons.get("length", 0) / total, 3),

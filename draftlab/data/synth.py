@@ -12,9 +12,13 @@ Conversations (prompt rows with "next_turns", prompts.turns all): the target ans
 its own answers to turns 1..k-1 in the chat template, never the source's recorded answers. The hf
 backend goes round by round (every conversation's turn k in one set of batches); the openai
 backend runs each conversation's turns in sequence inside one worker, so `concurrency`
-conversations are in flight and no round waits for its slowest answer. A conversation ends early
-when a turn is cut at max_new_tokens (finish_reason "length": the next question would follow a
-cut answer) or when its next turn plus max_new_tokens would not fit the target's context
+conversations are in flight and no round waits for its slowest answer. An answer cut at
+max_new_tokens (finish_reason "length") stays in the history as the target wrote it and the next
+turn is asked after it (synth.after_cut continue; stop ends the conversation there instead,
+stopped "length"): a target that often runs to the cap would otherwise lose most later turns.
+Each answer's finish reason is kept (Reply.finish_reasons; the row's "finish_reasons"), so that
+extraction does not teach the end-of-turn token the template puts after a cut answer. A
+conversation ends early when its next turn plus max_new_tokens would not fit the target's context
 (stopped "context"); the turns answered so far are kept. A first turn that does not fit is an
 error before any generation (check_context).
 
@@ -57,6 +61,7 @@ import httpx
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, canonical_json
 from draftlab import jsonl
+from draftlab.data.answers import FINISH_REASONS, finish_reasons, finish_reasons_problem
 from draftlab.data.tasks import END_THINK, THINK
 
 SPLITS = ("train", "eval")
@@ -80,11 +85,15 @@ class Answer:
 class Reply:
     """The target's answers to one prompt row: one per user turn asked, in order."""
     answers: list[Answer]
-    stopped: str | None = None  # a conversation ended before its last user turn: "length" (a cut answer) or "context"
+    stopped: str | None = None  # a conversation ended before its last user turn: "length" (a cut answer, after_cut stop) or "context"
 
     @property
     def finish_reason(self) -> str:  # of the last answer
         return self.answers[-1].finish_reason
+
+    @property
+    def finish_reasons(self) -> list[str]:  # of each answer, in order
+        return [a.finish_reason for a in self.answers]
 
     @property
     def completion_tokens(self) -> int:  # over every turn
@@ -97,8 +106,9 @@ Done = Callable[[dict, "Reply | None", "str | None"], None]
 class Dialogue:
     """One prompt row answered turn by turn: what the next request sends, and the answers so far."""
 
-    def __init__(self, row: dict, tok, context_length: int, max_new_tokens: int):
+    def __init__(self, row: dict, tok, context_length: int, max_new_tokens: int, after_cut: str = "continue"):
         self.row, self.tok, self.context_length, self.max_new_tokens = row, tok, context_length, max_new_tokens
+        self.after_cut = after_cut  # synth.after_cut: what a cut answer does to the rest of the conversation
         self.messages = list(row["messages"])  # the prompt of the turn being asked
         self.left = list(row.get("next_turns") or ())  # user turns not asked yet
         self.reply = Reply([])
@@ -122,9 +132,10 @@ class Dialogue:
         self.reply.answers.append(ans)
         if not self.left:
             return False
-        if ans.finish_reason != "stop":
+        if ans.finish_reason != "stop" and self.after_cut == "stop":
             self.reply.stopped = "length"
             return False
+        # A cut answer goes on as the target wrote it: what a client that keeps it would send next.
         nxt = self.messages + [{"role": "assistant", "content": ans.content}, {"role": "user", "content": self.left[0]}]
         ids = prompt_ids(self.tok, nxt)
         if len(ids) + self.max_new_tokens > self.context_length:
@@ -273,7 +284,8 @@ class HFBackend:
     def answer(self, rows: list[dict], done: Done) -> None:
         """Round by round: every conversation's turn k, then the turn k+1 of those that go on."""
         synth_params = self.synth_params
-        active = [Dialogue(r, self.tokenizer, self.context_length, synth_params.max_new_tokens) for r in rows]
+        active = [Dialogue(r, self.tokenizer, self.context_length, synth_params.max_new_tokens, synth_params.after_cut)
+                  for r in rows]
         while active:
             going = []
             for dialogue, ans in self._round(active):
@@ -396,7 +408,8 @@ class OpenAIBackend:
     async def _converse(self, client: httpx.AsyncClient, row: dict) -> tuple[Reply | None, str | None]:
         """Every turn of one prompt row, in sequence; a failed turn fails the row (a rerun asks it again
         from its first turn: only whole conversations are kept)."""
-        dialogue = Dialogue(row, self.tokenizer, self.context_length, self.synth_params.max_new_tokens)
+        dialogue = Dialogue(row, self.tokenizer, self.context_length, self.synth_params.max_new_tokens,
+                            self.synth_params.after_cut)
         turns = 1 + len(dialogue.left)
         try:
             while True:
@@ -494,7 +507,8 @@ def resume_key(target: dict, synth: dict, inputs: dict) -> str:
     Transport settings (base_url, api key name, batch size, concurrency, timeout, retries) may
     change between an interrupted run and its resume.
     """
-    content = {k: synth[k] for k in ("backend", "model_name", "max_new_tokens", "temperature", "top_p", "seed", "reasoning")}
+    content = {k: synth[k] for k in ("backend", "model_name", "max_new_tokens", "temperature", "top_p", "seed", "reasoning",
+                                     "after_cut")}
     return hashlib.sha256(canonical_json({"target": target, "synth": content, "inputs": inputs}).encode()).hexdigest()
 
 
@@ -510,7 +524,7 @@ def row_problem(row) -> str | None:
         return f"row {row['id']}: 'messages' must be a list of {{role, content}} objects, the prompt then the answer"
     if msgs[-1]["role"] != "assistant":
         return f"row {row['id']}: the last message must be the assistant's answer, got role {msgs[-1]['role']!r}"
-    if row.get("finish_reason") not in ("stop", "length"):
+    if row.get("finish_reason") not in FINISH_REASONS:
         return f"row {row['id']}: 'finish_reason' must be \"stop\" or \"length\", got {row.get('finish_reason')!r}"
     tokens = row.get("completion_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -520,7 +534,8 @@ def row_problem(row) -> str | None:
         return f"row {row['id']}: 'turns' must be an integer >= 1 (the turns answered), got {turns!r}"
     if row.get("stopped") not in (None, "length", "context"):
         return f"row {row['id']}: 'stopped' must be \"length\" or \"context\" when present, got {row.get('stopped')!r}"
-    return None
+    problem = finish_reasons_problem(row)
+    return f"row {row['id']}: {problem}" if problem else None
 
 
 def load_partial(path: Path) -> dict[str, dict]:
@@ -579,6 +594,20 @@ def prepare_resume(out: Path, key: str) -> bool:
     return same and any(p.exists() for p in partials)
 
 
+def count_row(stats: dict, row: dict) -> None:
+    """Add one output row to the stats: its last answer's finish reason, every answer's, its turns and
+    why it stopped early."""
+    def bump(counts: dict, key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    bump(stats["finish_reasons"], row["finish_reason"])
+    for reason in finish_reasons(row):  # a cut answer no longer ends its conversation: count each one
+        bump(stats["answer_finish_reasons"], reason)
+    stats["turns"] += row.get("turns", 1)  # a row of one turn carries no count
+    if row.get("stopped"):
+        bump(stats["stopped"], row["stopped"])
+
+
 def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None) -> dict:
     """Answer every row of every split into `out`; returns counts and token figures.
 
@@ -589,7 +618,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
 
     resumed = prepare_resume(out, key)
     stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
-             "turns": 0, "stopped": {}}
+             "answer_finish_reasons": {}, "turns": 0, "stopped": {}}
     errors: list[dict] = []
     done_rows: dict[str, dict[str, dict]] = {}
     for split, rows in splits.items():
@@ -636,10 +665,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
     for split, rows in splits.items():
         done = done_rows[split]
         for r in done.values():
-            stats["finish_reasons"][r["finish_reason"]] = stats["finish_reasons"].get(r["finish_reason"], 0) + 1
-            stats["turns"] += r.get("turns", 1)  # a row of one turn carries no count
-            if r.get("stopped"):
-                stats["stopped"][r["stopped"]] = stats["stopped"].get(r["stopped"], 0) + 1
+            count_row(stats, r)
         jsonl.write(out / f"{split}.jsonl", (done[r["id"]] for r in rows if r["id"] in done))
     jsonl.write(out / "errors.jsonl", errors)
     for split in splits:
