@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.errors import UserError
-from draftlab.train.ttt_flex import ttt_block_mask, ttt_flex_attend
+from draftlab.train.ttt_flex import flex_kernel, ttt_block_mask, ttt_flex_attend
 
 
 @dataclass
@@ -217,12 +217,13 @@ class TTTCache:
         self._k0 = self._v0 = self._mask = None
         self.seq_ids, self.kernel, self.compiled = seq_ids, kernel, compiled
         self._block_masks: dict[int, object] = {}  # flex: steps seen -> block mask, for this batch
+        self._flex = flex_kernel(compiled) if kernel == "flex" else None
 
     def attend(self, q, k, v, mask=None):
         if self.kernel == "flex":
             self.ks.append(k)
             self.vs.append(v)
-            return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self.compiled)
+            return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self._flex)
         B, h, T, hd = q.shape
         n_kv = k.shape[1]
         groups = h // n_kv

@@ -51,9 +51,14 @@ def ttt_block_mask(seq_ids: torch.Tensor | None, batch: int, rows: int, steps_se
     return make(mask_mod, batch, None, rows, steps_seen * rows, device=device)
 
 
-def ttt_flex_attend(q, keys: list, values: list, block_mask, compiled: bool):
+def flex_kernel(compiled: bool):
+    """The flex_attention to call: compiled or not. Looked up once per batch, outside any compiled
+    graph (a graph that traced the cached lookup would trace past its cache)."""
+    return _compiled()[0] if compiled else flex_attention
+
+
+def ttt_flex_attend(q, keys: list, values: list, block_mask, kernel):
     """Attention of q [B, h, T, hd] over the keys/values of every step so far (each [B, n_kv, T, hd])."""
     k = torch.cat(keys, dim=2) if len(keys) > 1 else keys[0]
     v = torch.cat(values, dim=2) if len(values) > 1 else values[0]
-    attend = _compiled()[0] if compiled else flex_attention
-    return attend(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
