@@ -289,6 +289,31 @@ def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
     assert len(third.seen) == 8
 
 
+class CallsBackend(ListBackend):
+    """Records the rows of each answer() call; answers them in reverse order, as a pool finishes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def answer(self, rows, done):
+        self.calls.append([r["id"] for r in rows])
+        super().answer(list(reversed(rows)), done)
+
+
+def test_every_split_is_answered_by_one_pool_and_lands_in_its_own_file(tmp_path):
+    """The splits share the backend's workers (no split waits for another's tail), yet every answer
+    is written to its own split's file, in that split's input order, and counted there."""
+    splits = {"train": [row(f"q{i}") for i in range(5)], "eval": [row("e0"), row("e1")]}
+    backend = CallsBackend()
+    stats = synth.synthesize(splits, backend, tmp_path, "key-1", answer_row)
+    assert len(backend.calls) == 1 and sorted(backend.calls[0]) == sorted(r["id"] for rows in splits.values() for r in rows)
+    for split, rows in splits.items():
+        out = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in out] == [r["id"] for r in rows]
+        assert stats["counts"][split] == {"input": len(rows), "resumed": 0, "ok": len(rows), "errors": 0}
+
+
 FAKE_OPENAI = textwrap.dedent('''
     import http.server, json, sys, time
     port, log = int(sys.argv[1]), sys.argv[2]
