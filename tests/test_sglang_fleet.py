@@ -55,6 +55,8 @@ def test_a_token_of_smollm2_takes_23040_bytes_of_kv_cache_in_bf16(tmp_path):
     assert fleet.kv_bytes_per_token(SMOLLM2, 2, tp_size=2) == 7_680  # 3 // 2 = 1 KV head per GPU, as SGLang splits them
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert fleet.dtype_bytes("auto", tmp_path) == 2 and fleet.dtype_bytes("float32") == 4  # auto: the checkpoint's
+    (tmp_path / "config.json").write_text('{"dtype": "float16", "torch_dtype": "float32"}')  # transformers 5 reads dtype first
+    assert fleet.dtype_bytes("auto", tmp_path) == 2
 
 
 def test_servers_sharing_a_gpu_get_a_pool_from_their_share_and_a_fraction_that_lets_them_load_together():

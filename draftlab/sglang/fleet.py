@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import UserError
+from draftlab.sglang.loading import config_dtype
 
 # servers_per_gpu "auto": by the bytes of the target's weights on disk (bf16: 2 bytes per parameter).
 # Under 2 GB (< ~1B parameters) the scheduler is the limit; up to 8 GB two servers still pay; above,
@@ -171,9 +172,8 @@ def dtype_bytes(dtype: str, model_dir: str | Path | None = None) -> int:
     auto). dtype: --dtype as given; "auto" is the checkpoint's torch_dtype (4 bytes when unknown)."""
     if dtype == "auto":
         try:
-            config = json.loads((Path(model_dir) / "config.json").read_text())
-            dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-        except (OSError, TypeError, ValueError):
+            dtype = str(config_dtype(json.loads((Path(model_dir) / "config.json").read_text()))[1] or "float32")
+        except (OSError, TypeError, ValueError, AttributeError):  # no folder, no config, not a JSON object
             dtype = "float32"
     return DTYPE_BYTES.get(dtype.replace("torch.", ""), 4)
 
