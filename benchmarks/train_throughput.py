@@ -23,7 +23,8 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 + the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
 overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
-under torch.compile(dynamic=True) (train.compile). `--attention eager flex` times the packed modes with
+and the soft cross-entropy under torch.compile(dynamic=True) (train.compile); `--compare-loss` adds
+the compiled layer with the eager loss. `--attention eager flex` times the packed modes with
 each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
 `--check-grads` first compares one packed step's loss and gradients under both. The shape
 `smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--profile` runs 3 more packed-mode steps under torch.profiler
@@ -32,6 +33,7 @@ and prints the top operators by self time (GPU kernel time on CUDA).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -128,6 +130,19 @@ class Timed(Meter):
         super().step(*a, **kw)
 
 
+@contextlib.contextmanager
+def loss_kernel(kind: str):
+    """train.compile compiles the soft cross-entropy with the draft's layer; "eager" keeps the layer
+    compiled and the loss eager, to time what compiling the loss alone buys."""
+    saved = loop.compiled_soft_cross_entropy
+    if kind == "eager":
+        loop.compiled_soft_cross_entropy = lambda: loop.soft_cross_entropy
+    try:
+        yield
+    finally:
+        loop.compiled_soft_cross_entropy = saved
+
+
 def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False,
              attention="auto"):
     t = shape["target"]
@@ -222,6 +237,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="timed optimizer steps per mode")
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps first")
     ap.add_argument("--compile", action="store_true", help="also time packed mode with torch.compile of the draft layer")
+    ap.add_argument("--compare-loss", action="store_true",
+                    help="with --compile, also time the compiled layer with the eager soft cross-entropy")
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "eager", "flex"],
                     help="train.attention kernels to time in packed mode (auto: flex on CUDA, eager elsewhere)")
     ap.add_argument("--check-grads", action="store_true",
@@ -268,10 +285,11 @@ def main() -> None:
             for budget in budgets:
                 results.append(run_mode(f"packed {budget}{tag}", *common, batch_tokens=budget, attention=attention))
                 print(show(results[-1]), flush=True)
-            if args.compile:
+            for loss in (["compiled", "eager"] if args.compare_loss else ["compiled"]) if args.compile else []:
                 try:
-                    results.append(run_mode(f"packed {budgets[-1]}{tag} +compile", *common, batch_tokens=budgets[-1], compiled=True,
-                                            attention=attention))
+                    with loss_kernel(loss):
+                        results.append(run_mode(f"packed {budgets[-1]}{tag} +compile" + (", eager loss" if loss == "eager" else ""),
+                                                *common, batch_tokens=budgets[-1], compiled=True, attention=attention))
                     print(show(results[-1]), flush=True)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                     print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -79,6 +79,16 @@ def test_the_real_workload_report_sets_the_held_out_set_against_the_earlier_meas
     assert "| 3-1-4 | 2.000 | 1.830 | 0.700 | 0.660 |" in md and "| ngram | 2.000 | 2.060 | 0.900 | 0.840 |" in md
 
 
+def test_the_real_workload_report_shows_the_learning_curve_epoch_by_epoch(tmp_path):
+    plots = tmp_path / "reports/train/plots"
+    plots.mkdir(parents=True)
+    (plots / "loss.tsv").write_text("epoch\ttrain_loss\teval_loss\n1\t9.5\t4.25\n2\t3.5\t3.125\n")
+    (plots / "accept.tsv").write_text("epoch\taccept_1\taccept_2\ttau_pred\n1\t0.6\t0.5\t1.9\n2\t0.7\t0.6\t2.12\n")
+    md = "\n".join(rwr.learning_curve_md(tmp_path))
+    assert "| 1 | 9.500 | 4.250 | 0.600 | 1.900 |" in md and "| 2 | 3.500 | 3.125 | 0.700 | 2.120 |" in md
+    assert rwr.learning_curve_md(tmp_path / "elsewhere") == []  # a run without the plot files: no section
+
+
 # --- the NGRAM advice ----------------------------------------------------------------------------
 
 LENGTHS = [56, 60, 64, 68, 72]  # completion tokens of the 5 requests (the median request: 64, the mean 64)

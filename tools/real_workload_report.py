@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
@@ -50,7 +51,7 @@ FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its S
 # its 2 warm-up prompts, 256 new tokens, greedy, bs=1: (served tau, speedup).
 EARLIER = {"ngram": (2.06, 0.84), "ngram-4-1": (1.77, 0.74), "3-1-4": (1.83, 0.66), "7-1-8": (1.91, 0.72)}
 COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json reports/train/plots/accept.png "
-          "reports/train/plots/loss.png reports/bench/configurations.csv reports/bench/concurrency.csv "
+          "reports/train/plots/loss.png reports/train/plots/accept.tsv reports/train/plots/loss.tsv reports/bench/configurations.csv reports/bench/concurrency.csv "
           "reports/bench/acceptance.csv reports/bench/configurations.png reports/bench/bench.png "
           "reports/bench/requests.jsonl reports/bench/report.md reports/bench/categories.png reports/bench/categories.csv "
           "params.yaml").split()
@@ -65,6 +66,18 @@ def kind(row: dict) -> str:
 def read(run: Path, rel: str):
     p = run / rel
     return json.loads(p.read_text()) if p.exists() else None
+
+
+def learning_curve_md(run: Path) -> list[str]:
+    """Per epoch: train and eval loss and the eval split's predicted tau (the train stage's plot files)."""
+    accept, loss = run / "reports/train/plots/accept.tsv", run / "reports/train/plots/loss.tsv"
+    if not (accept.exists() and loss.exists()):
+        return []
+    curve = pd.read_csv(loss, sep="\t").merge(pd.read_csv(accept, sep="\t"), on="epoch")
+    return ["## Learning curve (eval split, teacher-forced, after each epoch)", "",
+            table(["epoch", "train loss", "eval loss", "a_1", "predicted tau"],
+                  [[int(r.epoch), round(r.train_loss, 4), round(r.eval_loss, 4), round(r.accept_1, 3), round(r.tau_pred, 3)]
+                   for r in curve.itertuples()]), ""]
 
 
 def stage_times(run: Path) -> dict:
@@ -175,7 +188,9 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
            f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
            "synth.max_new_tokens). "
-           f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s.", "",
+           f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
+           f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}.", "",
+           *learning_curve_md(run),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],

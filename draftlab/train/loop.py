@@ -22,6 +22,7 @@ gradients of its sequences run one at a time.
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 import time
@@ -116,13 +117,34 @@ def labels_dtype(autocast: bool) -> torch.dtype:
 # The TTT objective
 
 
+def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Per scored row r: -sum_v target_p[seen[r], v] * log_softmax(logits[r])_v, in float32.
+
+    logits [N, Vd] (the draft's, bf16 under autocast), target_p [B*T, Vd] float32 (the target's
+    distribution over the draft vocab), seen [N]: where each row's target view sits. Eager, this
+    writes [N, Vd] float32 four times (the upcast, the gathered labels, log_softmax, the product)
+    and keeps them for backward: 2 GB each at 32k rows and a 16k vocab, every TTT step.
+    """
+    return -(target_p[seen] * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+@functools.cache
+def compiled_soft_cross_entropy():
+    """soft_cross_entropy under torch.compile (train.compile): the gather, upcast, log-softmax and
+    row sum fuse into reductions that read the logits and labels without writing [N, Vd] copies.
+    dynamic: N changes every step and batch. Made once per process."""
+    return torch.compile(soft_cross_entropy, dynamic=True)
+
+
 class TTT(nn.Module):
     """Loss and scores of one batch unrolled `steps` steps (a Module so DDP can wrap it)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, kernel: str = "eager", compiled: bool = False):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, kernel: str = "eager", compiled: bool = False,
+                 compile_loss: bool = False):
         super().__init__()
         self.draft, self.steps, self.decay = draft, steps, decay
         self.kernel, self.compiled = kernel, compiled  # TTTCache's attention kernel (attention_kernel)
+        self.compile_loss = compile_loss  # the soft cross-entropy under torch.compile (train.compile)
 
     def forward(self, batch, labels, token_counts, world: int = 1):
         """token_counts[i]: tokens that count at step i summed over all processes (the normalizer)."""
@@ -148,14 +170,15 @@ class TTT(nn.Module):
         # per step (packed: gathered at each row's position in its sequence).
         cos, sin = (x.to(state.dtype) for x in draft.rotary(torch.arange(T + self.steps - 1, device=ids.device)[None]))
         loss = torch.zeros((), device=ids.device)
+        soft_ce = compiled_soft_cross_entropy() if self.compile_loss else soft_cross_entropy
         ce_sums = []
         correct = torch.zeros_like(valid)
         for i in range(self.steps):
             rope = (cos[:, i : i + T], sin[:, i : i + T]) if packed is None else (cos[0][packed + i], sin[0][packed + i])
             state = draft.step(shift(ids, 1 + i), state, positions + i, cache, rope=rope)
             r, seen = rows[i], rows[i] + 1 + i  # the rows that count, and where the target's view of each sits
-            logits = draft.logits(state.flatten(0, 1)[r]).float()  # only rows that count: [N_i, Vd]
-            ce = -(target_p[seen] * torch.log_softmax(logits, dim=-1)).sum(-1)
+            logits = draft.logits(state.flatten(0, 1)[r])  # only rows that count: [N_i, Vd]
+            ce = soft_ce(logits, target_p, seen)
             loss = loss + self.decay**i * ce.sum() * world / token_counts[i].clamp(min=1)
             correct[i, r] = draft.to_target(logits.argmax(-1)) == target_top1[seen]
             ce_sums.append(ce.detach().sum())
@@ -336,7 +359,8 @@ def fit(
     draft.to(device).train()
     if tp.compile:  # in place: the parameter names, so checkpoints and the export, stay the eager ones
         draft.midlayer.compile(dynamic=True)
-    ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay, attention_kernel(tp.attention, device), device.type == "cuda")
+    ttt = TTT(draft, tp.ttt_steps, tp.ttt_decay, attention_kernel(tp.attention, device), device.type == "cuda",
+              compile_loss=tp.compile)
     model = nn.parallel.DistributedDataParallel(ttt, broadcast_buffers=False) if world > 1 else ttt
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
