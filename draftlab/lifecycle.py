@@ -40,11 +40,24 @@ GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL; SGLang frees GPU memory w
 LOG_TAIL_LINES = 40  # server log lines shown when it fails to start
 
 
-def free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux: the ports bind(port 0) hands out
+
+
+def ephemeral_low() -> int | None:
+    """The lowest port the OS hands out for bind(port 0) (Linux's ip_local_port_range), or None."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1", highest: int = 65535, lowest: int = 20000) -> int:
     """A TCP port free right now on `host` (another process may still take it), at most `highest`.
 
-    The OS picks from its ephemeral range (often 32768-60999); a server that derives more ports
-    from its own (SGLang: port + 10000) needs a lower one, drawn here from 20000..highest.
+    highest < 65535: drawn from lowest..highest, and below the OS's ephemeral range where that
+    leaves room. A server binds its port only after loading its model, and servers started
+    together take ephemeral ports meanwhile (SGLang: its NCCL port, from bind(port 0)); one of them
+    once took the port another was about to bind. highest = 65535: the OS picks (ephemeral range).
     """
     if highest >= 65535:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -52,14 +65,17 @@ def free_port(host: str = "127.0.0.1", highest: int = 65535) -> int:
             return s.getsockname()[1]
     import random
 
-    for port in random.sample(range(20000, highest + 1), 200):
+    eph = ephemeral_low()
+    top = min(highest, eph - 1) if eph is not None and eph - 1 - lowest >= 1000 else highest
+    span = range(lowest, top + 1)
+    for port in random.sample(span, min(200, len(span))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
             return port
-    raise UserError(f"no free TCP port found in 20000..{highest} on {host}")
+    raise UserError(f"no free TCP port found in {lowest}..{top} on {host}")
 
 
 def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:

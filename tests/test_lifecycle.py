@@ -258,3 +258,21 @@ def test_an_optional_server_that_fails_to_start_is_reported_in_its_place_and_the
         with lifecycle.serve_many(slow, 30):
             pass
     assert time.monotonic() - t0 < 4.0  # the crash is reported at once, not after the slow server's start-up
+
+
+def test_server_ports_are_drawn_below_the_range_the_os_hands_out_to_others(tmp_path, monkeypatch):
+    """A server started beside others binds its port only after loading its model; meanwhile the
+    others take ports from the OS's ephemeral range (SGLang's NCCL port). A port drawn from below
+    that range cannot be taken that way."""
+    from draftlab import lifecycle
+    from draftlab.sglang.launch import free_port as sglang_free_port
+
+    rng = tmp_path / "ip_local_port_range"
+    rng.write_text("32768\t60999\n")
+    monkeypatch.setattr(lifecycle, "EPHEMERAL_RANGE", rng)
+    ports = {sglang_free_port() for _ in range(50)}
+    assert all(20000 <= p < 32768 for p in ports), sorted(ports)
+    rng.write_text("20500\t60999\n")  # too little room below it: the whole allowed span again
+    assert all(20000 <= sglang_free_port() <= 55535 for _ in range(20))
+    monkeypatch.setattr(lifecycle, "EPHEMERAL_RANGE", tmp_path / "absent")  # not Linux: the whole span
+    assert all(20000 <= sglang_free_port() <= 55535 for _ in range(20))
