@@ -1,5 +1,6 @@
 """How much of a target's greedy answers is a loop, by position: the share of answer tokens that
-close an n-gram already seen earlier in the same answer (n = 8 tokens), per block of positions.
+close an n-gram already seen earlier in the same answer (n = 8 tokens, draftlab.data.loops), per
+block of positions.
 
     python benchmarks/answer_loops.py TARGET_DIR PROMPTS.jsonl [--prompts 8] [--max-new-tokens 512] [--out FILE]
 
@@ -17,17 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftlab import jsonl
+from draftlab.data.loops import LOOP_NGRAM, loop_flags
 
-N, BLOCK = 8, 128  # n-gram length (tokens); positions per block
-
-
-def loop_flags(ids: list[int]) -> list[bool]:
-    seen, out = set(), []
-    for t in range(len(ids)):
-        gram = tuple(ids[max(0, t - N + 1): t + 1])
-        out.append(len(gram) == N and gram in seen)
-        seen.add(gram)
-    return out
+BLOCK = 128  # positions per block
 
 
 def main(argv=None) -> None:
@@ -52,7 +45,7 @@ def main(argv=None) -> None:
             b = blocks.setdefault(t // BLOCK, [0, 0])
             b[0] += f
             b[1] += 1
-    res = {"prompts": args.n, "capped": capped, "ngram": N,
+    res = {"prompts": args.n, "capped": capped, "ngram": LOOP_NGRAM,
            "loop_share_by_block": {f"{k * BLOCK}-{(k + 1) * BLOCK - 1}": round(v[0] / v[1], 3) for k, v in sorted(blocks.items())},
            "tokens_by_block": {f"{k * BLOCK}-{(k + 1) * BLOCK - 1}": v[1] for k, v in sorted(blocks.items())}}
     print(json.dumps(res, indent=1))

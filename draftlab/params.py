@@ -249,6 +249,9 @@ class ExtractParams:
     shard_tokens: Annotated[Int, Field(ge=1)]  # tokens per safetensors shard
     dtype: Literal["bfloat16", "float16", "float32"]  # storage dtype of hidden states
     online_sample_sequences: Annotated[Int, Field(ge=1)] = 64  # train.features online: rows per split captured for stats and check
+    # learn: every answer token is a training target. skip: the train split's loop tokens (draftlab.data.loops:
+    # an 8-gram already seen in the same answer) are off the loss; the eval split keeps them, as serving does.
+    loop_tokens: Literal["learn", "skip"] = "learn"
 
 
 @dataclass(frozen=True, config=STRICT)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from draftlab import jsonl
 from draftlab.data.answers import finish_reasons
+from draftlab.data.loops import answer_loop_flags
 from draftlab.features import extract
 from draftlab import parallel
 from draftlab.sglang.layers import physical_from_spec, validate_capture
@@ -146,8 +147,13 @@ def main(synth: Path, out: Path) -> None:
     for split in ("train", "eval"):
         rows = read_rows(synth / f"{split}.jsonl")
         rendered, dropped = [], []  # dropped: later turns left out of each conversation cut to fit
+        loop_tokens = answer_tokens = 0
         for r in rows:
             ids, mask, left_out = fitted(tok, r, limit, synth / f"{split}.jsonl")
+            looped = answer_loop_flags(ids, mask)
+            loop_tokens, answer_tokens = loop_tokens + sum(looped), answer_tokens + sum(mask)
+            if split == "train" and extract_params.loop_tokens == "skip":
+                mask = [m and not f for m, f in zip(mask, looped)]
             rendered.append((ids, mask))
             dropped.append(left_out)
         lengths = [len(ids) for ids, _ in rendered]
@@ -168,7 +174,10 @@ def main(synth: Path, out: Path) -> None:
             for old in (out / split).glob("shard-*.safetensors"):  # shards of an older plan
                 if int(old.stem.split("-")[1]) >= len(plan):
                     old.unlink()
-        counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths)}
+        counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths), "answer_tokens": answer_tokens,
+                         "loop_tokens": loop_tokens, "loop_share": round(loop_tokens / max(1, answer_tokens), 4)}
+        if split == "train" and extract_params.loop_tokens == "skip":
+            counts[split]["loop_tokens_learned"] = 0  # extract.loop_tokens skip: off the loss
         if any(dropped):  # conversations longer than extract.max_length: their first turns kept
             counts[split] |= {"conversations_cut": sum(n > 0 for n in dropped), "turns_cut": sum(dropped)}
         if mode == "online":
@@ -210,6 +219,9 @@ def main(synth: Path, out: Path) -> None:
                   f"{per_token:.0f} bytes/token, physical layers {physical} -> {out}")
         else:
             print(f"extract: all {what}shards already present for config {config_hash[:12]} -> {out}")
+        loops = ", ".join(f"{c['loop_share']:.1%} of {split}" for split, c in counts.items())
+        print(f"extract: loop tokens (an 8-gram repeated within one answer): {loops} answer tokens"
+              + ("; the train split's are off the loss (extract.loop_tokens skip)" if extract_params.loop_tokens == "skip" else ""))
         if mode == "online":
             sampled = ", ".join(f"{c['sample_rows']} of {c['rows']} {split}" for split, c in counts.items())
             print(f"extract: train.features online: tokens of every row in {out}/<split>/{extract.TOKENS_FILE}, "

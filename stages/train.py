@@ -89,6 +89,15 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     plt.close("all")
 
 
+def step1_line(kinds: dict, bands: dict) -> str:
+    """The eval split's step-1 acceptance by kind of token and position band, in one line."""
+    def rate(c):
+        return "-" if c["a_1"] is None else f"{c['a_1']:.3f}"
+    total = sum(c["tokens"] for c in kinds.values()) or 1
+    return (f"step-1 acceptance on the eval split: loop tokens {rate(kinds['loop'])} ({kinds['loop']['tokens'] / total:.0%} of "
+            f"tokens), other {rate(kinds['other'])}; by answer position " + ", ".join(f"{k} {rate(c)}" for k, c in bands.items()))
+
+
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
     target_params, train_params = params.target, params.train
@@ -149,6 +158,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "accept": {f"step_{i + 1}": last["eval_accept"][i] for i in range(K)},
             "top1_acc": {f"step_{i + 1}": last["eval_top1_acc"][i] for i in range(K)},
             "tau_by_steps": {f"steps_{n + 1}": last["eval_tau_by_steps"][n] for n in range(K)},
+            # the first draft token's hit rate on the eval split, split by the predicted token: a loop token of its
+            # answer (an 8-gram repeated within it) or not, and its position band in the answer
+            "step1_by_kind": last.get("eval_step1_by_kind"),
+            "step1_by_position": last.get("eval_step1_by_position"),
             "epochs": last["epoch"],
             "optimizer_steps": last["step"],
             "seconds": round(seconds, 1),
@@ -168,6 +181,8 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         (resume_dir / "last.pt").unlink(missing_ok=True)
         print(f"train: tau_pred {last['eval_tau_pred']:.3f} over {K} steps, accept {[round(a, 3) for a in last['eval_accept']]}, "
               f"{seconds:.0f}s -> {out}")
+        if kinds := last.get("eval_step1_by_kind"):
+            print(f"train: {step1_line(kinds, last['eval_step1_by_position'])}")
         print(f"train: features {train_params.features}: {tokens} training tokens at {tokens_per_s} tokens/s "
               f"(optimizer steps only{', target forward included' if train_params.features == 'online' else ''})")
         flop_s = "FLOPs not counted (the target's facts lack a size)" if rate["target_flops_per_s"] is None else (

@@ -89,6 +89,15 @@ def test_the_real_workload_report_shows_the_learning_curve_epoch_by_epoch(tmp_pa
     assert rwr.learning_curve_md(tmp_path / "elsewhere") == []  # a run without the plot files: no section
 
 
+def test_the_real_workload_report_splits_step1_acceptance_by_kind_and_position():
+    train = {"step1_by_kind": {"loop": {"tokens": 40, "a_1": 0.95}, "other": {"tokens": 160, "a_1": 0.6}},
+             "step1_by_position": {"0-63": {"tokens": 120, "a_1": 0.62}, "512+": {"tokens": 0, "a_1": None}}}
+    md = "\n".join(rwr.step1_md(train))
+    assert "| loop tokens | 40 | 0.950 |" in md and "| other tokens | 160 | 0.600 |" in md
+    assert "| positions 0-63 | 120 | 0.620 |" in md and "| positions 512+ | 0 |" in md
+    assert rwr.step1_md({"tau_pred": 2.0}) == []  # metrics of a run before the split: no section
+
+
 # --- the NGRAM advice ----------------------------------------------------------------------------
 
 LENGTHS = [56, 60, 64, 68, 72]  # completion tokens of the 5 requests (the median request: 64, the mean 64)

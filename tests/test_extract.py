@@ -182,3 +182,23 @@ def test_a_row_written_before_finish_reasons_masks_as_its_answers_ended(tmp_path
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "aa<|end|>bb"
     ids, mask, _ = fitted(tok, {"id": "r", "messages": msgs[:2], "finish_reason": "stop"}, 512, tmp_path / "t.jsonl")
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "aa<|end|>"
+
+
+def test_loop_tokens_are_the_repeats_of_an_8_gram_within_one_answer():
+    """Hand-labelled: the first pass through a passage is not a loop; its repeat is, from the
+    repeat's 8th token on; a passage that repeats another answer is not a loop of this one."""
+    from draftlab.data.loops import answer_loop_flags, loop_flags, spans
+
+    ids = [ord(c) for c in "abcdefghabcdefghab"]  # 'abcdefgh' twice, then 'ab'
+    assert [int(f) for f in loop_flags(ids)] == [0] * 15 + [1, 1, 1]
+    assert not any(loop_flags(ids[:8] + ids[:7]))  # 7 tokens of a repeat: below the rule's 8
+    assert [int(f) for f in loop_flags([7] * 11)] == [0] * 8 + [1] * 3  # one token looping
+    # Two answers of the same 16 tokens, a user turn between: each answer on its own.
+    passage = [ord(c) for c in "abcdefghijklmnop"]
+    conv = [1, 2] + passage + [3, 4, 5] + passage + [6]
+    mask = [False] * 2 + [True] * 16 + [False] * 3 + [True] * 16 + [False]
+    assert spans(mask) == [(2, 18), (21, 37)]
+    assert not any(answer_loop_flags(conv, mask))
+    looping = [1, 2] + passage + passage[:10] + [3]
+    lmask = [False] * 2 + [True] * 26 + [False]
+    assert [int(f) for f in answer_loop_flags(looping, lmask)] == [0] * 2 + [0] * 16 + [0] * 7 + [1] * 3 + [0]

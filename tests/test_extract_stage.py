@@ -170,3 +170,31 @@ def test_two_processes_write_the_shards_one_process_writes(extracted, extracted_
     m1, m2 = (json.loads((project / d / "manifest.json").read_text()) for d in ("hidden", "two"))
     assert m1["config_hash"] == m2["config_hash"] and m1["info"]["counts"] == m2["info"]["counts"]
     assert m2["info"]["bytes_per_token"] == m1["info"]["bytes_per_token"] and m2["info"]["device"] == "cpu x 2 processes"
+
+
+def shard_masks(out: Path, split: str) -> list[list[bool]]:
+    """Every sequence's loss mask in the split's shards, in shard order."""
+    masks = []
+    for shard in sorted((out / split).glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            offsets, mask = f.get_tensor("seq_offsets").tolist(), f.get_tensor("loss_mask").tolist()
+        masks += [mask[a:b] for a, b in zip(offsets, offsets[1:])]
+    return masks
+
+
+def test_loop_tokens_skip_takes_the_train_splits_loops_off_the_loss_and_keeps_the_evals(extracted, project):
+    """Each fixture answer ends in 20+i x's: its 9th x on closes an 8-gram already seen, so with
+    extract.loop_tokens skip the train split learns 12+i fewer tokens per row, the eval split the same."""
+    learned = {s: shard_masks(extracted[0] / "hidden", s) for s in ("train", "eval")}
+    set_params(project, "extract", loop_tokens="skip")
+    r = extract(project)
+    assert r.returncode == 0, r.stderr
+    skipped = {s: shard_masks(project / "hidden", s) for s in ("train", "eval")}
+    assert skipped["eval"] == learned["eval"]
+    lost = sorted(sum(a) - sum(b) for a, b in zip(learned["train"], skipped["train"]))
+    assert lost == [12 + i for i in range(12)]
+    assert all(not b or a for a, b in zip(sum(learned["train"], []), sum(skipped["train"], [])))  # only ever taken off
+    counts = json.loads((project / "hidden" / "manifest.json").read_text())["info"]["counts"]
+    assert counts["train"]["loop_tokens"] == sum(12 + i for i in range(12)) and counts["eval"]["loop_tokens"] == 12 + 13 + 14
+    assert counts["train"]["loop_tokens_learned"] == 0 and "loop_tokens_learned" not in counts["eval"]
+    assert "the train split's are off the loss" in r.stdout

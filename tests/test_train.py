@@ -192,6 +192,31 @@ def test_training_raises_acceptance_on_what_it_learns_from(feats, tmp_path):
     assert after["tau_pred"] > before["tau_pred"] + 0.3, (before["accept"], after["accept"])
 
 
+def test_step1_acceptance_is_split_by_the_predicted_tokens_kind_and_position(feats):
+    """The groups partition the scored first-step rows: loop + other = every band together = all,
+    and their hit rates pool back to a_1. Counted by hand on one row: a 12-token answer of one
+    repeated token has loop tokens from its 9th on; row t predicts token t+2."""
+    from draftlab.train.loop import step1_groups
+
+    ttt = TTT(new_draft(feats), 3, 0.8)
+    got = evaluate(ttt, feats["eval"], feats["head"], 4, torch.device("cpu"), False)
+    kinds, bands = got["step1_by_kind"], got["step1_by_position"]
+    assert kinds["loop"]["tokens"] + kinds["other"]["tokens"] == got["scored_tokens"] == sum(c["tokens"] for c in bands.values())
+    hits = sum(c["tokens"] * (c["a_1"] or 0) for c in kinds.values())
+    assert hits / got["scored_tokens"] == pytest.approx(got["accept"][0], abs=1e-3)
+
+    draft = make_draft()
+    H, T = draft.config.hidden_size, 17
+    ids = torch.tensor([[1, 2] + [5] * 12 + [3, 0, 0]])
+    batch = {"input_ids": ids, "loss_mask": torch.tensor([[0, 0] + [1] * 12 + [0, 0, 0]]).bool(),
+             "aux_hidden": torch.randn(1, T, K * H), "final_hidden": torch.randn(1, T, H)}
+    one = TTT(draft, 1, 0.8)
+    one(batch, (torch.randn(1, T, VD), torch.full((1, T), 5)), step_token_counts(batch, 1, 1))
+    groups = step1_groups(one, batch).tolist()
+    assert [g[0] for g in groups] == [4, 8, 12, 0, 0, 0, 0]  # scored: loop, other, then bands 0-63 .. 512+
+    assert groups[0][1] == float(one.step1[1][8:12].sum())  # hits of rows 8..11, which predict tokens 10..13
+
+
 def write_params(root: Path, target_dir: Path):
     (root / "params.yaml").write_text(f"""
 target: {{model: {target_dir}, revision: null, dtype: float32, device: cpu}}

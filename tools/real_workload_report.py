@@ -80,6 +80,17 @@ def learning_curve_md(run: Path) -> list[str]:
                    for r in curve.itertuples()]), ""]
 
 
+def step1_md(train: dict) -> list[str]:
+    """The eval split's step-1 acceptance by the predicted token's kind (loop or not) and position band."""
+    kinds, bands = train.get("step1_by_kind"), train.get("step1_by_position")
+    if not kinds or not bands:
+        return []
+    return ["## Step-1 acceptance on the eval split, by kind of token and position in the answer (teacher-forced)", "",
+            table(["group", "tokens", "a_1"], [[f"{k} tokens", c["tokens"], c["a_1"]] for k, c in kinds.items()] +
+                  [[f"positions {k}", c["tokens"], c["a_1"]] for k, c in bands.items()]),
+            "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py).", ""]
+
+
 def stage_times(run: Path) -> dict:
     """{stage: wall seconds} in the DAG's order: each stage manifest's info.wall_s, else the seconds
     draftlab run-stages recorded (runs made before manifests held the time)."""
@@ -191,6 +202,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}.", "",
            *learning_curve_md(run),
+           *step1_md(train),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],

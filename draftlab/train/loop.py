@@ -41,6 +41,7 @@ from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab import parallel
+from draftlab.data.loops import answer_loop_flags, spans
 from draftlab.metrics import acceptance_counts, chain_tau, conditional_acceptance
 
 WEIGHTS = "draft.safetensors"
@@ -183,6 +184,7 @@ class TTT(nn.Module):
             correct[i, r] = draft.to_target(logits.argmax(-1)) == target_top1[seen]
             ce_sums.append(ce.detach().sum())
         accepted, reached = acceptance_counts(correct, valid)
+        self.step1 = (valid[0], correct[0])  # [B*T] each: row t scored at the first step, and its top-1 hit (evaluate splits them)
         stats = torch.stack([torch.stack(ce_sums), valid.sum(1).float(), (correct & valid).sum(1).float(), accepted.float(), reached.float()])
         return loss, stats  # stats [5, K]: ce sum, scored tokens, top-1 hits, accepted, reached
 
@@ -207,6 +209,47 @@ def step_token_counts(batch: dict, steps: int, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(counts)
     return counts
+
+
+POSITION_BANDS = (0, 64, 128, 256, 512)  # where each band of answer positions starts (tokens since the answer's first)
+
+
+def band_names() -> list[str]:
+    ends = [f"-{b - 1}" for b in POSITION_BANDS[1:]] + ["+"]
+    return [f"{a}{e}" for a, e in zip(POSITION_BANDS, ends)]
+
+
+def token_groups(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token [B, T]: a loop token of its answer (draftlab.data.loops), and the band of its
+    position in its answer (index into POSITION_BANDS; -1 off the loss mask)."""
+    ids, mask = batch["input_ids"].tolist(), batch["loss_mask"].tolist()
+    loop = torch.zeros(len(ids), len(ids[0]) if ids else 0, dtype=torch.bool)
+    band = torch.full(loop.shape, -1, dtype=torch.long)
+    starts = torch.tensor(POSITION_BANDS)
+    for b, (row, m) in enumerate(zip(ids, mask)):
+        loop[b] = torch.tensor(answer_loop_flags(row, m), dtype=torch.bool)
+        for a, e in spans(m):
+            band[b, a:e] = torch.bucketize(torch.arange(e - a), starts, right=True) - 1
+    return loop, band
+
+
+def step1_groups(ttt: TTT, batch: dict) -> torch.Tensor:
+    """[2 + bands, 2]: (scored, top-1 hits) at the first draft step of the batch `ttt` just ran, on
+    loop tokens, other tokens, then each position band. The group is the predicted token's:
+    row t's first step predicts token t+2."""
+    valid, correct = (x.cpu() for x in ttt.step1)
+    loop, band = (x.flatten() for x in (shift(a, 2, f) for a, f in zip(token_groups(batch), (False, -1))))
+    sels = [loop, ~loop] + [band == k for k in range(len(POSITION_BANDS))]
+    return torch.tensor([[float((valid & s).sum()), float((valid & correct & s).sum())] for s in sels], dtype=torch.float64)
+
+
+def step1_breakdown(groups: torch.Tensor) -> dict:
+    """Step-1 acceptance (the first draft token's top-1 hit rate) by kind of token and by position band."""
+    def cell(scored, hits):
+        return {"tokens": int(scored), "a_1": round(hits / scored, 4) if scored else None}
+    rows = [cell(*g) for g in groups.tolist()]
+    return {"step1_by_kind": {"loop": rows[0], "other": rows[1]},
+            "step1_by_position": dict(zip(band_names(), rows[2:]))}
 
 
 def summarize(stats: torch.Tensor, decay: float) -> dict:
@@ -254,6 +297,7 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     was_training = draft.training
     draft.eval()
     stats = torch.zeros(5, ttt.steps, device=device)
+    groups = torch.zeros(2 + len(POSITION_BANDS), 2, dtype=torch.float64)  # exact counts past 2**24 tokens
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
     for rows in eval_batches(mine, [dataset.length(i) for i in mine], batch_size, batch_tokens):
         batch = dataset.batch(rows, device)
@@ -262,10 +306,13 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt(batch, labels, counts)
         stats += s
+        groups += step1_groups(ttt, batch)
     if world > 1:
         dist.all_reduce(stats)
+        groups = groups.to(device)
+        dist.all_reduce(groups)
     draft.train(was_training)
-    return summarize(stats.cpu(), ttt.decay)
+    return {**summarize(stats.cpu(), ttt.decay), **step1_breakdown(groups.cpu())}
 
 
 def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
