@@ -88,9 +88,13 @@ def exp_show_profile(args) -> int:
 
 
 def run_stages(args) -> int:
+    from draftlab.experiments.grid import run_grid, split_sets
     from draftlab.experiments.run_stages import run_stages as run
 
-    run(args.profiles, args.sets, args.until, args.force, args.params)
+    if split_sets(args.sets)[1]:  # a sweep among the -S values: every point of the grid in turn
+        run_grid(args.profiles, args.sets, args.until, args.force, args.params, "dvc.yaml", args.runs)
+    else:
+        run(args.profiles, args.sets, args.until, args.force, args.params)
     return 0
 
 
@@ -141,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_stages)
     p.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage")
     p.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="run these stages even when unchanged")
+    p.add_argument("--runs", default="runs", metavar="DIR",
+                   help="with a sweep in -S (a,b,c / choice(...) / range(...), as dvc exp run --queue reads it): each point's "
+                        "reports go to DIR/<point>/, and DIR/grid.csv has one row per point")
     return parser
 
 

@@ -74,3 +74,32 @@ def test_a_stage_that_fails_stops_the_run_naming_it(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"stage target failed \(exit 2\)"):
         run_stages([], until="prompts")
     assert not (root / ".run-stages.json").exists()
+
+
+def test_a_sweep_runs_every_point_upstream_keys_slowest_keeps_each_and_resumes(tmp_path):
+    """-S values in dvc exp run's sweep grammar make a grid: 2 x 2 points, the prompts key (read by an
+    earlier stage) varying slowest, so prompts runs twice and standardize four times; each point's
+    reports are kept apart, grid.csv has a row each, and a second run skips the points done."""
+    root = reduced_project(tmp_path / "p")
+    sweep = ["-S", "standardize.draft_vocab_size=choice(40,48)", "-S", "prompts.num_prompts=12,16", "--until", "standardize"]
+    rc, out = run(root, *sweep)
+    assert rc == 0, out
+    assert "a grid of 4 points over prompts.num_prompts, standardize.draft_vocab_size" in out
+    assert ran(out).count("prompts") == 2 and ran(out).count("standardize") == 4 and ran(out).count("target") == 1
+    names = ["01-num_prompts=12-draft_vocab_size=40", "02-num_prompts=12-draft_vocab_size=48",
+             "03-num_prompts=16-draft_vocab_size=40", "04-num_prompts=16-draft_vocab_size=48"]
+    assert sorted(p.name for p in (root / "runs").iterdir() if p.is_dir()) == names
+    for name in names:  # each point's own reports and params, as that point made them
+        n, v = (int(x.split("=")[1]) for x in name.split("-")[1:])
+        kept = root / "runs" / name
+        assert yaml.safe_load((kept / "params.yaml").read_text())["standardize"]["draft_vocab_size"] == v
+        assert json.loads((kept / "data/features/manifest.json").read_text())["params"]["standardize"]["draft_vocab_size"] == v
+        assert json.loads((kept / "data/prompts/manifest.json").read_text())["params"]["prompts"]["num_prompts"] == n
+        assert json.loads((kept / "point.json").read_text())["finished"] is True
+    grid = (root / "runs" / "grid.csv").read_text().splitlines()
+    assert grid[0].startswith("point,prompts.num_prompts,standardize.draft_vocab_size,tau_pred,served_tau") and len(grid) == 5
+
+    rc, out = run(root, *sweep)  # every point done: nothing runs
+    assert rc == 0 and ran(out) == [] and out.count("done before, skipped") == 4, out
+    rc, out = run(root, "-S", "prompts.num_prompts=interval(1,2)")
+    assert rc == 2 and "interval() needs a sampler" in out and "Traceback" not in out

@@ -1,6 +1,6 @@
 """dvc.yaml's stages without DVC: for a machine with neither git nor DVC (an air-gapped GPU node).
 
-    draftlab run-stages [PROFILE ...] [-S section.key=VALUE ...] [--until STAGE] [--force STAGE ...]
+    draftlab run-stages [PROFILE ...] [-S section.key=VALUE ...] [--until STAGE] [--force STAGE ...] [--runs DIR]
 
 The profiles are merged over params.yaml and written into it (as `dvc exp run -S` would), then
 every stage of dvc.yaml runs in dependency order, its own `cmd`, from the project root. A stage is
@@ -10,7 +10,8 @@ would skip, so a re-run after a crash or a timeout goes on where it stopped (the
 themselves also resume inside: synthesize per row, extract per shard, train per checkpoint). As
 DVC does, outputs not marked `persist` are removed before their stage runs. Each stage's wall
 time is printed and recorded. With DVC at hand, prefer `draftlab exp run`: it also caches and
-versions the outputs.
+versions the outputs. A sweep in a -S value (`-S 'train.epochs=3,6,10'`) runs a grid, one point
+after another (draftlab/experiments/grid.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,148 @@
+"""A grid of run-stages runs, written as `dvc exp run --queue` writes one: sweeps in -S values.
+
+    draftlab run-stages configs/real-gpu.yaml -S 'train.epochs=3,6,10' -S 'extract.loop_tokens=learn,skip'
+
+A -S value that is a sweep in Hydra's grammar, as DVC reads it (`a,b,c`, `choice(a,b)`,
+`range(2,8,2)`), makes the run a grid: every combination of the swept values, each run by
+run-stages in turn in this workspace. The keys whose first stage comes earliest in the DAG vary
+slowest, so a stage upstream of every swept key runs once and a key read by a late stage costs
+only that stage and what follows it (above, extract runs twice, train six times). After each
+point its reports, params and manifests are copied into RUNS/<point>/ (`--runs`, default runs/),
+with point.json; a point whose folder holds a finished record of the same overrides is skipped,
+so an interrupted grid resumes at the point it stopped. RUNS/grid.csv and the printed table hold
+one row per point: the swept values, tau predicted by training, served tau and speedup (when the
+bench ran), training tokens/s and the wall time the point took. With DVC at hand,
+`dvc exp run --queue` with the same -S values and `dvc exp show` do the same with versioning.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_json, atomic_write_text
+
+# What a point keeps: the same files a GPU node packs after a run (tools/offline_gpu_run.sh).
+KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "models/*/manifest.json",
+        "models/draft/config.json")
+
+
+def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(-S overrides that set one value, [(key, one override per value)] for each sweep)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from draftlab.experiments.profiles import hydra_value
+
+    fixed, swept = [], []
+    for text in sets:
+        try:
+            (override,) = OverridesParser.create().parse_overrides([text])
+        except HydraException:
+            fixed.append(text)  # not Hydra at all: the params loader names the fault
+            continue
+        if not override.is_sweep_override():
+            fixed.append(text)
+            continue
+        key = override.key_or_group
+        if override.is_interval_sweep():
+            raise UserError(f"-S {text}: interval() needs a sampler; list the values instead (a,b,c or range(start,stop,step))")
+        if any(k == key for k, _ in swept):
+            raise UserError(f"-S {text}: {key} is swept twice; give all its values in one -S")
+        swept.append((key, [f"{key}={hydra_value(v)}" for v in override.sweep_iterator()]))
+    return fixed, swept
+
+
+def first_stage(key: str, dvc: dict) -> int:
+    """Index in the DAG's order of the first stage that lists `key` (or its section) in its params."""
+    from draftlab.experiments.run_stages import stage_order
+
+    section = key.split(".")[0]
+    for i, name in enumerate(stage_order(dvc)):
+        for entry in dvc["stages"][name].get("params") or []:
+            for listed in ([entry] if isinstance(entry, str) else list(entry)):
+                if listed in (key, section):
+                    return i
+    return len(dvc["stages"])  # read by no stage: vary it fastest
+
+
+def points(swept: list[tuple[str, list[str]]], dvc: dict) -> list[list[str]]:
+    """Every combination, the keys of the earliest stages varying slowest."""
+    ordered = sorted(swept, key=lambda kv: first_stage(kv[0], dvc))
+    return [list(p) for p in itertools.product(*(values for _, values in ordered))]
+
+
+def point_name(i: int, overrides: list[str]) -> str:
+    """'03-epochs=6-loop_tokens=skip': the point's index, then each swept key's last part and value."""
+    parts = [f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides]
+    return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", f"{i + 1:02d}-" + "-".join(parts))[:120]
+
+
+def keep(folder: Path, record: dict) -> None:
+    """The point's files into `folder`, whole or not at all (a tmp folder renamed at the end)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for pattern in KEPT:
+        for src in sorted(Path(".").glob(pattern)):
+            dst = tmp / src
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(src, dst) if src.is_dir() else shutil.copy2(src, dst)
+    atomic_write_json(tmp / "point.json", record)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def done(folder: Path, overrides: list[str]) -> bool:
+    try:
+        record = json.loads((folder / "point.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("overrides") == overrides and record.get("finished") is True
+
+
+def summary_row(folder: Path, swept_keys: list[str]) -> dict:
+    """One row of grid.csv from a point's folder."""
+    record = json.loads((folder / "point.json").read_text())
+    values = {k: v.strip('"') for k, v in (o.split("=", 1) for o in record["swept"])}
+    train, bench = (json.loads(p.read_text()) if p.exists() else {} for p in
+                    (folder / "reports/train/metrics.json", folder / "reports/bench.json"))
+    return {"point": folder.name, **{k: values.get(k) for k in swept_keys},
+            "tau_pred": train.get("tau_pred"), "served_tau": bench.get("tau"), "speedup": bench.get("speedup"),
+            "train_tokens_per_s": train.get("tokens_per_s"), "seconds": record.get("seconds")}
+
+
+def run_grid(profiles: list[str], sets: list[str], until: str | None, force: list[str], params_file, dvc_file,
+             runs: str | Path = "runs") -> list[dict]:
+    """Run every point of the grid in `sets` (see the module's doc); returns grid.csv's rows."""
+    from draftlab.experiments.run_stages import run_stages
+
+    fixed, swept = split_sets(sets)
+    dvc = yaml.safe_load(Path(dvc_file).read_text())
+    grid = points(swept, dvc)
+    keys = [o.split("=", 1)[0] for o in grid[0]]
+    runs = Path(runs)
+    print(f"run-stages: a grid of {len(grid)} points over {', '.join(keys)} -> {runs}/", flush=True)
+    folders = []
+    for i, point in enumerate(grid):
+        folder = runs / point_name(i, point)
+        folders.append(folder)
+        overrides = fixed + point
+        if done(folder, overrides):
+            print(f"run-stages: point {folder.name}: done before, skipped", flush=True)
+            continue
+        print(f"run-stages: point {i + 1} of {len(grid)}: {' '.join(point)}", flush=True)
+        records = run_stages(profiles, overrides, until, force, params_file, dvc_file)
+        keep(folder, {"profiles": profiles, "overrides": overrides, "swept": point, "finished": True,
+                      "stages": records, "seconds": round(sum(r.get("seconds", 0) for r in records), 1)})
+    rows = [summary_row(f, keys) for f in folders]
+    table = pd.DataFrame(rows)
+    atomic_write_text(runs / "grid.csv", table.to_csv(index=False))
+    print(table.to_string(index=False))
+    return rows
