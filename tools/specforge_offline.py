@@ -18,7 +18,8 @@ directory of files, one per sequence, each a torch.save of
 which is what its reader (`runtime/data_plane/offline_reader.py`) and `normalize_offline_sample`
 take. Its own data path is not used, because it needs more than a GPU box has: it renders
 conversations through its chat-template registry, and captures online through SGLang patched
-with its capture patch, plus Mooncake. Written here:
+with its capture patch, plus Mooncake (tools/specforge_data.py writes our conversations for that
+path where it runs). Written here:
   OUT/hidden_states/{train,eval}/NNNNNN.ckpt   one per sequence, in our shard order
   OUT/draft_config.json   the exported draft's config.json: the same draft size, capture ids and
                           draft vocab size (SpecForge's export writes its config from it)
