@@ -7,6 +7,7 @@ NCCL on CUDA, gloo on CPUs. Launched without torchrun, everything here is a no-o
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,34 @@ def local_device(device: str) -> str:
         per = max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(per)  # several processes share the cores: never oversubscribe
     return device
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one process sits when the world is cut into data-parallel groups of tensor-parallel ranks."""
+
+    dp_rank: int  # which share of the rows this process's group takes
+    dp_size: int  # how many groups share the rows
+    tp_rank: int  # this process's place inside its group; only tp_rank 0 writes
+    tp_ranks: tuple[int, ...]  # the world ranks of this process's group
+
+    @property
+    def writes(self) -> bool:
+        return self.tp_rank == 0
+
+
+def rank_layout(world: int, tp_size: int, rank: int) -> RankLayout:
+    """DP x TP over `world` ranks: consecutive ranks form one TP group, as SpecForge and SGLang's
+    own initialize_model_parallel lay them out (the ranks of one group are then on one host)."""
+    if tp_size < 1:
+        raise UserError(f"extract.tp_size must be >= 1, got {tp_size}")
+    if world % tp_size:
+        raise UserError(f"extract.tp_size {tp_size} does not divide the {world} processes launched; "
+                        f"launch a multiple of {tp_size} (torchrun --nproc-per-node) or change extract.tp_size")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    group = rank // tp_size
+    return RankLayout(group, world // tp_size, rank % tp_size, tuple(range(group * tp_size, (group + 1) * tp_size)))
 
 
 def all_sum(values: list[float], device: str, world: int) -> list[float]:

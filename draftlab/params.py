@@ -252,6 +252,16 @@ class ExtractParams:
     # learn: every answer token is a training target. skip: the train split's loop tokens (draftlab.data.loops:
     # an 8-gram already seen in the same answer) are off the loss; the eval split keeps them, as serving does.
     loop_tokens: Literal["learn", "skip"] = "learn"
+    # What runs the target to capture the states: transformers in this process (one device), or SGLang's
+    # own ModelRunner in this process (draftlab.features.engines), the kernels that will serve the draft.
+    engine: Literal["transformers", "sglang"] = "transformers"
+    tp_size: Annotated[Int, Field(ge=1)] = 1  # tensor-parallel ranks per engine (sglang only)
+
+    def problem(self) -> str | None:
+        if self.tp_size > 1 and self.engine != "sglang":
+            return (f"key extract.tp_size {self.tp_size} needs extract.engine sglang: the transformers engine runs the "
+                    "whole target on one device; set extract.tp_size 1 or extract.engine sglang")
+        return None
 
 
 @dataclass(frozen=True, config=STRICT)

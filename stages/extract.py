@@ -15,8 +15,10 @@ captured (the stats and the check need them); every row's tokens go to <split>/t
 Resumable: shards are written atomically one by one; a re-run keeps every shard whose header
 carries this run's config hash and computes only the missing ones.
 Data parallel: the shard plan depends only on the data, so every process plans the same shards
-and writes every world-th one (shard s by rank s % world); the shards are those one process
-writes, and rank 0 writes the manifest once all have finished.
+and each data-parallel group takes every dp_size-th one (shard s by group s % dp_size); the shards
+are those one process writes, and rank 0 writes the manifest once all have finished.
+extract.engine picks what runs the target (draftlab.features.engines); with extract.tp_size > 1
+(sglang only) consecutive ranks form one tensor-parallel group and only its first rank writes.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ from draftlab import jsonl
 from draftlab.data.answers import finish_reasons
 from draftlab.data.loops import answer_loop_flags
 from draftlab.features import extract
+from draftlab.features.engines import open_engine
 from draftlab import parallel
-from draftlab.sglang.layers import physical_from_spec, validate_capture
+from draftlab.sglang.layers import ids_for_physical, physical_from_spec, validate_capture
 from draftlab.cli import run_stage_cli
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
@@ -42,7 +45,7 @@ from draftlab.fsutil import canonicalize_safetensors_file
 from draftlab.manifest import build_manifest, output_files, read_verified, write_manifest
 from draftlab.params import as_dict, load_params
 from draftlab.parallel import resolve_device
-from draftlab.target.load import chat_template_hash, load_target, target_fingerprint, target_info, tokenizer_hash
+from draftlab.target.load import chat_template_hash, target_fingerprint, target_info, tokenizer_hash
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -117,8 +120,10 @@ def main(synth: Path, out: Path) -> None:
     device = resolve_device(target_params.device)
     rank, world = parallel.setup_distributed(torch.device(device).type)
     device = parallel.local_device(device)
-    model, tok = load_target(target_params, device)
-    info = target_info(model, target_params)
+    layout = parallel.rank_layout(world, extract_params.tp_size, rank)
+    engine = open_engine(target_params, extract_params, device, layout, layer_ids=ids_for_physical)
+    tok = engine.tokenizer
+    info = target_info(engine.config, target_params)
     # Refuse a layer spec the SGLang release that will serve the draft cannot capture, before any compute.
     physical = physical_from_spec(params.capture.layers, info["architecture"], info["num_layers"])
     validate_capture(info["architecture"], info["num_layers"], physical, params.export.sglang_version)
@@ -185,13 +190,20 @@ def main(synth: Path, out: Path) -> None:
             if len(rows) < extract_params.online_sample_sequences and rank == 0:  # said, and recorded in counts: no silent clamp
                 print(f"extract: warning: extract.online_sample_sequences {extract_params.online_sample_sequences} is more than "
                       f"the {len(rows)} rows of {split}: the sample is all {len(rows)} of them")
-        mine = [(s, idx) for s, idx in enumerate(plan) if s % world == rank]
-        bar = tqdm(mine, desc=f"extract {split}" + (f" (rank {rank} of {world})" if world > 1 else ""), unit="shard", position=rank)
+        # Every rank of a TP group runs every forward of its share; only the group's first rank writes.
+        mine = [(s, idx) for s, idx in enumerate(plan) if s % layout.dp_size == layout.dp_rank]
+        bar = tqdm(mine, desc=f"extract {split}" + (f" (rank {rank} of {world})" if world > 1 else ""), unit="shard",
+                   position=rank, disable=not layout.writes)
+        # Judged once, before any forward: the ranks of a TP group must all run the same forwards, and
+        # a shard their writer finishes during this loop must not look done to the others.
+        done = {s for s, _ in mine if shard_is_done(out / split / f"shard-{s:05d}.safetensors", config_hash)}
         for s, idx in bar:
             path = out / split / f"shard-{s:05d}.safetensors"
-            if shard_is_done(path, config_hash):
+            if s in done:
                 continue
-            tensors = extract.extract_shard(model, [rendered[i] for i in idx], physical, extract_params.batch_size, dtype, device)
+            tensors = extract.extract_shard(engine, [rendered[i] for i in idx], physical, extract_params.batch_size, dtype, device)
+            if not layout.writes:
+                continue
             save_atomic(tensors, path, {**meta, "row_ids": json.dumps([rows[i]["id"] for i in idx])})
             tokens_done += len(tensors["input_ids"])
             bytes_written += path.stat().st_size
@@ -210,6 +222,9 @@ def main(synth: Path, out: Path) -> None:
             "tokens_per_s": round(tokens_done / seconds, 1) if tokens_done else None,
             "bytes_per_token": round(per_token, 1) if per_token else None,
             "device": device if world == 1 else f"{torch.device(device).type} x {world} processes",
+            "engine": extract_params.engine,  # what ran the target: the states carry its kernels' rounding
+            "tp_size": extract_params.tp_size,
+            "dtype": extract_params.dtype,
             "files": output_files(out),  # per shard bytes + tokens: standardize names the one missing or cut
         }
         write_manifest(out, manifest)
@@ -226,6 +241,7 @@ def main(synth: Path, out: Path) -> None:
             sampled = ", ".join(f"{c['sample_rows']} of {c['rows']} {split}" for split, c in counts.items())
             print(f"extract: train.features online: tokens of every row in {out}/<split>/{extract.TOKENS_FILE}, "
                   f"hidden states of a sample only (the first rows: {sampled})")
+    engine.close()
     parallel.finish(world)
 
 if __name__ == "__main__":

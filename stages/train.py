@@ -29,7 +29,7 @@ from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_
 from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
 from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import as_dict, load_params
-from draftlab.sglang.layers import user_layers_from_physical
+from draftlab.sglang.layers import ids_for_physical, user_layers_from_physical
 from draftlab.target.load import target_fingerprint
 from draftlab.target.weights import load_target_head
 
@@ -53,7 +53,12 @@ def datasets(features: Path, features_manifest: dict, params):
     max_length = params.train.max_length
     if mode == "offline":
         return FeatureDataset(features / "train", max_length), FeatureDataset(features / "eval", max_length)
-    target = OnlineTarget(params.target)
+    extract = load_params(["extract"]).extract  # of it, only engine and tp_size: what computes the states online
+    if extract.tp_size > 1:  # one target per training process: DDP ranks are not TP groups
+        raise UserError(f"params.yaml: extract.tp_size {extract.tp_size} with train.features online: online training "
+                        "runs one whole target per process; set train.features offline (extract captures tensor-parallel) "
+                        "or extract.tp_size 1")
+    target = OnlineTarget(params.target, extract, ids_for_physical)  # the states from extract.engine, as extract's
     return OnlineFeatures(features / "train", max_length, target), OnlineFeatures(features / "eval", max_length, target)
 
 

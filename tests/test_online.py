@@ -178,3 +178,18 @@ def test_train_refuses_features_of_the_other_mode(runs):
     offline = json.loads((runs / "features-offline" / "manifest.json").read_text())
     with pytest.raises(UserError, match=r"train\.features is 'online' but .* standardized for 'offline'.*dvc repro"):
         datasets(runs / "features-offline", offline, p)
+
+
+def test_online_training_refuses_a_tensor_parallel_capture_engine(runs, tmp_path, monkeypatch):
+    """One whole target per training process: extract.tp_size > 1 (engine sglang) is for offline
+    extraction, and online training says so before loading anything."""
+    from draftlab.errors import UserError
+    from stages.train import datasets
+
+    p = yaml.safe_load((runs / "params.yaml").read_text())
+    p["extract"].update(engine="sglang", tp_size=2)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
+    monkeypatch.chdir(tmp_path)
+    online = json.loads((runs / "features-online" / "manifest.json").read_text())
+    with pytest.raises(UserError, match=r"extract\.tp_size 2 with train\.features online.*set train\.features offline"):
+        datasets(runs / "features-online", online, load_params(["target", "train"]))

@@ -189,6 +189,7 @@ class HostCopier:
 
 def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: list[int], batch_size: int, dtype, device) -> dict:
     """Hidden states for `rows` (ids, mask), packed without padding: one tensor per name.
+    `model`: a transformers target, or a capture engine (draftlab.features.engines).
 
     Batch b's states travel to the host while batch b+1's forward runs (HostCopier); each row
     is then copied once, into its place in the shard's preallocated tensors.
@@ -219,7 +220,10 @@ def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: lis
         for j, (r, _) in enumerate(batch):  # right padding: positions of real tokens stay 0..n-1
             ids[j, : len(r)] = torch.tensor(r)
             att[j, : len(r)] = 1
-        aux, final = capture(model, ids.to(device), att.to(device), physical)
+        if isinstance(model, torch.nn.Module):
+            aux, final = capture(model, ids.to(device), att.to(device), physical)
+        else:  # a capture engine (draftlab.features.engines): the same contract
+            aux, final = model.capture(ids.to(device), att.to(device), physical)
         handle = (b, copier.start([aux[i] for i in physical] + [final], dtype))
         del aux, final
         if pending is not None:

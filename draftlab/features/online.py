@@ -25,12 +25,27 @@ from draftlab.target.load import load_target
 
 class OnlineTarget:
     """The target of one process, loaded on first use on the training device (eval mode,
-    target.dtype) and shared by the train and eval datasets: one copy per process."""
+    target.dtype) and shared by the train and eval datasets: one copy per process.
 
-    def __init__(self, target_params):
-        self.params = target_params
+    extract_params: None or extract.engine transformers, the target in this process as extract
+    captures it; extract.engine sglang, the states come from SGLang's engine instead (layer_ids:
+    draftlab.sglang.layers.ids_for_physical, passed by the caller)."""
+
+    def __init__(self, target_params, extract_params=None, layer_ids=None):
+        self.params, self.extract_params, self.layer_ids = target_params, extract_params, layer_ids
         self.device: torch.device | None = None
         self._model = None
+        self._engine = None
+
+    def capture(self, ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int], device):
+        """extract.capture's contract, from the chosen engine."""
+        if getattr(self.extract_params, "engine", "transformers") == "transformers":
+            return capture(self.model(device), ids, attention_mask, physical)
+        if self._engine is None:
+            from draftlab.features.engines import open_engine
+
+            self._engine, self.device = open_engine(self.params, self.extract_params, str(device), layer_ids=self.layer_ids), torch.device(device)
+        return self._engine.capture(ids, attention_mask, physical)
 
     def model(self, device) -> torch.nn.Module:
         device = torch.device(device)
@@ -89,7 +104,7 @@ class OnlineFeatures(Sequences):
             ids[j, : len(r)], real[j, : len(r)], loss_mask[j, : len(m)] = r, True, m
         ids, real = ids.to(device), real.to(device)
         physical = self.physical_layers
-        aux, final = capture(self.target.model(device), ids, real.long(), physical)
+        aux, final = self.target.capture(ids, real.long(), physical, device)
         out = {
             "input_ids": ids,
             "loss_mask": loss_mask.to(device),
