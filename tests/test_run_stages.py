@@ -82,6 +82,8 @@ def test_a_sweep_runs_every_point_upstream_keys_slowest_keeps_each_and_resumes(t
     reports are kept apart, grid.csv has a row each, and a second run skips the points done."""
     root = reduced_project(tmp_path / "p")
     sweep = ["-S", "standardize.draft_vocab_size=choice(40,48)", "-S", "prompts.num_prompts=12,16", "--until", "standardize"]
+    (root / "reports").mkdir(exist_ok=True)
+    (root / "reports" / "bench.json").write_text(json.dumps({"tau": 9.9, "speedup": 9.9}))  # an older run's
     rc, out = run(root, *sweep)
     assert rc == 0, out
     assert "a grid of 4 points over prompts.num_prompts, standardize.draft_vocab_size" in out
@@ -98,6 +100,7 @@ def test_a_sweep_runs_every_point_upstream_keys_slowest_keeps_each_and_resumes(t
         assert json.loads((kept / "point.json").read_text())["finished"] is True
     grid = (root / "runs" / "grid.csv").read_text().splitlines()
     assert grid[0].startswith("point,prompts.num_prompts,standardize.draft_vocab_size,tau_pred,served_tau") and len(grid) == 5
+    assert all("9.9" not in row for row in grid[1:])  # the bench did not run for these points: no served figure
 
     rc, out = run(root, *sweep)  # every point done: nothing runs
     assert rc == 0 and ran(out) == [] and out.count("done before, skipped") == 4, out

@@ -111,8 +111,9 @@ def summary_row(folder: Path, swept_keys: list[str]) -> dict:
     """One row of grid.csv from a point's folder."""
     record = json.loads((folder / "point.json").read_text())
     values = {k: v.strip('"') for k, v in (o.split("=", 1) for o in record["swept"])}
-    train, bench = (json.loads(p.read_text()) if p.exists() else {} for p in
-                    (folder / "reports/train/metrics.json", folder / "reports/bench.json"))
+    ran = {r["stage"] for r in record.get("stages") or []}  # run or unchanged for this point: not an older run's file
+    train, bench = (json.loads(p.read_text()) if stage in ran and p.exists() else {} for stage, p in
+                    (("train", folder / "reports/train/metrics.json"), ("bench", folder / "reports/bench.json")))
     return {"point": folder.name, **{k: values.get(k) for k in swept_keys},
             "tau_pred": train.get("tau_pred"), "served_tau": bench.get("tau"), "speedup": bench.get("speedup"),
             "train_tokens_per_s": train.get("tokens_per_s"), "seconds": record.get("seconds")}
