@@ -24,7 +24,9 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
 overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
 and the soft cross-entropy under torch.compile(dynamic=True) (train.compile); `--compare-loss` adds
-the compiled layer with the eager loss. `--attention eager flex` times the packed modes with
+the compiled layer with the eager loss, `--compare-trace` the flex attention traced into the
+compiled layer (TTTCache.trace_flex), and each mode prints its warm-up (untimed steps' wall,
+compile included). `--attention eager flex` times the packed modes with
 each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
 `--check-grads` first compares one packed step's loss and gradients under both. The shape
 `smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--profile` runs 3 more packed-mode steps under torch.profiler
@@ -52,7 +54,7 @@ from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
 from draftlab.train import loop  # noqa: E402
 from draftlab.train.batches import packed_batches  # noqa: E402
-from draftlab.train.draft import DraftConfig  # noqa: E402
+from draftlab.train.draft import DraftConfig, TTTCache  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
 
 
@@ -143,6 +145,17 @@ def loss_kernel(kind: str):
         loop.compiled_soft_cross_entropy = saved
 
 
+@contextlib.contextmanager
+def flex_traced(on: bool):
+    """The flex attention traced into the compiled draft layer (TTTCache.trace_flex: one graph per
+    TTT step) instead of compiled apart (the default): what the default's warm-up saves, and costs."""
+    saved, TTTCache.trace_flex = TTTCache.trace_flex, on
+    try:
+        yield
+    finally:
+        TTTCache.trace_flex = saved
+
+
 def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False,
              attention="auto"):
     t = shape["target"]
@@ -166,6 +179,7 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
     meter = Timed(args.warmup, facts, cfg, True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         call = lambda: loop.fit(draft, head, ds, ds, tp, Path(tmp) / "resume.pt", name, device,  # noqa: E731
                                 stop_after_steps=args.warmup + steps, meter=meter)
@@ -182,6 +196,8 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
             return None
     s = meter.summary(peak_flops(device))
     s["mode"] = name
+    # the untimed steps' wall: allocator, kernel selection and, compiled, torch.compile's warm-up
+    s["warmup_s"] = round(time.perf_counter() - started - meter.seconds, 1)
     s["step_s"] = round(meter.seconds / max(1, meter.steps), 4)
     if device.type == "cuda":
         s["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
@@ -224,7 +240,7 @@ def show(s: dict) -> str:
              f"(target share {s['target_flop_share']:.0%})") if s["target_flops_per_s"] else "FLOPs n/a"
     mem = f", peak {s['peak_mem_gb']} GB" if "peak_mem_gb" in s else ""
     return (f"{s['mode']:>15}: {s['tokens_per_s']:>10,.0f} tok/s, {s['step_s'] * 1e3:7.1f} ms/step, "
-            f"padding {s['padding_share']:.1%}, MFU {mfu}, {flops}{mem}")
+            f"padding {s['padding_share']:.1%}, MFU {mfu}, {flops}{mem}; warm-up {s['warmup_s']} s")
 
 
 def main() -> None:
@@ -239,6 +255,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time packed mode with torch.compile of the draft layer")
     ap.add_argument("--compare-loss", action="store_true",
                     help="with --compile, also time the compiled layer with the eager soft cross-entropy")
+    ap.add_argument("--compare-trace", action="store_true",
+                    help="with --compile, also time the flex attention traced into the compiled layer (one graph "
+                         "per TTT step) against the default, which compiles it apart")
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "eager", "flex"],
                     help="train.attention kernels to time in packed mode (auto: flex on CUDA, eager elsewhere)")
     ap.add_argument("--check-grads", action="store_true",
@@ -285,10 +304,12 @@ def main() -> None:
             for budget in budgets:
                 results.append(run_mode(f"packed {budget}{tag}", *common, batch_tokens=budget, attention=attention))
                 print(show(results[-1]), flush=True)
-            for loss in (["compiled", "eager"] if args.compare_loss else ["compiled"]) if args.compile else []:
+            variants = ["compiled"] + ["eager"] * args.compare_loss + ["traced"] * args.compare_trace
+            for variant in variants if args.compile else []:
+                label = {"compiled": "", "eager": ", eager loss", "traced": ", flex traced"}[variant]
                 try:
-                    with loss_kernel(loss):
-                        results.append(run_mode(f"packed {budgets[-1]}{tag} +compile" + (", eager loss" if loss == "eager" else ""),
+                    with loss_kernel(variant), flex_traced(variant == "traced"):
+                        results.append(run_mode(f"packed {budgets[-1]}{tag} +compile{label}",
                                                 *common, batch_tokens=budgets[-1], compiled=True, attention=attention))
                     print(show(results[-1]), flush=True)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures

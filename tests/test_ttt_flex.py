@@ -57,3 +57,34 @@ def test_train_attention_setting():
     assert attention_kernel("eager", gpu) == "eager"
     with pytest.raises(UserError, match="train.attention flex needs a CUDA device"):
         attention_kernel("flex", cpu)
+
+
+def compiled_layer_graphs(tmp_path, steps: int, trace_flex: bool) -> int:
+    """Graphs dynamo makes of the draft's compiled layer over one flex TTT forward of `steps` steps."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    kit = training_kit(tmp_path)
+    draft = init_draft(kit["cfg"], kit["embed"], kit["head"], kit["d2t"], kit["t2d"], 0)
+    counter = CompileCounter()  # counts graphs without compiling kernels: the guards are what is tested
+    draft.midlayer.compile(backend=counter, dynamic=True)
+    ds = kit["train"]
+    batch = pack(ds.batch([0, 1], "cpu"), [[ds.length(0), ds.length(1)]])
+    labels = target_labels(batch["final_hidden"], kit["head"], draft.d2t)
+    saved, TTTCache.trace_flex = TTTCache.trace_flex, trace_flex
+    try:
+        with torch.no_grad():
+            TTT(draft, steps, 0.8, "flex")(batch, labels, step_token_counts(batch, steps, 1))
+    finally:
+        TTTCache.trace_flex = saved
+        torch._dynamo.reset()
+    return counter.frame_count
+
+
+def test_the_compiled_draft_layer_compiles_once_whatever_the_ttt_depth(tmp_path):
+    """train.compile's warm-up: the layer's graphs do not grow with train.ttt_steps (each graph is
+    compiled forward and backward on a GPU, tens of seconds apiece at SmolLM2's shape)."""
+    shallow, deep = compiled_layer_graphs(tmp_path / "a", 2, False), compiled_layer_graphs(tmp_path / "b", 5, False)
+    assert shallow == deep
+    # the flex attention traced into the layer: one more graph per step (what the default avoids)
+    assert compiled_layer_graphs(tmp_path / "c", 5, True) > deep

@@ -219,11 +219,17 @@ class TTTCache:
         self._block_masks: dict[int, object] = {}  # flex: steps seen -> block mask, for this batch
         self._flex = flex_kernel(compiled) if kernel == "flex" else None
 
+    # The flex path under torch.compile (train.compile) runs outside the draft layer's graph: it
+    # grows self.ks, and a traced list length specializes the layer once per TTT step (7 graphs,
+    # each compiled forward and backward, and eval's no-grad pass past dynamo's recompile limit).
+    # FlexAttention is compiled on its own (draftlab.train.ttt_flex), so the layer compiles as two
+    # pieces, before and after the attention, whatever the TTT depth. True: traced into the layer
+    # (benchmarks/train_throughput.py times both).
+    trace_flex = False
+
     def attend(self, q, k, v, mask=None):
         if self.kernel == "flex":
-            self.ks.append(k)
-            self.vs.append(v)
-            return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self._flex)
+            return (self._attend_flex if self.trace_flex else self._attend_flex_apart)(q, k, v)
         B, h, T, hd = q.shape
         n_kv = k.shape[1]
         groups = h // n_kv
@@ -251,6 +257,13 @@ class TTTCache:
         for j, vj in enumerate(self.vs[1:]):
             out = out + p[..., T + j : T + j + 1].view(B, n_kv, groups, T, 1) * vj[:, :, None]
         return out.view(B, h, T, hd)
+
+    def _attend_flex(self, q, k, v):
+        self.ks.append(k)
+        self.vs.append(v)
+        return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self._flex)
+
+    _attend_flex_apart = torch.compiler.disable(_attend_flex)
 
     @torch.compiler.disable
     def _block_mask(self, B: int, T: int, device):
