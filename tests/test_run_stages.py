@@ -62,6 +62,22 @@ def test_a_profile_runs_the_stages_then_only_what_changed(tmp_path):
         assert ran(out) == ["target"] and json.loads((root / ".run-stages.json").read_text())["target"]["seconds"] >= 0
 
 
+def test_a_node_without_dvc_runs_profiles_and_names_what_minus_s_needs(tmp_path):
+    """A GPU node with no git/DVC (tools/offline_gpu_run.sh) has no hydra-core either: a profile
+    still runs; only -S, read in Hydra's grammar as DVC reads it, needs it, and says so."""
+    root = reduced_project(tmp_path / "p")
+    blocked = tmp_path / "blocked" / "hydra"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('hydra-core is not installed on this node')\n")
+    env = {**os.environ, "PYTHONPATH": f"{blocked.parent}{os.pathsep}{root}", "DRAFTLAB_THREADS": "1"}
+    go = lambda *a: subprocess.run([sys.executable, "-m", "draftlab", "run-stages", *a], cwd=root, env=env,  # noqa: E731
+                                   capture_output=True, text=True)
+    r = go("--until", "target")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    r = go("-S", "prompts.num_prompts=16", "--until", "target")
+    assert r.returncode == 2 and "pip install hydra-core" in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
 def test_a_stage_that_fails_stops_the_run_naming_it(tmp_path, monkeypatch):
     root = reduced_project(tmp_path / "p")
     monkeypatch.chdir(root)

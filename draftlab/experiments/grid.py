@@ -35,10 +35,11 @@ KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "m
 
 def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """(-S overrides that set one value, [(key, one override per value)] for each sweep)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    if not sets:  # no -S: nothing for Hydra's parser (a GPU node may run without DVC, which brings it)
+        return [], []
+    from draftlab.experiments.profiles import hydra_parser, hydra_value
 
-    from draftlab.experiments.profiles import hydra_value
+    OverridesParser, HydraException = hydra_parser()
 
     fixed, swept = [], []
     for text in sets:

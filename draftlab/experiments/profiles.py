@@ -72,10 +72,21 @@ def hydra_value(v) -> str:
     raise UserError(f"{shown(v)} ({type(v).__name__}) is no params value: use a string, number, true/false, null or a list")
 
 
+def hydra_parser():
+    """(OverridesParser, HydraException): -S values are read by Hydra's grammar, as DVC reads them.
+    hydra-core comes with DVC; a GPU node that runs run-stages without DVC needs it for -S only."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+    except ImportError:
+        raise UserError("-S values are read with Hydra's grammar, as dvc exp run reads them, and hydra-core is not "
+                        "installed: pip install hydra-core (it comes with dvc), or put the values in a profile file") from None
+    return OverridesParser, HydraException
+
+
 def parse_set(text: str):
     """`-S section.key=VALUE` as DVC reads it: (section, key, value), VALUE in Hydra's grammar."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    OverridesParser, HydraException = hydra_parser()
 
     try:
         (override,) = OverridesParser.create().parse_overrides([text])
