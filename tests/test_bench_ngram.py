@@ -192,5 +192,6 @@ def test_on_sglang_ngram_is_launched_with_its_flags_and_its_round_scaled_on_the_
     log = (root / "reports/bench/server-spec-ngram-4-1.log").read_text()
     assert "mixed chunked prefill are disabled because of using ngram" in log
     ng = report["advice"]["ngram"]
-    assert ng["scale"]["kappa"] > 0 and ng["predicted_vs_measured"][0]["predicted_speedup"] > 0
+    assert ng["scale"]["kappa"] > 0 and ng["scale"]["kappa_from_rounds"] > 0
+    assert ng["predicted_vs_measured"][0]["speedup_error"] == pytest.approx(0.0, abs=1e-9)  # calibrated on it
     assert {c["configuration"] for c in ng["candidates"]} == {"ngram-4-1", "ngram-3-1", "ngram-2-1"}
