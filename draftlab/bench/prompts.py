@@ -57,6 +57,7 @@ class BenchSet:
     sha256: str  # of that file
     conversations: list[Conversation]
     answers: dict = field(default_factory=dict)  # (conversation index, turn) -> the baseline's answer (text)
+    shown: str | None = None  # what reports name as the source, where the path is one machine's (an installed package's file)
 
     @property
     def turns(self) -> int:
@@ -93,7 +94,7 @@ class BenchSet:
         cats: dict = {}
         for c in self.conversations:
             cats[c.category] = cats.get(c.category, 0) + 1
-        return {"name": self.name, "source": self.source, "sha256": self.sha256, "conversations": len(self.conversations),
+        return {"name": self.name, "source": self.shown or self.source, "sha256": self.sha256, "conversations": len(self.conversations),
                 "requests": len(self.requests), "turns": self.turns,
                 "categories": {str(k): v for k, v in cats.items()} if any(k is not None for k in cats) else None}
 
@@ -141,7 +142,10 @@ def read_set(name: str, eval_rows: list[dict], eval_path: Path, warmup: int, num
     convs = balanced(read_conversations(path), num_prompts)
     if not convs:
         raise UserError(f"bench.prompts: {path} has no prompts")
-    return BenchSet(name if name == MT_BENCH else path.stem, str(path), _sha256(path), convs)
+    if name == MT_BENCH:
+        shown = f"{MTBENCH_DISTRIBUTION} {importlib.metadata.version(MTBENCH_DISTRIBUTION)}: {MTBENCH_FILE}"
+        return BenchSet(MT_BENCH, str(path), _sha256(path), convs, shown=shown)
+    return BenchSet(path.stem, str(path), _sha256(path), convs)
 
 
 def mt_bench_path() -> Path:
