@@ -10,10 +10,32 @@ import torch
 from draftlab.errors import UserError
 from draftlab.features.dataset import pack
 from draftlab.train.draft import TTTCache
+from draftlab.train.ttt_flex import extend_block_mask, ttt_block_mask
 from draftlab.train.loop import TTT, attention_kernel, init_draft, step_token_counts, target_labels
 from tiny_features import training_kit
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # uncompiled on a CPU: slow, but exact
+
+
+def packed_rows(T: int) -> torch.Tensor:
+    """Two rows of packed sequences: three in the first, one then padding (-1) in the second."""
+    a, b = T // 4, T // 2
+    return torch.tensor([[0] * a + [1] * b + [2] * (T - a - b), [0] * (T - T // 5) + [-1] * (T // 5)])
+
+
+@pytest.mark.parametrize("T", [128, 384])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_later_steps_mask_grown_from_step_zeros_is_the_mask_built_whole(T, packed):
+    seq_ids = packed_rows(T) if packed else None
+    first = ttt_block_mask(seq_ids, 2, T, 1, "cpu", False)
+    for steps_seen in (2, 3, 5):
+        whole, grown = ttt_block_mask(seq_ids, 2, T, steps_seen, "cpu", False), extend_block_mask(first, T, steps_seen)
+        assert grown.shape == whole.shape
+        assert torch.equal(grown.to_dense(), whole.to_dense())  # the same blocks visited...
+        for attr in ("full_kv_num_blocks", "kv_num_blocks"):  # ...the same ones taken whole, the same masked
+            assert torch.equal(getattr(grown, attr), getattr(whole, attr)), attr
+    off = packed_rows(T + 1) if packed else None  # off the tiles: each step's mask is built whole
+    assert extend_block_mask(ttt_block_mask(off, 2, T + 1, 1, "cpu", False), T + 1, 2) is None
 
 
 def attend_steps(kernel, q, ks, vs, seq_ids):
@@ -23,14 +45,15 @@ def attend_steps(kernel, q, ks, vs, seq_ids):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_flex_attention_equals_eager_over_every_step(packed):
+@pytest.mark.parametrize("T", [37, 256])  # a width that is no multiple of the 128-wide tiles (each step's mask built
+def test_flex_attention_equals_eager_over_every_step(packed, T):  # whole), and one that is (grown from step 0's)
     torch.manual_seed(0)
-    B, h, n_kv, T, hd, steps = 2, 4, 2, 37, 8, 4  # grouped heads; a width that is no multiple of the 128-wide tiles
+    B, h, n_kv, hd, steps = 2, 4, 2, 8, 4  # grouped heads
     q = [torch.randn(B, h, T, hd) for _ in range(steps)]
     ks = [torch.randn(B, n_kv, T, hd) for _ in range(steps)]
     vs = [torch.randn(B, n_kv, T, hd) for _ in range(steps)]
     # two rows of packed sequences (the second ends in padding, -1), or one sequence per row
-    seq_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * 30 + [-1] * 7]) if packed else None
+    seq_ids = packed_rows(T) if packed else None
     eager, flex = attend_steps("eager", q, ks, vs, seq_ids), attend_steps("flex", q, ks, vs, seq_ids)
     for i, (a, b) in enumerate(zip(eager, flex)):
         assert torch.allclose(a, b, atol=1e-5), f"step {i}: max difference {(a - b).abs().max():.2e}"

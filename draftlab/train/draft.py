@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.errors import UserError
-from draftlab.train.ttt_flex import flex_kernel, ttt_block_mask, ttt_flex_attend
+from draftlab.train.ttt_flex import TILE, extend_block_mask, flex_kernel, ttt_block_mask, ttt_flex_attend
 
 
 @dataclass
@@ -259,9 +259,17 @@ class TTTCache:
         return out.view(B, h, T, hd)
 
     def _attend_flex(self, q, k, v):
+        # Rows padded to whole tiles (a real row never sees a padding key: they all come after it):
+        # each later step's keys then start on a tile boundary, and its block mask grows from step
+        # 0's (draftlab.train.ttt_flex.extend_block_mask) instead of being evaluated whole.
+        T = q.shape[2]
+        pad = -T % TILE
+        if pad:
+            q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         self.ks.append(k)
         self.vs.append(v)
-        return ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], q.shape[2], q.device), self._flex)
+        out = ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], T + pad, q.device), self._flex)
+        return out[:, :, :T] if pad else out
 
     _attend_flex_apart = torch.compiler.disable(_attend_flex)
 
@@ -271,8 +279,10 @@ class TTTCache:
         any compiled graph, which would otherwise trace the mask's own construction)."""
         n = len(self.ks)
         if n not in self._block_masks:
-            seq = None if self.seq_ids is None else self.seq_ids.to(device)
-            self._block_masks[n] = ttt_block_mask(seq, B, T, n, device, self.compiled)
+            first = self._block_masks.get(1)
+            grown = extend_block_mask(first, T, n) if first is not None and n > 1 else None  # step 0's, plus diagonals
+            seq = None if self.seq_ids is None else F.pad(self.seq_ids.to(device), (0, T - self.seq_ids.shape[1]), value=-1)
+            self._block_masks[n] = grown if grown is not None else ttt_block_mask(seq, B, T, n, device, self.compiled)
         return self._block_masks[n]
 
     def causal_mask(self, scores):

@@ -21,7 +21,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+TILE = 128  # FlexAttention's block (query and key rows per tile), the default on every device
 
 
 @functools.cache
@@ -48,7 +51,41 @@ def ttt_block_mask(seq_ids: torch.Tensor | None, batch: int, rows: int, steps_se
         return first | ((kv >= T) & (pos == q))
 
     make = _compiled()[1] if compiled else create_block_mask
-    return make(mask_mod, batch, None, rows, steps_seen * rows, device=device)
+    return make(mask_mod, batch, None, rows, steps_seen * rows, device=device, BLOCK_SIZE=TILE)
+
+
+def extend_block_mask(first: BlockMask, rows: int, steps_seen: int) -> BlockMask | None:
+    """The block mask of `steps_seen` steps from step 0's (`first`, made by ttt_block_mask with
+    steps_seen 1), without evaluating the mask again: the mask function does not depend on the
+    number of steps, and each later step adds one diagonal block per query block (query block i sees
+    key block j * rows / size + i of step j, in part). Building each step's mask whole evaluates
+    every (query, key) pair of its keys: 28 rows x rows passes over the 7 steps of a batch, which
+    took 15% of a training step's GPU time at SmolLM2's shape on an H100. None where a step's keys do
+    not start on a block boundary (rows not a multiple of the block size; TTTCache pads its rows to
+    whole tiles, so they do): build it whole then."""
+    q_size, kv_size = first.BLOCK_SIZE
+    if q_size != kv_size or rows % kv_size or first.kv_num_blocks is None:
+        return None
+    later = steps_seen - 1
+    B, H, q_blocks = first.kv_num_blocks.shape
+    step_blocks, device = rows // kv_size, first.kv_num_blocks.device
+    width = steps_seen * step_blocks
+
+    def widen(indices):  # [B, H, q_blocks, step_blocks] -> [B, H, q_blocks, width], the rest 0 (unread)
+        out = torch.zeros(B, H, q_blocks, width, dtype=indices.dtype, device=device)
+        out[..., :indices.shape[-1]] = indices
+        return out
+
+    indices = widen(first.kv_indices)
+    blocks = (torch.arange(1, steps_seen, device=device)[None, :] * step_blocks
+              + torch.arange(q_blocks, device=device)[:, None])  # [q_blocks, later]: step j's block of query block i
+    slots = first.kv_num_blocks[..., None].long() + torch.arange(later, device=device)  # after step 0's blocks
+    indices.scatter_(-1, slots, blocks.expand(B, H, q_blocks, later).to(indices.dtype))
+    full = first.full_kv_num_blocks is not None
+    return BlockMask.from_kv_blocks(first.kv_num_blocks + later, indices,
+                                    first.full_kv_num_blocks if full else None,
+                                    widen(first.full_kv_indices) if full else None,
+                                    BLOCK_SIZE=first.BLOCK_SIZE, mask_mod=first.mask_mod, seq_lengths=(rows, steps_seen * rows))
 
 
 def flex_kernel(compiled: bool):
