@@ -163,6 +163,9 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "accept": {f"step_{i + 1}": last["eval_accept"][i] for i in range(K)},
             "top1_acc": {f"step_{i + 1}": last["eval_top1_acc"][i] for i in range(K)},
             "tau_by_steps": {f"steps_{n + 1}": last["eval_tau_by_steps"][n] for n in range(K)},
+            # greedy chain decoding replayed over the eval answers (draftlab.train.loop.decoded_rounds): each round
+            # starts where the last stopped, so the rows scored are those decoding would score
+            "tau_decoded_by_steps": {f"steps_{n + 1}": last["eval_tau_decoded_by_steps"][n] for n in range(K)},
             # the first draft token's hit rate on the eval split, split by the predicted token: a loop token of its
             # answer (an 8-gram repeated within it) or not, and its position band in the answer
             "step1_by_kind": last.get("eval_step1_by_kind"),
@@ -186,6 +189,8 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         (resume_dir / "last.pt").unlink(missing_ok=True)
         print(f"train: tau_pred {last['eval_tau_pred']:.3f} over {K} steps, accept {[round(a, 3) for a in last['eval_accept']]}, "
               f"{seconds:.0f}s -> {out}")
+        print(f"train: tau decoded over the eval answers (rounds replayed) by depth: "
+              f"{[round(t, 3) for t in last['eval_tau_decoded_by_steps']]}")
         if kinds := last.get("eval_step1_by_kind"):
             print(f"train: {step1_line(kinds, last['eval_step1_by_position'])}")
         print(f"train: features {train_params.features}: {tokens} training tokens at {tokens_per_s} tokens/s "

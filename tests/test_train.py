@@ -214,7 +214,7 @@ def test_step1_acceptance_is_split_by_the_predicted_tokens_kind_and_position(fea
     one(batch, (torch.randn(1, T, VD), torch.full((1, T), 5)), step_token_counts(batch, 1, 1))
     groups = step1_groups(one, batch).tolist()
     assert [g[0] for g in groups] == [4, 8, 12, 0, 0, 0, 0]  # scored: loop, other, then bands 0-63 .. 512+
-    assert groups[0][1] == float(one.step1[1][8:12].sum())  # hits of rows 8..11, which predict tokens 10..13
+    assert groups[0][1] == float(one.scored[1][0][8:12].sum())  # hits of rows 8..11, which predict tokens 10..13
 
 
 def write_params(root: Path, target_dir: Path):
@@ -303,3 +303,33 @@ def test_bf16_soft_labels_match_fp32_ones_to_bf16_precision():
     logits = final.reshape(-1, 32) @ head.T
     gap = logits.topk(2).values.diff(dim=-1).abs().view(2, 64)
     assert bool((top16 == top32)[gap > 0.1].all())  # where the top-2 are apart, the same token
+
+
+def test_decoding_replayed_over_the_answers_scores_the_rows_rounds_start_at():
+    """Hits that cluster (a looping stretch the draft gets whole, a stretch it misses) give the
+    teacher-forced a_i one tau and decoding another: rounds crowd the hard stretch. The replay
+    counts what decoding would: 40 hard rows are 40 rounds of 1 token, 40 easy rows at depth 3 are
+    10 rounds of 4."""
+    from draftlab.metrics import chain_tau
+    from draftlab.train.loop import decoded_rounds
+
+    K, N = 3, 81  # row 0 predicts the answer's first token (the prefill's): no round starts there
+    valid = torch.ones(K, N + 2, dtype=torch.bool)
+    valid[:, N:] = False  # two rows past the answer: its end
+    correct = torch.zeros(K, N + 2, dtype=torch.bool)
+    correct[:, 41:N] = True  # rows 1..40 missed at every step, rows 41..80 hit at every step
+    got = decoded_rounds(valid, correct)
+    assert got.tolist() == [[40 + 20, 80], [40 + 14, 80], [40 + 10, 80]]  # depth 1, 2, 3: (rounds, tokens)
+    assert got[2, 1] / got[2, 0] == pytest.approx(1.6)
+    assert chain_tau([0.5, 1.0, 1.0]) == pytest.approx(2.5)  # what the same rows' a_i predict
+    # a second answer in the same rows is walked on its own
+    two = decoded_rounds(torch.cat([valid, valid], 1), torch.cat([correct, correct], 1))
+    assert two.tolist() == (2 * got).tolist()
+
+
+def test_evaluate_reports_the_decoded_tau_beside_the_teacher_forced_one(tmp_path):
+    kit = training_kit(tmp_path)
+    draft = init_draft(kit["cfg"], kit["embed"], kit["head"], kit["d2t"], kit["t2d"], 0)
+    m = evaluate(TTT(draft, 3, 0.8), kit["train"], kit["head"], 4, torch.device("cpu"), False)
+    decoded = m["tau_decoded_by_steps"]
+    assert len(decoded) == 3 and all(1.0 <= t <= n + 1 for n, t in enumerate(decoded, start=1))  # at most depth + 1 a round

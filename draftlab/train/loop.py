@@ -184,7 +184,7 @@ class TTT(nn.Module):
             correct[i, r] = draft.to_target(logits.argmax(-1)) == target_top1[seen]
             ce_sums.append(ce.detach().sum())
         accepted, reached = acceptance_counts(correct, valid)
-        self.step1 = (valid[0], correct[0])  # [B*T] each: row t scored at the first step, and its top-1 hit (evaluate splits them)
+        self.scored = (valid, correct)  # [K, B*T] each: row t scored at step i, and its top-1 hit (evaluate splits them)
         stats = torch.stack([torch.stack(ce_sums), valid.sum(1).float(), (correct & valid).sum(1).float(), accepted.float(), reached.float()])
         return loss, stats  # stats [5, K]: ce sum, scored tokens, top-1 hits, accepted, reached
 
@@ -237,10 +237,34 @@ def step1_groups(ttt: TTT, batch: dict) -> torch.Tensor:
     """[2 + bands, 2]: (scored, top-1 hits) at the first draft step of the batch `ttt` just ran, on
     loop tokens, other tokens, then each position band. The group is the predicted token's:
     row t's first step predicts token t+2."""
-    valid, correct = (x.cpu() for x in ttt.step1)
+    valid, correct = (x[0].cpu() for x in ttt.scored)
     loop, band = (x.flatten() for x in (shift(a, 2, f) for a, f in zip(token_groups(batch), (False, -1))))
     sels = [loop, ~loop] + [band == k for k in range(len(POSITION_BANDS))]
     return torch.tensor([[float((valid & s).sum()), float((valid & correct & s).sum())] for s in sels], dtype=torch.float64)
+
+
+def decoded_rounds(valid: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """[K, 2] (rounds, tokens) of greedy chain decoding at depth 1..K, replayed over the eval answers.
+
+    Row t's TTT steps are exactly a decoding round that starts after token t+1: step i embeds the
+    token before it (in a round, the draft's own, equal to it while the chain holds) and predicts
+    token t+2+i, a hit being the target's greedy choice. So a round at depth d starting at row t
+    accepts its first run of hits, at most d, emits one token more (the target's), and the next
+    round starts where it stopped. Decoding scores the rows rounds start at, which crowd where the
+    draft misses; the teacher-forced a_i average every row, easy runs counted whole (tau_pred). The
+    first row of an answer predicts its first token, which the prefill makes: rounds start after it.
+    valid, correct: [K, N] bool (TTT.scored; rows of one answer contiguous)."""
+    K = valid.shape[0]
+    lead = (valid & correct).int().cumprod(0).sum(0).tolist()  # hits in a row from step 1, per row
+    out = torch.zeros(K, 2, dtype=torch.float64)
+    for a, e in spans(valid[0].tolist()):  # one answer each
+        for d in range(1, K + 1):
+            t, rounds, tokens = a + 1, 0, 0
+            while t < e:
+                step = min(lead[t], d) + 1
+                rounds, tokens, t = rounds + 1, tokens + min(step, e - t), t + step
+            out[d - 1] += torch.tensor([rounds, tokens], dtype=torch.float64)
+    return out
 
 
 def step1_breakdown(groups: torch.Tensor) -> dict:
@@ -298,6 +322,7 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     draft.eval()
     stats = torch.zeros(5, ttt.steps, device=device)
     groups = torch.zeros(2 + len(POSITION_BANDS), 2, dtype=torch.float64)  # exact counts past 2**24 tokens
+    rounds = torch.zeros(ttt.steps, 2, dtype=torch.float64)  # decoded_rounds, pooled
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
     for rows in eval_batches(mine, [dataset.length(i) for i in mine], batch_size, batch_tokens):
         batch = dataset.batch(rows, device)
@@ -307,12 +332,16 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
             _, s = ttt(batch, labels, counts)
         stats += s
         groups += step1_groups(ttt, batch)
+        rounds += decoded_rounds(*(x.cpu() for x in ttt.scored))
     if world > 1:
         dist.all_reduce(stats)
-        groups = groups.to(device)
+        groups, rounds = groups.to(device), rounds.to(device)
         dist.all_reduce(groups)
+        dist.all_reduce(rounds)
     draft.train(was_training)
-    return {**summarize(stats.cpu(), ttt.decay), **step1_breakdown(groups.cpu())}
+    rounds = rounds.cpu()
+    decoded = [tok / n if n else 1.0 for n, tok in rounds.tolist()]
+    return {**summarize(stats.cpu(), ttt.decay), **step1_breakdown(groups.cpu()), "tau_decoded_by_steps": decoded}
 
 
 def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
