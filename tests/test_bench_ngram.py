@@ -9,6 +9,7 @@ import pytest
 
 from draftlab.bench import servers as bench
 from draftlab.bench.stage import bench as bench_stage
+from draftlab.errors import UserError
 from draftlab.params import load_params
 from draftlab.sglang.client import Client
 from draftlab.sglang.flags import SpecFlags, resolve
@@ -195,3 +196,28 @@ def test_on_sglang_ngram_is_launched_with_its_flags_and_its_round_scaled_on_the_
     assert ng["scale"]["kappa"] > 0 and ng["scale"]["kappa_from_rounds"] > 0
     assert ng["predicted_vs_measured"][0]["speedup_error"] == pytest.approx(0.0, abs=1e-9)  # calibrated on it
     assert {c["configuration"] for c in ng["candidates"]} == {"ngram-4-1", "ngram-3-1", "ngram-2-1"}
+
+
+def test_the_bench_answers_replayed_teacher_forced_come_close_to_the_served_tau(run, monkeypatch):
+    """tools/replay_answers.py on the bench's own first-turn answers: decoding replayed over them
+    (draftlab.train.loop.decoded_rounds) gives the tau the draft served on those turns."""
+    import sys
+
+    root, report, _, _ = run
+    sys.path.insert(0, str(ROOT / "tools"))
+    from replay_answers import replay
+
+    monkeypatch.chdir(root)
+    params = load_params(["target", "spec"], root / "params.yaml")
+    got = replay(root / "models/draft", root / "reports/bench/turn-answers-mt_bench_small.jsonl", FIXTURE,
+                 params.target, steps=params.spec.num_steps)
+    assert got["answers"] == 3 and got["answer_tokens"] > 0
+    sets = {s["name"]: s for s in report["prompt_sets"]}
+    served = sets["mt_bench_small"]["configurations"][0]["by_turn"]["1"]  # spec.*'s configuration, first turns
+    # the reference server decodes with this engine in float32: the first draft token is hit as often replayed
+    assert got["accept"][0] == pytest.approx(served["acceptance"][0], abs=0.05)
+    assert all(1.0 <= t <= n + 1 for n, t in enumerate(got["tau_decoded_by_steps"], start=1))
+    with pytest.raises(UserError, match="is not in"):  # answers of another set than the questions given
+        replay(root / "models/draft", root / "reports/bench/turn-answers-mt_bench_small.jsonl",
+               root / "data/prompts/eval.jsonl",
+               params.target, steps=1)
