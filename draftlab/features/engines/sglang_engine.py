@@ -17,13 +17,13 @@ Any of these failing is an error naming extract.engine, never a silent fallback 
 from __future__ import annotations
 
 import importlib.util
+import socket
 from array import array
 
 import torch
 
 from draftlab.errors import UserError
 from draftlab.parallel import RankLayout
-from draftlab.sglang.launch import free_port as sglang_free_port  # below the OS's ephemeral range
 
 WRITTEN_FOR = "0.5.14"
 
@@ -43,6 +43,12 @@ def _require(device: str, layout: RankLayout | None) -> None:
         raise UserError(f"extract.engine sglang runs one engine per launch: launch exactly extract.tp_size "
                         f"({len(layout.tp_ranks)}) processes, not {layout.dp_size * len(layout.tp_ranks)}; "
                         "split the rows over launches or use extract.engine transformers for data parallelism")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class _Recorder(torch.nn.Module):
@@ -88,7 +94,7 @@ class SGLangEngine:
                           chunked_prefill_size=-1)  # one forward per row: every token's states at once
         runner = ModelRunner(model_config=ModelConfig.from_server_args(args), mem_fraction_static=args.mem_fraction_static,
                              gpu_id=torch.device(device).index or 0, tp_rank=tp_rank, tp_size=tp_size, moe_ep_rank=0,
-                             moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=sglang_free_port(), server_args=args)
+                             moe_ep_size=1, pp_rank=0, pp_size=1, nccl_port=_free_port(), server_args=args)
         runner.alloc_memory_pool()
         runner.init_attention_backends()
         found = [(n, m) for n, m in runner.model.named_modules() if isinstance(m, LogitsProcessor) and n]
