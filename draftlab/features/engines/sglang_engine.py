@@ -46,6 +46,9 @@ def _require(device: str, layout: RankLayout | None) -> None:
 
 
 def _free_port() -> int:
+    """The engine's NCCL port. Not draftlab.sglang.launch.free_port (below the OS's ephemeral
+    range, what servers started together need): the features part of the DAG may not import the
+    serving part, and one engine in one process starts nothing beside it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
