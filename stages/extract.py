@@ -23,6 +23,8 @@ extract.engine picks what runs the target (draftlab.features.engines); with extr
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -98,6 +100,53 @@ def fitted(tok, row: dict, limit: int, path: Path) -> tuple[list[int], list[bool
     return ids, mask, left_out
 
 
+# Rendering is the chat template and the tokenizer, row by row: ~5 ms for a conversation of four turns
+# on one core, about a minute for ten thousand. The rows are independent, so a pool of forked
+# processes renders them; each child only tokenizes (no torch threads, no device), and the result does
+# not depend on how many there are.
+RENDER_ROWS_PER_WORKER = 512  # below this many rows a split renders in this process: a fork costs more
+
+
+def render_workers(rows: int) -> int:
+    """Processes that render a split of `rows` rows: this machine's cores, at most one per
+    RENDER_ROWS_PER_WORKER rows; 1 (no pool) where fork is not available."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, rows // RENDER_ROWS_PER_WORKER))
+
+
+_pool_job: tuple | None = None  # (tok, limit, path): set in the parent before the fork, read by the children
+
+
+def _pool_init() -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+
+
+def _render_one(row: dict) -> tuple[list[int], list[bool], int, list[bool]]:
+    tok, limit, path = _pool_job
+    ids, mask, left_out = fitted(tok, row, limit, path)
+    return ids, mask, left_out, answer_loop_flags(ids, mask)
+
+
+def render_rows(tok, rows: list[dict], limit: int, path: Path, workers: int | None = None, desc: str = "render",
+                quiet: bool = False):
+    """(ids, loss mask, turns left out, loop flags) of every row, in order: `fitted` and
+    `answer_loop_flags`, in `workers` forked processes (None = `render_workers`), with a progress bar."""
+    global _pool_job
+    workers = render_workers(len(rows)) if workers is None else workers
+    _pool_job = (tok, limit, path)
+    bar = dict(total=len(rows), desc=desc, unit="row", mininterval=2.0, disable=quiet)
+    try:
+        if workers <= 1:
+            return [_render_one(r) for r in tqdm(rows, **bar)]
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust tokenizer's threads do not survive a fork
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_pool_init) as pool:
+            return list(tqdm(pool.imap(_render_one, rows, chunksize=64), **bar))
+    finally:
+        _pool_job = None
+
+
 def save_atomic(tensors: dict, path: Path, metadata: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
@@ -153,9 +202,8 @@ def main(synth: Path, out: Path) -> None:
         rows = read_rows(synth / f"{split}.jsonl")
         rendered, dropped = [], []  # dropped: later turns left out of each conversation cut to fit
         loop_tokens = answer_tokens = 0
-        for r in rows:
-            ids, mask, left_out = fitted(tok, r, limit, synth / f"{split}.jsonl")
-            looped = answer_loop_flags(ids, mask)
+        for ids, mask, left_out, looped in render_rows(tok, rows, limit, synth / f"{split}.jsonl", desc=f"render {split}",
+                                                      quiet=not layout.writes):
             loop_tokens, answer_tokens = loop_tokens + sum(looped), answer_tokens + sum(mask)
             if split == "train" and extract_params.loop_tokens == "skip":
                 mask = [m and not f for m, f in zip(mask, looped)]

@@ -202,3 +202,26 @@ def test_loop_tokens_are_the_repeats_of_an_8_gram_within_one_answer():
     looping = [1, 2] + passage + passage[:10] + [3]
     lmask = [False] * 2 + [True] * 26 + [False]
     assert [int(f) for f in answer_loop_flags(looping, lmask)] == [0] * 2 + [0] * 16 + [0] * 7 + [1] * 3 + [0]
+
+
+def test_rows_rendered_by_a_pool_of_processes_match_one_process_and_name_a_bad_row(tmp_path):
+    """The extract stage renders a large split in forked processes: the same ids, loss masks,
+    turns left out and loop flags, in the rows' order; a row too long still stops the stage with
+    the file and row named."""
+    from stages.extract import render_rows
+    from draftlab.errors import UserError
+
+    tok = make_micro_tokenizer()
+    rows = []
+    for n in range(40):  # conversations of 1-3 turns, some cut to fit 60 tokens, some looping
+        msgs = []
+        for t in range(n % 3 + 1):
+            msgs += [{"role": "user", "content": f"q{n}-{t}"}, {"role": "assistant", "content": ("ab" * (n % 7 + 2))[: 3 + n]}]
+        rows.append({"id": f"r{n}", "messages": msgs, "turns": n % 3 + 1, "finish_reason": "stop"})
+    path = tmp_path / "train.jsonl"
+    alone = render_rows(tok, rows, 60, path, workers=1, quiet=True)
+    pooled = render_rows(tok, rows, 60, path, workers=3, quiet=True)
+    assert pooled == alone and len(alone) == 40
+    assert any(left_out for _, _, left_out, _ in alone) and any(any(f) for *_, f in alone)
+    with pytest.raises(UserError, match=r"train.jsonl: row r0 has \d+ tokens, more than extract.max_length/context 8"):
+        render_rows(tok, rows, 8, path, workers=2, quiet=True)
