@@ -485,3 +485,21 @@ def test_a_partial_path_that_is_a_folder_is_named_not_removed(tmp_path):
     with pytest.raises(UserError, match=r"train.jsonl.partial is not a file.*move or delete it"):
         synth.prepare_resume(tmp_path, "k")
     assert (tmp_path / "train.jsonl.partial").is_dir()
+
+
+def test_conversations_of_more_turns_are_sent_first_and_written_in_input_order(tmp_path):
+    """A conversation's turns run one after another: the longest ones go to the backend first, so
+    that they do not run alone at the end; each split's file keeps the prompts' order."""
+    def convo(text, later):
+        return {**row(text), "next_turns": [f"{text} then {k}" for k in range(later)]}
+
+    splits = {"train": [convo("a", 0), convo("b", 3), convo("c", 1), convo("d", 3)], "eval": [convo("e", 5), convo("f", 0)]}
+    backend = CallsBackend()
+    synth.synthesize(splits, backend, tmp_path, "key-1", answer_row)
+    ids = {r["id"]: r for rows in splits.values() for r in rows}
+    sent = [len(ids[i].get("next_turns", [])) for i in backend.calls[0]]
+    assert sent == [5, 3, 3, 1, 0, 0]
+    assert backend.calls[0][1:3] == [splits["train"][1]["id"], splits["train"][3]["id"]]  # ties keep the input order
+    for split, rows in splits.items():
+        out = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in out] == [r["id"] for r in rows]

@@ -608,6 +608,17 @@ def count_row(stats: dict, row: dict) -> None:
         bump(stats["stopped"], row["stopped"])
 
 
+def longest_first(rows: list[dict]) -> list[dict]:
+    """The rows in the order the backend takes them: conversations of more user turns first (stable).
+
+    A conversation's turns are asked one after another, so one of 20 turns takes 20 answers' time
+    whatever the concurrency. Sent last, the longest ones ran alone at the end of the stage: the
+    real workload's last 236 of 9,536 conversations took 28 s of a 198 s generation. Started first,
+    they run beside the short ones. The files keep the input order, and no answer depends on when
+    its row was sent (seeds are per row)."""
+    return sorted(rows, key=lambda r: -len(r.get("next_turns") or ()))
+
+
 def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None) -> dict:
     """Answer every row of every split into `out`; returns counts and token figures.
 
@@ -639,6 +650,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
             if r["id"] not in done:
                 todo.append(r)
                 split_of[id(r)] = split
+    todo = longest_first(todo)
     total, kept = sum(map(len, splits.values())), sum(map(len, done_rows.values()))
     bar = progress("+".join(splits), total, kept) if progress else None
     t0 = time.perf_counter()
