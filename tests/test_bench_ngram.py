@@ -221,3 +221,15 @@ def test_the_bench_answers_replayed_teacher_forced_come_close_to_the_served_tau(
         replay(root / "models/draft", root / "reports/bench/turn-answers-mt_bench_small.jsonl",
                root / "data/prompts/eval.jsonl",
                params.target, steps=1)
+
+
+def test_the_bench_says_where_its_wall_time_went(run):
+    """bench.json and report.md give each phase's seconds: the offline run first (bench.sweep), then the
+    servers' start, the serving, their stop; together about the stage's own run."""
+    root, report, _, _ = run
+    phases = report["phases_s"]
+    assert list(phases) == ["offline run and round costs", "servers started",
+                            "served and measured (later turns' answers included)", "servers stopped"]
+    assert all(s >= 0 for s in phases.values()) and phases["served and measured (later turns' answers included)"] > 0
+    md = (root / "reports/bench/report.md").read_text()
+    assert "## Where the bench's time went" in md and "servers started: " in md

@@ -182,4 +182,6 @@ def markdown(report: dict) -> str:
         out += [f"## {s['name']}: every configuration by turn and category", "",
                 f"Source: `{s['source']}`. tau and a_i pooled over the group's requests; speedup: medians of tokens/s per request.", "",
                 groups_markdown(s), ""]
+    if report.get("phases_s"):
+        out += ["## Where the bench's time went", "", ", ".join(f"{k}: {v:.0f} s" for k, v in report["phases_s"].items()) + ".", ""]
     return "\n".join(out)

@@ -24,11 +24,13 @@ the headline "does training pay?" table; n-gram lookup (NGRAM) configurations ge
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import platform
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,24 +261,39 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     first, then every configuration beside one baseline); writes the server logs and
     requests.jsonl under `out` and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
+    phases, since = {}, time.perf_counter()  # where the bench's wall time goes, in seconds
+
+    def lap(name: str) -> None:
+        nonlocal since
+        phases[name] = round(time.perf_counter() - since, 1)
+        since = time.perf_counter()
+
     if plan.sweep:
         # The advice must be known while the baseline stays up (`advised`), and a GPU must hold one
         # copy of the target at a time (SGLang sizes its KV pool from the memory free at start-up):
         # the in-process run first, its copy of the target freed before any server starts.
         offline, costs, physical, ranks = measure_offline(plan)
         release_memory(plan.device)
-        with bench_sweep.servers_up(plan, out) as fleet:  # the baseline and bench.sweep's servers, started together
+        lap("offline run and round costs")
+        with contextlib.ExitStack() as up:
+            fleet = up.enter_context(bench_sweep.servers_up(plan, out))  # the baseline and bench.sweep's servers, started together
+            lap("servers started")
             first = bench_sweep.measure_first(plan, fleet)
             adv = advise(plan, first.baseline, first.spec, offline, costs, ranks)  # numbers in, numbers out
             pick = adv["advised"]["recommended"]
             pick = (pick["num_steps"], pick["topk"], pick["num_draft_tokens"]) if pick else None
             pairings = [first] + bench_sweep.measure_rest(plan, fleet, first, pick)
+            lap("served and measured (later turns' answers included)")
+        lap("servers stopped")
     else:
         sets, log = measure_served(plan, out)
+        lap("servers started, served and measured")
         baseline, spec = sets[plan.sets[0].name]
         offline, costs, physical, ranks = measure_offline(plan)
+        lap("offline run and round costs")
         pairings = [bench_sweep.Pairing(plan.configurations[0], baseline, spec, log, sets=sets)]
         adv = advise(plan, baseline, spec, offline, costs, ranks)
+    print("bench: wall time: " + ", ".join(f"{name} {s:.0f} s" for name, s in phases.items()))
     baseline, spec, log = pairings[0].baseline, pairings[0].spec, pairings[0].log
     server_log = read_log(log) if log.exists() else None
     bench_params, flags, info = plan.bench_params, plan.flags, plan.target
@@ -327,6 +344,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         # (baseline, the best n-gram lookup and the best draft at every concurrency); the first set's here too
         "prompt_sets": sets_report,
         "training_pays": sets_report[0]["training_pays"],
+        "phases_s": phases,  # the bench's wall time by phase, in the order run (the report's own writing after)
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
