@@ -1,0 +1,66 @@
+"""benchmarks/synth_profile.py: what it reads from the SGLang servers' torch-profiler traces (the GPU path
+itself needs SGLang; its summary is computed here from traces written in the profiler's format)."""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import synth_profile  # noqa: E402
+
+
+def write_trace(path: Path, base_ns: int, kernels, graph_launches: int) -> None:
+    """A trace as torch.profiler exports it: event times in us from baseTimeNanoseconds."""
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7} for ts, dur, name in kernels]
+    events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 1.0, "pid": 1, "tid": 1}] * graph_launches
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50.0, "pid": 1, "tid": 1}]  # host side: not GPU time
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
+
+
+def two_servers(tmp_path, gap_filled: bool) -> Path:
+    # Server 0's clock starts at 1 s, server 1's at 2 s: on one clock, server 1 runs 5-15 and 25-40 us
+    # after server 0's start, beside server 0's 0-10 and 20-30 us.
+    write_trace(tmp_path / "server-0" / "a-TP-0.trace.json.gz", 1_000_000_000,
+                [(0.0, 10.0, "_fwd_kernel_stage1"), (20.0, 10.0, "nvjet_tst_128x64_TNT")], graph_launches=2)
+    second = [(-1e6 + 5, 10.0, "void at::native::elementwise_kernel<128, 4>"), (-1e6 + 25, 15.0, "argmax_kernel")]
+    if gap_filled:
+        second.append((-1e6 + 15, 5.0, "_fwd_kernel_stage2"))
+    write_trace(tmp_path / "server-1" / "b-TP-0.trace.json.gz", 2_000_000_000, second, graph_launches=1)
+    return tmp_path
+
+
+def test_the_gpu_busy_share_is_the_union_of_every_server_kernels_on_one_clock(tmp_path):
+    traces = sorted(two_servers(tmp_path, gap_filled=False).rglob("*.trace.json.gz"))
+    s = synth_profile.summarize(traces)
+    # Both traced from 5 to 30 us: kernels cover 5-15 and 20-30 of those 25 us
+    assert s["window"] == "every server traced" and abs(s["window_ms"] - 0.025) < 1e-9
+    assert abs(s["gpu_busy_share"] - 0.8) < 1e-9
+    # Kernel time inside the window, clipped: attention 5, matmul 10, element-wise 10, sampling 5 (of 30)
+    assert s["kernel_groups"] == {"matrix products": round(10 / 30, 4), "element-wise and norms": round(10 / 30, 4),
+                                  "attention": round(5 / 30, 4), "sampling": round(5 / 30, 4)}
+    first = s["servers"][0]
+    assert abs(first["own_busy_share"] - 20 / 30) < 1e-9 and first["graph_launches"] == 2
+    assert s["verdict"].startswith("the servers' host side: the GPU idles 20%")
+
+
+def test_a_gpu_busy_through_the_window_is_named_with_its_largest_kernel_group(tmp_path):
+    out = tmp_path / "summary.json"
+    r = subprocess.run([sys.executable, "benchmarks/synth_profile.py", "--traces", str(two_servers(tmp_path / "t", gap_filled=True)),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(out.read_text())
+    assert s["gpu_busy_share"] == 1.0
+    assert s["kernel_groups"]["attention"] == round(10 / 35, 4)
+    assert s["verdict"].startswith("the GPU: kernels run 100% of the window; the largest group is")
+    assert "limit: the GPU" in r.stdout and "CUDA-graph launches/s" in r.stdout
+
+
+def test_no_traces_says_so(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/synth_profile.py", "--traces", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no trace files" in r.stderr
