@@ -94,13 +94,16 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     plt.close("all")
 
 
-def step1_line(kinds: dict, bands: dict) -> str:
-    """The eval split's step-1 acceptance by kind of token and position band, in one line."""
+def step1_line(kinds: dict, bands: dict, turns: dict | None = None) -> str:
+    """The eval split's step-1 acceptance by kind of token, position band and turn, in one line."""
     def rate(c):
         return "-" if c["a_1"] is None else f"{c['a_1']:.3f}"
     total = sum(c["tokens"] for c in kinds.values()) or 1
-    return (f"step-1 acceptance on the eval split: loop tokens {rate(kinds['loop'])} ({kinds['loop']['tokens'] / total:.0%} of "
+    line = (f"step-1 acceptance on the eval split: loop tokens {rate(kinds['loop'])} ({kinds['loop']['tokens'] / total:.0%} of "
             f"tokens), other {rate(kinds['other'])}; by answer position " + ", ".join(f"{k} {rate(c)}" for k, c in bands.items()))
+    if turns:
+        line += "; by turn " + ", ".join(f"{k} {rate(c)} ({c['tokens'] / total:.0%})" for k, c in turns.items())
+    return line
 
 
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
@@ -166,10 +169,14 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             # greedy chain decoding replayed over the eval answers (draftlab.train.loop.decoded_rounds): each round
             # starts where the last stopped, so the rows scored are those decoding would score
             "tau_decoded_by_steps": {f"steps_{n + 1}": last["eval_tau_decoded_by_steps"][n] for n in range(K)},
+            # the same over each eval conversation's first answer alone: what a bench of first turns serves
+            "tau_decoded_first_turns_by_steps": {f"steps_{n + 1}": last["eval_tau_decoded_first_turns_by_steps"][n]
+                                                 for n in range(K)},
             # the first draft token's hit rate on the eval split, split by the predicted token: a loop token of its
             # answer (an 8-gram repeated within it) or not, and its position band in the answer
             "step1_by_kind": last.get("eval_step1_by_kind"),
             "step1_by_position": last.get("eval_step1_by_position"),
+            "step1_by_turn": last.get("eval_step1_by_turn"),  # the predicted token's answer: turn 1, 2, 3 and later
             "epochs": last["epoch"],
             "optimizer_steps": last["step"],
             "seconds": round(seconds, 1),
@@ -190,9 +197,10 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         print(f"train: tau_pred {last['eval_tau_pred']:.3f} over {K} steps, accept {[round(a, 3) for a in last['eval_accept']]}, "
               f"{seconds:.0f}s -> {out}")
         print(f"train: tau decoded over the eval answers (rounds replayed) by depth: "
-              f"{[round(t, 3) for t in last['eval_tau_decoded_by_steps']]}")
+              f"{[round(t, 3) for t in last['eval_tau_decoded_by_steps']]}; over first turns only: "
+              f"{[round(t, 3) for t in last['eval_tau_decoded_first_turns_by_steps']]}")
         if kinds := last.get("eval_step1_by_kind"):
-            print(f"train: {step1_line(kinds, last['eval_step1_by_position'])}")
+            print(f"train: {step1_line(kinds, last['eval_step1_by_position'], last.get('eval_step1_by_turn'))}")
         print(f"train: features {train_params.features}: {tokens} training tokens at {tokens_per_s} tokens/s "
               f"(optimizer steps only{', target forward included' if train_params.features == 'online' else ''})")
         flop_s = "FLOPs not counted (the target's facts lack a size)" if rate["target_flops_per_s"] is None else (

@@ -96,6 +96,12 @@ def test_the_real_workload_report_splits_step1_acceptance_by_kind_and_position()
     assert "| loop tokens | 40 | 0.950 |" in md and "| other tokens | 160 | 0.600 |" in md
     assert "| positions 0-63 | 120 | 0.620 |" in md and "| positions 512+ | 0 |" in md
     assert rwr.step1_md({"tau_pred": 2.0}) == []  # metrics of a run before the split: no section
+    # A run with the split by turn and the first turns' decoded tau: both shown
+    train |= {"step1_by_turn": {"1": {"tokens": 80, "a_1": 0.5}, "2": {"tokens": 70, "a_1": 0.7}, "3+": {"tokens": 50, "a_1": 0.8}},
+              "tau_decoded_by_steps": {"steps_1": 1.7, "steps_2": 2.1}, "tau_decoded_first_turns_by_steps": {"steps_1": 1.5, "steps_2": 1.8}}
+    md = "\n".join(rwr.step1_md(train))
+    assert "| turn 1 | 80 | 0.500 |" in md and "| turn 3+ | 50 | 0.800 |" in md
+    assert "| every turn | 1.700 | 2.100 |" in md and "| first turns | 1.500 | 1.800 |" in md and "depth 2" in md
 
 
 # --- the NGRAM advice ----------------------------------------------------------------------------

@@ -763,3 +763,27 @@ def test_live_parity_names_layer_zero_served_where_the_embedding_was_trained(tmp
     f = check_live_capture(shifted, {}, 0.05, 0.15)
     (hit,) = [x for x in f if x.name == "layer_shift"]
     assert [(s["trained_physical"], s["matches_physical"]) for s in hit.evidence["slots"]] == [(0, 1)]
+
+
+def test_an_eval_split_of_later_turns_is_named_when_its_first_answers_decode_as_the_bench_did():
+    """The every-turn workload's case: the eval split's answers are every turn (later ones easier),
+    the bench sends first turns. Training's decoding replayed over first answers alone matches offline:
+    the check says so, with the figures, and calls no fault."""
+    from draftlab.check.findings import INFO
+
+    bench = {"flags": {"effective": {"num_steps": 3, "topk": 1}}, "offline": {"tau": 2.0}, "spec": {"tau": 1.96},
+             "prompt_sets": [{"name": "heldout", "turns": 1}]}
+    train = {"tau_pred": 3.56, "tau_by_steps": {"steps_3": 2.65},
+             "tau_decoded_first_turns_by_steps": {"steps_1": 1.5, "steps_2": 1.8, "steps_3": 2.05},
+             "step1_by_turn": {"1": {"tokens": 300, "a_1": 0.55}, "2": {"tokens": 200, "a_1": 0.7}, "3+": {"tokens": 500, "a_1": 0.8}}}
+    (f,) = check_tau(train, bench, 0.10)
+    assert (f.name, f.severity) == ("tau_train_vs_offline", INFO)
+    assert f.evidence["first_turns_decoded"] == 2.05 and f.evidence["later_turns_share"] == 0.7
+    assert "70% of its tokens after the first turn" in f.cause and "2.05" in f.cause
+    # First answers that decode far above offline, a bench of several turns, or an eval of first turns only:
+    # the gap stays a warning with the generic causes.
+    for t, b in (({**train, "tau_decoded_first_turns_by_steps": {"steps_3": 2.6}}, bench),
+                 (train, {**bench, "prompt_sets": [{"name": "mt-bench", "turns": 2}]}),
+                 ({**train, "step1_by_turn": {"1": {"tokens": 300, "a_1": 0.55}, "2": {"tokens": 0, "a_1": None}}}, bench)):
+        (g,) = check_tau(t, b, 0.10)
+        assert (g.name, g.severity) == ("tau_train_vs_offline", "warning") and "overfit" in g.cause

@@ -213,8 +213,35 @@ def test_step1_acceptance_is_split_by_the_predicted_tokens_kind_and_position(fea
     one = TTT(draft, 1, 0.8)
     one(batch, (torch.randn(1, T, VD), torch.full((1, T), 5)), step_token_counts(batch, 1, 1))
     groups = step1_groups(one, batch).tolist()
-    assert [g[0] for g in groups] == [4, 8, 12, 0, 0, 0, 0]  # scored: loop, other, then bands 0-63 .. 512+
+    assert [g[0] for g in groups] == [4, 8, 12, 0, 0, 0, 0, 12, 0, 0]  # scored: loop, other, bands 0-63 .. 512+, turns 1, 2, 3+
     assert groups[0][1] == float(one.scored[1][0][8:12].sum())  # hits of rows 8..11, which predict tokens 10..13
+
+
+def test_step1_acceptance_and_decoding_are_split_by_the_answers_turn():
+    """A conversation of three answers: each answer's tokens count in its turn's group, and the
+    first-turns decoded tau walks the first answer alone (what a bench of first turns serves)."""
+    from draftlab.train.loop import decoded_rounds, predicted_groups, step1_breakdown, step1_groups
+
+    draft = make_draft()
+    H = draft.config.hidden_size
+    # user [1, 2], answer 1 (5 tokens), user [3], answer 2 (4 tokens), user [4], answer 3 (3 tokens), pad
+    mask = [0, 0] + [1] * 5 + [0] + [1] * 4 + [0] + [1] * 3 + [0]
+    ids = [1, 2, 10, 11, 12, 13, 14, 3, 20, 21, 22, 23, 4, 30, 31, 32, 0]
+    T = len(ids)
+    batch = {"input_ids": torch.tensor([ids]), "loss_mask": torch.tensor([mask]).bool(),
+             "aux_hidden": torch.randn(1, T, K * H), "final_hidden": torch.randn(1, T, H)}
+    one = TTT(draft, 1, 0.8)
+    one(batch, (torch.randn(1, T, VD), torch.full((1, T), 5)), step_token_counts(batch, 1, 1))
+    loop, band, turn = predicted_groups(batch)
+    assert turn.tolist() == [0] * 5 + [-1] + [1] * 4 + [-1] + [2] * 3 + [-1] * 3  # row t: the turn of token t+2
+    got = step1_breakdown(step1_groups(one, batch))["step1_by_turn"]
+    assert {k: c["tokens"] for k, c in got.items()} == {"1": 5, "2": 4, "3+": 3}
+    valid, correct = (x.cpu() for x in one.scored)
+    correct = torch.ones_like(correct)  # every step hits: a round at depth 1 emits 2 tokens
+    first = decoded_rounds(valid, correct, keep=turn == 0)
+    # the first answer's rows 0..4: its first token is the prefill's, then rounds of 2 over the other 4
+    assert first.tolist() == [[2, 4]]
+    assert decoded_rounds(valid, correct).tolist() == [[2 + 2 + 1, 4 + 3 + 2]]
 
 
 def write_params(root: Path, target_dir: Path):
@@ -333,3 +360,6 @@ def test_evaluate_reports_the_decoded_tau_beside_the_teacher_forced_one(tmp_path
     m = evaluate(TTT(draft, 3, 0.8), kit["train"], kit["head"], 4, torch.device("cpu"), False)
     decoded = m["tau_decoded_by_steps"]
     assert len(decoded) == 3 and all(1.0 <= t <= n + 1 for n, t in enumerate(decoded, start=1))  # at most depth + 1 a round
+    first = m["tau_decoded_first_turns_by_steps"]  # single answers here: every answer is a first turn
+    assert first == pytest.approx(decoded)
+    assert m["step1_by_turn"]["1"]["tokens"] == m["scored_tokens"] and m["step1_by_turn"]["2"]["tokens"] == 0

@@ -87,8 +87,21 @@ def step1_md(train: dict) -> list[str]:
         return []
     return ["## Step-1 acceptance on the eval split, by kind of token and position in the answer (teacher-forced)", "",
             table(["group", "tokens", "a_1"], [[f"{k} tokens", c["tokens"], c["a_1"]] for k, c in kinds.items()] +
-                  [[f"positions {k}", c["tokens"], c["a_1"]] for k, c in bands.items()]),
-            "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py).", ""]
+                  [[f"positions {k}", c["tokens"], c["a_1"]] for k, c in bands.items()] +
+                  [[f"turn {k}", c["tokens"], c["a_1"]] for k, c in (train.get("step1_by_turn") or {}).items()]),
+            "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py); the turn is the answer's "
+            "in its conversation.", ""] + first_turns_md(train)
+
+
+def first_turns_md(train: dict) -> list[str]:
+    """Greedy decoding replayed over the eval answers: every answer, and each conversation's first alone."""
+    every, first = train.get("tau_decoded_by_steps"), train.get("tau_decoded_first_turns_by_steps")
+    if not every or not first:
+        return []
+    steps = list(every)
+    return ["Greedy chain decoding replayed over the eval answers (tau by draft depth):", "",
+            table(["answers", *[s.replace("steps_", "depth ") for s in steps]],
+                  [["every turn", *[round(every[s], 3) for s in steps]], ["first turns", *[round(first[s], 3) for s in steps]]]), ""]
 
 
 def stage_times(run: Path) -> dict:

@@ -219,31 +219,44 @@ def band_names() -> list[str]:
     return [f"{a}{e}" for a, e in zip(POSITION_BANDS, ends)]
 
 
-def token_groups(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token [B, T]: a loop token of its answer (draftlab.data.loops), and the band of its
-    position in its answer (index into POSITION_BANDS; -1 off the loss mask)."""
+TURN_GROUPS = ("1", "2", "3+")  # an answer's turn in its conversation: the first, the second, any later one
+
+
+def token_groups(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token [B, T]: a loop token of its answer (draftlab.data.loops), the band of its position
+    in its answer (index into POSITION_BANDS), and its answer's turn in the row's conversation
+    (0 for the first learned answer, 1 for the second, 2 for any later); -1 off the loss mask."""
     ids, mask = batch["input_ids"].tolist(), batch["loss_mask"].tolist()
     loop = torch.zeros(len(ids), len(ids[0]) if ids else 0, dtype=torch.bool)
     band = torch.full(loop.shape, -1, dtype=torch.long)
+    turn = torch.full(loop.shape, -1, dtype=torch.long)
     starts = torch.tensor(POSITION_BANDS)
     for b, (row, m) in enumerate(zip(ids, mask)):
         loop[b] = torch.tensor(answer_loop_flags(row, m), dtype=torch.bool)
-        for a, e in spans(m):
+        for n, (a, e) in enumerate(spans(m)):
             band[b, a:e] = torch.bucketize(torch.arange(e - a), starts, right=True) - 1
-    return loop, band
+            turn[b, a:e] = min(n, len(TURN_GROUPS) - 1)
+    return loop, band, turn
 
 
-def step1_groups(ttt: TTT, batch: dict) -> torch.Tensor:
-    """[2 + bands, 2]: (scored, top-1 hits) at the first draft step of the batch `ttt` just ran, on
-    loop tokens, other tokens, then each position band. The group is the predicted token's:
-    row t's first step predicts token t+2."""
+def predicted_groups(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_groups` of the token each row's first draft step predicts (row t predicts token t+2),
+    flattened as TTT.scored's rows are."""
+    return tuple(shift(g, 2, fill).flatten() for g, fill in zip(token_groups(batch), (False, -1, -1)))
+
+
+def step1_groups(ttt: TTT, batch: dict, groups: tuple | None = None) -> torch.Tensor:
+    """[2 + bands + turns, 2]: (scored, top-1 hits) at the first draft step of the batch `ttt` just
+    ran, on loop tokens, other tokens, each position band, then each answer turn (TURN_GROUPS).
+    The group is the predicted token's. groups: `predicted_groups(batch)`, when already made."""
     valid, correct = (x[0].cpu() for x in ttt.scored)
-    loop, band = (x.flatten() for x in (shift(a, 2, f) for a, f in zip(token_groups(batch), (False, -1))))
-    sels = [loop, ~loop] + [band == k for k in range(len(POSITION_BANDS))]
+    loop, band, turn = groups if groups is not None else predicted_groups(batch)
+    sels = ([loop, ~loop] + [band == k for k in range(len(POSITION_BANDS))]
+            + [turn == k for k in range(len(TURN_GROUPS))])
     return torch.tensor([[float((valid & s).sum()), float((valid & correct & s).sum())] for s in sels], dtype=torch.float64)
 
 
-def decoded_rounds(valid: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+def decoded_rounds(valid: torch.Tensor, correct: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """[K, 2] (rounds, tokens) of greedy chain decoding at depth 1..K, replayed over the eval answers.
 
     Row t's TTT steps are exactly a decoding round that starts after token t+1: step i embeds the
@@ -253,11 +266,14 @@ def decoded_rounds(valid: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
     round starts where it stopped. Decoding scores the rows rounds start at, which crowd where the
     draft misses; the teacher-forced a_i average every row, easy runs counted whole (tau_pred). The
     first row of an answer predicts its first token, which the prefill makes: rounds start after it.
-    valid, correct: [K, N] bool (TTT.scored; rows of one answer contiguous)."""
+    valid, correct: [K, N] bool (TTT.scored; rows of one answer contiguous). keep: [N] bool, the
+    answers walked (those whose first row it marks); None = every one."""
     K = valid.shape[0]
     lead = (valid & correct).int().cumprod(0).sum(0).tolist()  # hits in a row from step 1, per row
     out = torch.zeros(K, 2, dtype=torch.float64)
     for a, e in spans(valid[0].tolist()):  # one answer each
+        if keep is not None and not keep[a]:
+            continue
         for d in range(1, K + 1):
             t, rounds, tokens = a + 1, 0, 0
             while t < e:
@@ -272,8 +288,10 @@ def step1_breakdown(groups: torch.Tensor) -> dict:
     def cell(scored, hits):
         return {"tokens": int(scored), "a_1": round(hits / scored, 4) if scored else None}
     rows = [cell(*g) for g in groups.tolist()]
+    bands = 2 + len(POSITION_BANDS)
     return {"step1_by_kind": {"loop": rows[0], "other": rows[1]},
-            "step1_by_position": dict(zip(band_names(), rows[2:]))}
+            "step1_by_position": dict(zip(band_names(), rows[2:bands])),
+            "step1_by_turn": dict(zip(TURN_GROUPS, rows[bands:]))}
 
 
 def summarize(stats: torch.Tensor, decay: float) -> dict:
@@ -321,8 +339,8 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
     was_training = draft.training
     draft.eval()
     stats = torch.zeros(5, ttt.steps, device=device)
-    groups = torch.zeros(2 + len(POSITION_BANDS), 2, dtype=torch.float64)  # exact counts past 2**24 tokens
-    rounds = torch.zeros(ttt.steps, 2, dtype=torch.float64)  # decoded_rounds, pooled
+    groups = torch.zeros(2 + len(POSITION_BANDS) + len(TURN_GROUPS), 2, dtype=torch.float64)  # exact counts past 2**24 tokens
+    rounds = torch.zeros(2, ttt.steps, 2, dtype=torch.float64)  # decoded_rounds, pooled: every answer, first answers
     mine = sorted(range(rank, len(dataset), world), key=dataset.length)  # similar lengths pad little
     for rows in eval_batches(mine, [dataset.length(i) for i in mine], batch_size, batch_tokens):
         batch = dataset.batch(rows, device)
@@ -331,17 +349,20 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt(batch, labels, counts)
         stats += s
-        groups += step1_groups(ttt, batch)
-        rounds += decoded_rounds(*(x.cpu() for x in ttt.scored))
+        predicted = predicted_groups(batch)
+        groups += step1_groups(ttt, batch, predicted)
+        scored = [x.cpu() for x in ttt.scored]
+        rounds += torch.stack([decoded_rounds(*scored), decoded_rounds(*scored, keep=predicted[2] == 0)])
     if world > 1:
         dist.all_reduce(stats)
         groups, rounds = groups.to(device), rounds.to(device)
         dist.all_reduce(groups)
         dist.all_reduce(rounds)
     draft.train(was_training)
-    rounds = rounds.cpu()
-    decoded = [tok / n if n else 1.0 for n, tok in rounds.tolist()]
-    return {**summarize(stats.cpu(), ttt.decay), **step1_breakdown(groups.cpu()), "tau_decoded_by_steps": decoded}
+    decoded, first = ([tok / n if n else 1.0 for n, tok in r] for r in rounds.cpu().tolist())
+    # first: the first answer of each conversation alone, what a bench of first turns serves
+    return {**summarize(stats.cpu(), ttt.decay), **step1_breakdown(groups.cpu()), "tau_decoded_by_steps": decoded,
+            "tau_decoded_first_turns_by_steps": first}
 
 
 def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
