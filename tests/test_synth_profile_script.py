@@ -64,3 +64,87 @@ def test_no_traces_says_so(tmp_path):
     r = subprocess.run([sys.executable, "benchmarks/synth_profile.py", "--traces", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no trace files" in r.stderr
+
+
+class StandIn:
+    """An OpenAI-compatible stand-in that also answers SGLang's /start_profile: a short delay per
+    answer, and a trace of two kernels written where it was asked, as SGLang's profiler would."""
+
+    def __init__(self, latency_s: float = 0.05):
+        import http.server
+        import threading
+        import time as clock
+
+        stand_in = self
+        self.profiled = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def reply(self, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.path == "/start_profile":
+                    stand_in.profiled.append(body)
+                    now_us = 1.8e15  # every server's kernels at the same wall-clock times: one window, whatever the order
+                    threading.Timer(0.2, write_trace, (Path(body["output_dir"]) / "p-TP-0.trace.json.gz", 0,
+                                                       [(now_us, 400.0, "_fwd_kernel_stage1"), (now_us + 500, 500.0, "nvjet_gemm")], 3)).start()
+                    self.reply({})
+                    return
+                clock.sleep(latency_s)
+                self.reply({"choices": [{"message": {"content": "an answer"}, "finish_reason": "stop"}],
+                            "usage": {"completion_tokens": 7}})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+
+def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_mid_run(tmp_path, monkeypatch):
+    """The GPU path with the servers stood in for: the stage's client answers every turn over both,
+    every server is asked for a trace of --profile-steps steps into its own folder, and the summary
+    carries the run's tok/s beside the traces' figures."""
+    import argparse
+    import contextlib
+
+    import yaml
+
+    import stages.synthesize as stage
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["target"]["model"] = str(ROOT / "models/tiny-target")
+    params["synth"].update(backend="sglang", concurrency=4)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    prompts = tmp_path / "data/prompts"
+    prompts.mkdir(parents=True)
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}], "next_turns": [f"and then {i}?"]}
+            for i in range(60)]
+    (prompts / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    servers = [StandIn(), StandIn()]
+
+    @contextlib.contextmanager
+    def stood_in(target_params, synth_params, out):
+        yield [s.url for s in servers]
+
+    monkeypatch.setattr(stage, "own_servers", stood_in)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(prompts=prompts, conversations=50, warmup_s=0.5, profile_steps=5, servers=None,
+                              server_arg=["--enable-mixed-chunk"], traces_dir=str(tmp_path / "traces"), top=5)
+    s = synth_profile.live(args)
+    assert (s["conversations"], s["errors"], s["completion_tokens"]) == (50, 0, 50 * 2 * 7)  # every turn of the first 50
+    assert s["servers_started"] == 2 and s["tokens_per_s"] > 0 and s["server_args"][-1] == "--enable-mixed-chunk"
+    asked = [p for srv in servers for p in srv.profiled]
+    assert [p["num_steps"] for p in asked] == [5, 5] and {p["activities"][1] for p in asked} == {"GPU"}
+    assert len({p["output_dir"] for p in asked}) == 2  # one folder per server: each trace is found as its own
+    assert s["kernel_groups"] == {"matrix products": round(5 / 9, 4), "attention": round(4 / 9, 4)} and len(s["servers"]) == 2
