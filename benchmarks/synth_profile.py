@@ -188,7 +188,7 @@ def live(args) -> dict:
     if args.servers:
         changes["servers_per_gpu"] = args.servers
     synth_params = dataclasses.replace(synth_params, **changes)
-    rows = synth.read_prompts(args.prompts / "train.jsonl")[: args.conversations]
+    rows = synth.longest_first(synth.read_prompts(args.prompts / "train.jsonl")[: args.conversations])  # the stage's order
     trace_dir = Path(args.traces_dir or tempfile.mkdtemp(prefix="synth-traces-"))
     logs = Path(tempfile.mkdtemp(prefix="synth-servers-"))
     done = {"tokens": 0, "rows": 0, "errors": 0}
