@@ -210,8 +210,9 @@ def live(args) -> dict:
             raise SystemExit(f"the {len(rows)} conversations were answered within --warmup-s {args.warmup_s}: "
                              "raise --conversations or lower --warmup-s")
         traces = profile_servers(urls, args.profile_steps, trace_dir)
-        worker.join()
-        seconds = time.perf_counter() - t0
+        if not args.stop_after_traces:
+            worker.join()
+        seconds = time.perf_counter() - t0  # with --stop-after-traces, the conversations finished so far
     summary = summarize(traces, args.top)
     summary.update(completion_tokens=done["tokens"], answer_s=round(seconds, 2), tokens_per_s=done["tokens"] / seconds,
                    conversations=done["rows"], errors=done["errors"], servers_started=len(urls),
@@ -229,6 +230,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=40, help="scheduler steps traced on every server")
     ap.add_argument("--servers", type=int, help="servers on the GPU (default: synth.servers_per_gpu)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more SGLang flag (repeat): --server-arg=--enable-mixed-chunk")
+    ap.add_argument("--stop-after-traces", action="store_true",
+                    help="stop the servers once traced, not after the last conversation (tok/s then counts the finished ones)")
     ap.add_argument("--traces-dir", help="where the servers write their traces (default: a new temporary folder)")
     ap.add_argument("--top", type=int, default=12, help="largest kernels listed")
     ap.add_argument("--out", type=Path, help="also write the figures to this JSON file")

@@ -76,7 +76,7 @@ class StandIn:
         import time as clock
 
         stand_in = self
-        self.profiled = []
+        self.profiled, self.latency_s = [], latency_s
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -102,7 +102,7 @@ class StandIn:
                                                        [(now_us, 400.0, "_fwd_kernel_stage1"), (now_us + 500, 500.0, "nvjet_gemm")], 3)).start()
                     self.reply({})
                     return
-                clock.sleep(latency_s)
+                clock.sleep(stand_in.latency_s)
                 self.reply({"choices": [{"message": {"content": "an answer"}, "finish_reason": "stop"}],
                             "usage": {"completion_tokens": 7}})
 
@@ -140,7 +140,8 @@ def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_m
     monkeypatch.setattr(stage, "own_servers", stood_in)
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(prompts=prompts, conversations=50, warmup_s=0.5, profile_steps=5, servers=None,
-                              server_arg=["--enable-mixed-chunk"], traces_dir=str(tmp_path / "traces"), top=5)
+                              server_arg=["--enable-mixed-chunk"], traces_dir=str(tmp_path / "traces"), top=5,
+                              stop_after_traces=False)
     s = synth_profile.live(args)
     assert (s["conversations"], s["errors"], s["completion_tokens"]) == (50, 0, 50 * 2 * 7)  # every turn of the first 50
     assert s["servers_started"] == 2 and s["tokens_per_s"] > 0 and s["server_args"][-1] == "--enable-mixed-chunk"
@@ -148,3 +149,9 @@ def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_m
     assert [p["num_steps"] for p in asked] == [5, 5] and {p["activities"][1] for p in asked} == {"GPU"}
     assert len({p["output_dir"] for p in asked}) == 2  # one folder per server: each trace is found as its own
     assert s["kernel_groups"] == {"matrix products": round(5 / 9, 4), "attention": round(4 / 9, 4)} and len(s["servers"]) == 2
+    # --stop-after-traces: the servers go once traced; the figures count what finished by then
+    args.stop_after_traces, args.traces_dir, args.warmup_s = True, str(tmp_path / "traces-2"), 0.3
+    for srv in servers:
+        srv.latency_s = 0.2  # 100 turns, 4 at a time: 5 s, well past the traces
+    early = synth_profile.live(args)
+    assert early["conversations"] < 50 and early["kernel_groups"] == s["kernel_groups"]
