@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -141,8 +142,12 @@ def render_rows(tok, rows: list[dict], limit: int, path: Path, workers: int | No
         if workers <= 1:
             return [_render_one(r) for r in tqdm(rows, **bar)]
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust tokenizer's threads do not survive a fork
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_pool_init) as pool:
-            return list(tqdm(pool.imap(_render_one, rows, chunksize=64), **bar))
+        try:  # a worker killed (out of memory) stops the stage with BrokenProcessPool, never a hang
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_pool_init) as pool:
+                return list(tqdm(pool.map(_render_one, rows, chunksize=64), **bar))
+        except OSError as e:  # no room for more processes here (a container's limit): this process renders them
+            print(f"extract: rendering in this process ({e})")
+            return [_render_one(r) for r in tqdm(rows, **bar)]
     finally:
         _pool_job = None
 

@@ -225,3 +225,25 @@ def test_rows_rendered_by_a_pool_of_processes_match_one_process_and_name_a_bad_r
     assert any(left_out for _, _, left_out, _ in alone) and any(any(f) for *_, f in alone)
     with pytest.raises(UserError, match=r"train.jsonl: row r0 has \d+ tokens, more than extract.max_length/context 8"):
         render_rows(tok, rows, 8, path, workers=2, quiet=True)
+
+
+def test_rendering_falls_back_to_one_process_where_no_more_can_start(tmp_path, monkeypatch):
+    """A container that refuses more processes (fork fails with EAGAIN): the rows render here, the same."""
+    import stages.extract as stage
+
+    class NoFork:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        def __exit__(self, *exc):
+            return False
+
+    tok = make_micro_tokenizer()
+    rows = [{"id": f"r{n}", "messages": [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "ab" * n}],
+             "finish_reason": "stop"} for n in range(1, 6)]
+    alone = stage.render_rows(tok, rows, 60, tmp_path / "t.jsonl", workers=1, quiet=True)
+    monkeypatch.setattr(stage, "ProcessPoolExecutor", NoFork)
+    assert stage.render_rows(tok, rows, 60, tmp_path / "t.jsonl", workers=2, quiet=True) == alone
