@@ -116,13 +116,18 @@ def check_tokenizer(synth: dict | None, extraction: dict | None, serving: dict |
     return out
 
 
+def by_steps(train_metrics: dict, key: str) -> dict[int, float]:
+    """A metrics.json figure per draft depth ({"steps_3": 2.6} -> {3: 2.6})."""
+    return {int(k.split("_")[-1]): v for k, v in (train_metrics.get(key) or {}).items()}
+
+
 def predicted_tau(train_metrics: dict, num_steps: int | None) -> tuple[float | None, int | None]:
     """(train-predicted chain tau at `num_steps` draft steps, steps it covers) from reports/train/metrics.json."""
-    by_steps = {int(k.split("_")[-1]): v for k, v in (train_metrics.get("tau_by_steps") or {}).items()}  # "steps_3" -> 3
-    trained = max(by_steps, default=None)
-    if num_steps and by_steps:
+    taus = by_steps(train_metrics, "tau_by_steps")
+    trained = max(taus, default=None)
+    if num_steps and taus:
         n = min(num_steps, trained)
-        return by_steps.get(n), n
+        return taus.get(n), n
     return train_metrics.get("tau_pred"), trained
 
 
@@ -132,14 +137,14 @@ def first_turns(train_metrics: dict, num_steps: int | None, bench: dict) -> dict
     the served depth), later_turns_share (the eval's scored tokens past the first turn)}; None when
     the eval has no later turns, the metrics lack the figure, or the bench's headline set asks more
     than one turn (then offline answers later turns too)."""
-    by_steps = {int(k.split("_")[-1]): v for k, v in (train_metrics.get("tau_decoded_first_turns_by_steps") or {}).items()}
+    decoded = by_steps(train_metrics, "tau_decoded_first_turns_by_steps")
     turns = train_metrics.get("step1_by_turn") or {}
     sets = (bench or {}).get("prompt_sets") or [{}]
-    if not by_steps or not num_steps or sets[0].get("turns") != 1:
+    if not decoded or not num_steps or sets[0].get("turns") != 1:
         return None
     total = sum(c.get("tokens") or 0 for c in turns.values())
     later = sum(c.get("tokens") or 0 for k, c in turns.items() if k != "1")
-    first = _num(by_steps.get(min(num_steps, max(by_steps))))
+    first = _num(decoded.get(min(num_steps, max(decoded))))
     if not total or not later or first is None:
         return None
     return {"first_turns_decoded": round(first, 4), "later_turns_share": round(later / total, 4)}

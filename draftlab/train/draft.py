@@ -280,9 +280,11 @@ class TTTCache:
         n = len(self.ks)
         if n not in self._block_masks:
             first = self._block_masks.get(1)
-            grown = extend_block_mask(first, T, n) if first is not None and n > 1 else None  # step 0's, plus diagonals
-            seq = None if self.seq_ids is None else F.pad(self.seq_ids.to(device), (0, T - self.seq_ids.shape[1]), value=-1)
-            self._block_masks[n] = grown if grown is not None else ttt_block_mask(seq, B, T, n, device, self.compiled)
+            mask = extend_block_mask(first, T, n) if first is not None and n > 1 else None  # step 0's, plus diagonals
+            if mask is None:  # built whole: step 0's, or rows not on tile boundaries
+                seq = None if self.seq_ids is None else F.pad(self.seq_ids.to(device), (0, T - self.seq_ids.shape[1]), value=-1)
+                mask = ttt_block_mask(seq, B, T, n, device, self.compiled)
+            self._block_masks[n] = mask
         return self._block_masks[n]
 
     def causal_mask(self, scores):

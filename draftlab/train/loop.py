@@ -351,8 +351,9 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
         stats += s
         predicted = predicted_groups(batch)
         groups += step1_groups(ttt, batch, predicted)
-        scored = [x.cpu() for x in ttt.scored]
-        rounds += torch.stack([decoded_rounds(*scored), decoded_rounds(*scored, keep=predicted[2] == 0)])
+        scored, first_turn = [x.cpu() for x in ttt.scored], predicted[2] == 0
+        first = decoded_rounds(*scored, keep=first_turn)  # each answer walked once: first turns, then the rest
+        rounds += torch.stack([first + decoded_rounds(*scored, keep=~first_turn), first])
     if world > 1:
         dist.all_reduce(stats)
         groups, rounds = groups.to(device), rounds.to(device)
