@@ -1,7 +1,7 @@
 """Where synthesis spends its time on a GPU: the synthesize stage's SGLang servers, profiled while they answer.
 
     python benchmarks/synth_profile.py [--conversations 2000] [--warmup-s 30] [--profile-steps 40]
-        [--servers N] [--server-arg=--enable-mixed-chunk ...] [--traces-dir DIR] [--out FILE]
+        [--servers N] [--concurrency N] [--server-arg=--enable-mixed-chunk ...] [--traces-dir DIR] [--out FILE]
     python benchmarks/synth_profile.py --traces DIR [--out FILE]     # summarize traces already written
 
 Run it from a project whose prompts stage has run (data/prompts), with params.yaml holding the profile's
@@ -187,6 +187,8 @@ def live(args) -> dict:
     changes = {"server_args": list(synth_params.server_args) + list(args.server_arg)}
     if args.servers:
         changes["servers_per_gpu"] = args.servers
+    if args.concurrency:
+        changes["concurrency"] = args.concurrency
     synth_params = dataclasses.replace(synth_params, **changes)
     rows = synth.longest_first(synth.read_prompts(args.prompts / "train.jsonl")[: args.conversations])  # the stage's order
     trace_dir = Path(args.traces_dir or tempfile.mkdtemp(prefix="synth-traces-"))
@@ -229,6 +231,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=30.0, help="seconds of answering before the traces start")
     ap.add_argument("--profile-steps", type=int, default=40, help="scheduler steps traced on every server")
     ap.add_argument("--servers", type=int, help="servers on the GPU (default: synth.servers_per_gpu)")
+    ap.add_argument("--concurrency", type=int, help="conversations in flight over all servers (default: synth.concurrency); "
+                    "with more --servers, raise it as much to keep each server as full")
     ap.add_argument("--server-arg", action="append", default=[], help="one more SGLang flag (repeat): --server-arg=--enable-mixed-chunk")
     ap.add_argument("--stop-after-traces", action="store_true",
                     help="stop the servers once traced, not after the last conversation (tok/s then counts the finished ones)")

@@ -29,8 +29,16 @@ compiled layer (TTTCache.trace_flex), and each mode prints its warm-up (untimed 
 compile included). `--attention eager flex` times the packed modes with
 each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
 `--check-grads` first compares one packed step's loss and gradients under both. The shape
-`smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--profile` runs 3 more packed-mode steps under torch.profiler
-and prints the top operators by self time (GPU kernel time on CUDA).
+`smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--split DIR`
+trains on a split the pipeline wrote instead (data/features/train: its tokens record, so its real
+sequence lengths, loss masks and token ids; the target keeps the shape's random weights, so the
+split must be of a target of that shape): what the train stage's own data costs, against the shape's
+synthetic lengths. `--profile` runs --warmup + 3 more packed-mode steps under torch.profiler, traces
+the 3 after the warm-up and prints the top operators by self time (GPU kernel time on CUDA) and the
+GPU's busy share: the union of its kernels over the traced steps' wall time (below ~90%, the host
+side, not the kernels, bounds the step). `--eval DIR` times the stage's evaluation of that split
+(data/features/eval) twice after each mode's timed steps: the first call includes what
+compiling for evaluation costs.
 """
 from __future__ import annotations
 
@@ -49,21 +57,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftlab.features.dataset import build_draft_vocab, write_tokens  # noqa: E402
-from draftlab.features.extract import TOKENS_FILE  # noqa: E402
+from draftlab.features.extract import TOKENS_FILE, read_tokens_record  # noqa: E402
+from draftlab.features.dataset import read_metadata  # noqa: E402
 from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
 from draftlab.train import loop  # noqa: E402
 from draftlab.train.batches import packed_batches  # noqa: E402
 from draftlab.train.draft import DraftConfig, TTTCache  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
+from synth_profile import union_us  # noqa: E402 - benchmarks/ is this script's own folder
 
 
-def _quiet_bar(*a, **kw):  # fit's progress bar off: the figures below say it all
-    return loop.tqdm.__wrapped__(*a, **{**kw, "disable": True})
+def quiet_progress_bars() -> None:
+    """fit's progress bar off (the figures printed say it all); in main only, so importing this
+    module changes nothing."""
+    def bar(*a, **kw):
+        return bar.__wrapped__(*a, **{**kw, "disable": True})
 
-
-_quiet_bar.__wrapped__, _quiet_bar.write = loop.tqdm, loop.tqdm.write
-loop.tqdm = _quiet_bar
+    bar.__wrapped__, bar.write = loop.tqdm, loop.tqdm.write
+    loop.tqdm = bar
 
 SHAPES = {
     # SmolLM2-135M (its config.json), a 16k draft vocab, 7 TTT steps; lengths of a chat set
@@ -116,6 +128,37 @@ def write_split(root: Path, lengths: list[int], t: dict, physical: list[int], dt
     split.mkdir(parents=True, exist_ok=True)
     write_tokens(split / TOKENS_FILE, {"input_ids": ids, "loss_mask": mask, "seq_offsets": offsets}, meta)
     return split
+
+
+def read_split(split: Path, t: dict) -> tuple[list[int], list[int]]:
+    """(sequence lengths, physical layers) of a split the pipeline wrote; SystemExit naming what does
+    not fit the shape's target (its layers, its vocabulary)."""
+    path = split / TOKENS_FILE
+    if not path.exists():
+        raise SystemExit(f"--split {split}: no {TOKENS_FILE} (the extract stage writes it with train.features online: "
+                         f"give data/features/train)")
+    arrays, _ = read_tokens_record(path)
+    meta = read_metadata(path)
+    physical = list(meta.get("physical_layers") or [])
+    if not physical or max(physical) >= t["num_hidden_layers"]:
+        raise SystemExit(f"--split {split}: physical layers {physical} do not fit the shape's {t['num_hidden_layers']} layers; "
+                         f"pick the --shape of the target that wrote it")
+    top = int(arrays["input_ids"].max()) if len(arrays["input_ids"]) else 0
+    if top >= t["vocab_size"]:
+        raise SystemExit(f"--split {split}: token id {top} is outside the shape's vocabulary of {t['vocab_size']}; "
+                         f"pick the --shape of the target that wrote it")
+    off = arrays["seq_offsets"].tolist()
+    return [b - a for a, b in zip(off[:-1], off[1:]) if b > a], physical
+
+
+def gpu_busy_share(events) -> float | None:
+    """The share of the traced window (first to last event, host or GPU) in which a GPU kernel ran."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA"]
+    if not kernels:
+        return None
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return union_us(kernels, lo, hi) / max(hi - lo, 1e-9)
 
 
 class Timed(Meter):
@@ -181,20 +224,33 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        call = lambda: loop.fit(draft, head, ds, ds, tp, Path(tmp) / "resume.pt", name, device,  # noqa: E731
-                                stop_after_steps=args.warmup + steps, meter=meter)
+        call = lambda on_step=None: loop.fit(draft, head, ds, ds, tp, Path(tmp) / "resume.pt", name, device,  # noqa: E731
+                                             stop_after_steps=args.warmup + steps, meter=meter, on_step=on_step)
         if not profile:
             call()
         else:
-            from torch.profiler import ProfilerActivity, profile as prof
+            from torch.profiler import ProfilerActivity, profile as prof, schedule
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with prof(activities=acts) as p:
-                call()
+            # the warm-up steps (compile included) run untraced; the next `steps` are traced
+            with prof(activities=acts, schedule=schedule(wait=args.warmup, warmup=0, active=steps, repeat=1)) as p:
+                call(on_step=lambda *_: p.step())
             key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(p.key_averages().table(sort_by=key, row_limit=args.top), flush=True)
-            return None
+            busy = gpu_busy_share(p.events())
+            if busy is not None:
+                print(f"GPU busy {busy:.1%} of the {steps} traced steps' wall time (the union of its kernels)", flush=True)
+            return {"mode": name, "gpu_busy_share": busy}
+        evals = []
+        for _ in range(2 if args.eval else 0):  # the stage's evaluation of the eval split, as after an epoch
+            t0 = time.perf_counter()
+            loop.evaluate(loop.TTT(draft, tp.ttt_steps, tp.ttt_decay, loop.attention_kernel(attention, device), device.type == "cuda",
+                                   compile_loss=compiled), OnlineFeatures(args.eval, tp.max_length, target), head.to(device),
+                          tp.batch_size, device, loop.use_autocast("auto", device), batch_tokens=batch_tokens)
+            evals.append(round(time.perf_counter() - t0, 2))
     s = meter.summary(peak_flops(device))
+    if evals:
+        s["eval_s"] = evals  # the first includes compiling for evaluation
     s["mode"] = name
     # the untimed steps' wall: allocator, kernel selection and, compiled, torch.compile's warm-up
     s["warmup_s"] = round(time.perf_counter() - started - meter.seconds, 1)
@@ -239,6 +295,8 @@ def show(s: dict) -> str:
     flops = (f"target {s['target_flops_per_s'] / 1e12:.2f} + draft {s['draft_flops_per_s'] / 1e12:.2f} TFLOP/s "
              f"(target share {s['target_flop_share']:.0%})") if s["target_flops_per_s"] else "FLOPs n/a"
     mem = f", peak {s['peak_mem_gb']} GB" if "peak_mem_gb" in s else ""
+    if "eval_s" in s:
+        mem += f"; evaluation {s['eval_s'][0]} s, then {s['eval_s'][1]} s"
     return (f"{s['mode']:>15}: {s['tokens_per_s']:>10,.0f} tok/s, {s['step_s'] * 1e3:7.1f} ms/step, "
             f"padding {s['padding_share']:.1%}, MFU {mfu}, {flops}{mem}; warm-up {s['warmup_s']} s")
 
@@ -265,8 +323,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="top operators of 3 packed-mode steps (torch.profiler)")
     ap.add_argument("--top", type=int, default=20, help="rows of the profile table")
     ap.add_argument("--skip-padded", action="store_true", help="time the packed mode only")
+    ap.add_argument("--split", type=Path, help="train on this split the pipeline wrote (data/features/train), not the shape's synthetic one")
+    ap.add_argument("--eval", type=Path, help="time the stage's evaluation of this split (data/features/eval) twice after each mode")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args()
+    quiet_progress_bars()
     shape = SHAPES[args.shape]
     for k in ("sequences", "batch_size", "steps", "warmup"):
         if getattr(args, k) is None:
@@ -279,6 +340,9 @@ def main() -> None:
     physical = [2, L // 2, L - 3]  # three layers low, middle, high, as EAGLE-3 captures
     low, high, median = shape["lengths"]
     lengths = chat_lengths(args.sequences, low, high, median)
+    if args.split:  # the pipeline's own split: its lengths (cut at the shape's longest, as train.max_length cuts)
+        lengths, physical = read_split(args.split, t)
+        lengths = [min(n, high) for n in lengths]
     model = build_target(t, device)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     head = model.get_output_embeddings().weight.detach().float().cpu()
@@ -287,11 +351,11 @@ def main() -> None:
     d2t, t2d = build_draft_vocab(counts, shape["draft_vocab"])
     print(f"shape {args.shape} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}): "
           f"target hidden {t['hidden_size']} x {L} layers, vocab {t['vocab_size']}; draft vocab {shape['draft_vocab']}, "
-          f"{shape['ttt_steps']} TTT steps; {len(lengths)} sequences of {low}-{high} tokens (median {sorted(lengths)[len(lengths) // 2]}, "
+          f"{shape['ttt_steps']} TTT steps; {len(lengths)} sequences of {min(lengths)}-{max(lengths)} tokens{' from ' + str(args.split) if args.split else ''} (median {sorted(lengths)[len(lengths) // 2]}, "
           f"mean {sum(lengths) / len(lengths):.0f}); {args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as root:
-        split = write_split(Path(root), lengths, t, physical, "bfloat16" if device.type == "cuda" else "float32")
+        split = args.split or write_split(Path(root), lengths, t, physical, "bfloat16" if device.type == "cuda" else "float32")
         common = (args, shape, model, split, physical, head, embed, d2t, t2d, device)
         t0 = time.perf_counter()
         if not args.skip_padded:
@@ -315,7 +379,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                     print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if args.profile:
-            run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile, attention=args.attention[-1])
+            results.append(run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile,
+                                    attention=args.attention[-1]))
         print(f"({time.perf_counter() - t0:.0f} s in all)")
     f = results[0]
     print(f"FLOPs per real token: target {f['target_flops_per_token'] / 1e6:,.1f} MFLOP (forward + soft-label head), "

@@ -132,17 +132,20 @@ def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_m
             for i in range(60)]
     (prompts / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     servers = [StandIn(), StandIn()]
+    started = []
 
     @contextlib.contextmanager
     def stood_in(target_params, synth_params, out):
+        started.append(synth_params)
         yield [s.url for s in servers]
 
     monkeypatch.setattr(stage, "own_servers", stood_in)
     monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(prompts=prompts, conversations=50, warmup_s=0.5, profile_steps=5, servers=None,
+    args = argparse.Namespace(prompts=prompts, conversations=50, warmup_s=0.5, profile_steps=5, servers=None, concurrency=None,
                               server_arg=["--enable-mixed-chunk"], traces_dir=str(tmp_path / "traces"), top=5,
                               stop_after_traces=False)
     s = synth_profile.live(args)
+    assert started[-1].concurrency == 4  # synth.concurrency unless --concurrency says otherwise
     assert (s["conversations"], s["errors"], s["completion_tokens"]) == (50, 0, 50 * 2 * 7)  # every turn of the first 50
     assert s["servers_started"] == 2 and s["tokens_per_s"] > 0 and s["server_args"][-1] == "--enable-mixed-chunk"
     asked = [p for srv in servers for p in srv.profiled]
@@ -150,8 +153,9 @@ def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_m
     assert len({p["output_dir"] for p in asked}) == 2  # one folder per server: each trace is found as its own
     assert s["kernel_groups"] == {"matrix products": round(5 / 9, 4), "attention": round(4 / 9, 4)} and len(s["servers"]) == 2
     # --stop-after-traces: the servers go once traced; the figures count what finished by then
-    args.stop_after_traces, args.traces_dir, args.warmup_s = True, str(tmp_path / "traces-2"), 0.3
+    args.stop_after_traces, args.traces_dir, args.warmup_s, args.concurrency = True, str(tmp_path / "traces-2"), 0.3, 6
     for srv in servers:
         srv.latency_s = 0.2  # 100 turns, 4 at a time: 5 s, well past the traces
     early = synth_profile.live(args)
+    assert started[-1].concurrency == 6
     assert early["conversations"] < 50 and early["kernel_groups"] == s["kernel_groups"]

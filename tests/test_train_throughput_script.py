@@ -21,3 +21,60 @@ def test_the_benchmark_times_both_batchings_and_packed_batches_pad_less(tmp_path
     assert tokens["padding_share"] < padded["padding_share"] / 2
     assert padded["mfu"] is None and 0 < padded["target_flop_share"] < 1  # no peak on a CPU; both parts counted
     assert "tok/s" in r.stdout and "FLOPs per real token" in r.stdout
+
+
+def write_split(root: Path, n: int, vocab: int = 512, physical=(0, 1, 2)) -> Path:
+    """A tokens record as the extract stage writes it (online features), for the tiny shape's target."""
+    import torch
+
+    from draftlab.features.dataset import write_tokens
+    from draftlab.features.extract import TOKENS_FILE
+
+    g = torch.Generator().manual_seed(n)
+    lengths = torch.randint(8, 150, (n,), generator=g).tolist()
+    root.mkdir(parents=True)
+    write_tokens(root / TOKENS_FILE, {"input_ids": torch.randint(0, vocab, (sum(lengths),), generator=g),
+                                      "loss_mask": torch.cat([torch.arange(k) >= k // 3 for k in lengths]),
+                                      "seq_offsets": torch.tensor([0] + lengths).cumsum(0)},
+                 {"physical_layers": list(physical), "hidden_size": 64, "num_layers": 4, "architecture": "LlamaForCausalLM",
+                  "vocab_size": vocab, "dtype": "float32"})
+    return root
+
+
+def run(args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "benchmarks/train_throughput.py", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_pipeline_split_is_trained_and_its_eval_split_timed_twice(tmp_path):
+    train, ev = write_split(tmp_path / "train", 80), write_split(tmp_path / "eval", 12)
+    out = tmp_path / "r.json"
+    r = run(["--split", train, "--eval", ev, "--skip-padded", "--warmup", "1", "--steps", "2", "--profile", "--out", out], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"80 sequences of" in r.stdout and str(train) in r.stdout  # the split's own sequences, not the shape's 96
+    packed, profiled = json.loads(out.read_text())["results"]
+    assert len(packed["eval_s"]) == 2 and all(s > 0 for s in packed["eval_s"])
+    assert profiled["mode"] == "profile" and profiled["gpu_busy_share"] is None  # no GPU kernels on a CPU
+
+
+def test_a_split_of_another_target_is_refused_naming_what_does_not_fit(tmp_path):
+    layers = run(["--split", write_split(tmp_path / "a", 20, physical=(1, 2, 9))], tmp_path)
+    assert layers.returncode != 0 and "physical layers [1, 2, 9]" in layers.stderr and "4 layers" in layers.stderr
+    vocab = run(["--split", write_split(tmp_path / "b", 20, vocab=4000)], tmp_path)
+    assert vocab.returncode != 0 and "outside the shape's vocabulary of 512" in vocab.stderr
+
+
+def test_the_gpu_busy_share_is_the_union_of_kernels_over_the_traced_window():
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_throughput
+
+    def event(kind, a, b):
+        return types.SimpleNamespace(device_type=types.SimpleNamespace(name=kind), time_range=types.SimpleNamespace(start=a, end=b))
+
+    # host events span 0-100 us; kernels 10-30 and 20-40 overlap (30 us), 60-70 adds 10: 40% busy
+    events = [event("CPU", 0, 100), event("CUDA", 10, 30), event("CUDA", 20, 40), event("CUDA", 60, 70)]
+    assert abs(train_throughput.gpu_busy_share(events) - 0.4) < 1e-9
+    assert train_throughput.gpu_busy_share([event("CPU", 0, 5)]) is None
