@@ -122,3 +122,25 @@ def test_a_sweep_runs_every_point_upstream_keys_slowest_keeps_each_and_resumes(t
     assert rc == 0 and ran(out) == [] and out.count("done before, skipped") == 4, out
     rc, out = run(root, "-S", "prompts.num_prompts=interval(1,2)")
     assert rc == 2 and "interval() needs a sampler" in out and "Traceback" not in out
+
+
+def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_path):
+    """tools/offline_gpu_run.sh packs with draftlab.experiments.grid.pack: what a grid keeps per point,
+    and the grid's runs/ folder itself, so a sweep run on a node comes back whole; never the data."""
+    import tarfile
+
+    from draftlab.experiments.grid import pack
+
+    files = {"reports/train/metrics.json": "{}", "params.yaml": "a: 1\n", ".run-stages.json": "{}",
+             "data/synth/manifest.json": "{}", "data/synth/train.jsonl": "big\n", "models/draft/config.json": "{}",
+             "models/draft/model.safetensors": "weights", "runs/01-epochs=3/point.json": "{}", "runs/grid.csv": "point\n",
+             "data/prompts/eval.jsonl": "{}\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    out = tmp_path / "results.tar.gz"
+    pack(out, tmp_path)
+    with tarfile.open(out) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert names == set(files) - {"data/synth/train.jsonl", "models/draft/model.safetensors"}
+    assert not (tmp_path / "results.tar.gz.tmp").exists()

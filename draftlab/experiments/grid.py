@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import shutil
+import tarfile
 from pathlib import Path
 
 import pandas as pd
@@ -28,9 +30,24 @@ import yaml
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 
-# What a point keeps: the same files a GPU node packs after a run (tools/offline_gpu_run.sh).
+# What a point keeps: the same files a GPU node packs after a run (pack, tools/offline_gpu_run.sh).
 KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "models/*/manifest.json",
         "models/draft/config.json")
+# What a GPU node packs beside them: a grid's points, the target's pin and the held-out prompts.
+PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
+
+
+def pack(tar_path: str | Path, root: str | Path = ".") -> list[str]:
+    """PACKED's files under `root` into one .tar.gz at `tar_path` (written whole: a tmp file renamed),
+    whatever of them exists; returns the paths packed."""
+    root, tar_path = Path(root), Path(tar_path)
+    found = [src for pattern in PACKED for src in sorted(root.glob(pattern))]
+    tmp = tar_path.with_name(tar_path.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for src in found:
+            tar.add(src, arcname=str(src.relative_to(root)))
+    os.replace(tmp, tar_path)
+    return [str(src.relative_to(root)) for src in found]
 
 
 def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
