@@ -22,10 +22,11 @@ fit stops after `--warmup` + `--steps` optimizer steps (no eval); the figures co
 (padded / all token slots of the timed steps), FLOPs counted from the shapes for the target (forward
 + the soft labels' head) and the draft (7 TTT steps, forward + backward), their FLOP/s and share,
 and MFU against the GPU's peak dense bf16 (draftlab.train.flops.PEAK_BF16; DRAFTLAB_PEAK_FLOPS
-overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer
-and the soft cross-entropy under torch.compile(dynamic=True) (train.compile); `--compare-loss` adds
-the compiled layer with the eager loss, `--compare-trace` the flex attention traced into the
-compiled layer (TTTCache.trace_flex), and each mode prints its warm-up (untimed steps' wall,
+overrides; none on a CPU). `--compile` also runs the packed mode with the draft's decoder layer,
+the soft cross-entropy and the target's decoder layers under torch.compile(dynamic=True)
+(train.compile); `--compare-loss` adds the compiled layer with the eager loss, `--compare-trace` the
+flex attention traced into the compiled layer (TTTCache.trace_flex), `--compare-target` the compiled
+draft beside the target's eager layers, and each mode prints its warm-up (untimed steps' wall,
 compile included). `--attention eager flex` times the packed modes with
 each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
 `--check-grads` first compares one packed step's loss and gradients under both. The shape
@@ -57,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftlab.features.dataset import build_draft_vocab, write_tokens  # noqa: E402
-from draftlab.features.extract import TOKENS_FILE, read_tokens_record  # noqa: E402
+from draftlab.features.extract import TOKENS_FILE, compile_layers, read_tokens_record  # noqa: E402
 from draftlab.features.dataset import read_metadata  # noqa: E402
 from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
@@ -189,6 +190,17 @@ def loss_kernel(kind: str):
 
 
 @contextlib.contextmanager
+def target_layers_compiled(model, on: bool):
+    """train.compile also compiles the target's decoder layers (draftlab.features.extract.compile_layers);
+    off, the compiled draft runs beside an eager target, to time what compiling the target buys."""
+    compile_layers(model, on)
+    try:
+        yield
+    finally:
+        compile_layers(model, False)  # the next mode starts from the eager target
+
+
+@contextlib.contextmanager
 def flex_traced(on: bool):
     """The flex attention traced into the compiled draft layer (TTTCache.trace_flex: one graph per
     TTT step) instead of compiled apart (the default): what the default's warm-up saves, and costs."""
@@ -313,6 +325,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time packed mode with torch.compile of the draft layer")
     ap.add_argument("--compare-loss", action="store_true",
                     help="with --compile, also time the compiled layer with the eager soft cross-entropy")
+    ap.add_argument("--compare-target", action="store_true",
+                    help="with --compile, also time the compiled draft beside the target's eager layers (train.compile "
+                         "compiles both)")
     ap.add_argument("--compare-trace", action="store_true",
                     help="with --compile, also time the flex attention traced into the compiled layer (one graph "
                          "per TTT step) against the default, which compiles it apart")
@@ -368,19 +383,21 @@ def main() -> None:
             for budget in budgets:
                 results.append(run_mode(f"packed {budget}{tag}", *common, batch_tokens=budget, attention=attention))
                 print(show(results[-1]), flush=True)
-            variants = ["compiled"] + ["eager"] * args.compare_loss + ["traced"] * args.compare_trace
+            variants = (["compiled"] + ["eager"] * args.compare_loss + ["traced"] * args.compare_trace
+                        + ["target"] * args.compare_target)
             for variant in variants if args.compile else []:
-                label = {"compiled": "", "eager": ", eager loss", "traced": ", flex traced"}[variant]
+                label = {"compiled": "", "eager": ", eager loss", "traced": ", flex traced", "target": ", eager target"}[variant]
                 try:
-                    with loss_kernel(variant), flex_traced(variant == "traced"):
+                    with loss_kernel(variant), flex_traced(variant == "traced"), target_layers_compiled(model, variant != "target"):
                         results.append(run_mode(f"packed {budgets[-1]}{tag} +compile{label}",
                                                 *common, batch_tokens=budgets[-1], compiled=True, attention=attention))
                     print(show(results[-1]), flush=True)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                     print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if args.profile:
-            results.append(run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile,
-                                    attention=args.attention[-1]))
+            with target_layers_compiled(model, args.compile):
+                results.append(run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile,
+                                        attention=args.attention[-1]))
         print(f"({time.perf_counter() - t0:.0f} s in all)")
     f = results[0]
     print(f"FLOPs per real token: target {f['target_flops_per_token'] / 1e6:,.1f} MFLOP (forward + soft-label head), "
