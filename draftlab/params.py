@@ -295,9 +295,8 @@ class TrainParams:
     # batch_tokens // that rows, all processes together (draftlab.train.batches.packed_batches);
     # batch_size is then unused.
     batch_tokens: Annotated[Int | None, Field(ge=2)] = None
-    # true: the draft's decoder layer and loss run under torch.compile(dynamic=True), and so do the
-    # online target's decoder layers (fused elementwise kernels; for GPUs, ~1 minute of compiling at
-    # the start); false: eager, as before.
+    # true: the draft's decoder layer runs under torch.compile(dynamic=True) (fused elementwise
+    # kernels; for GPUs, ~1 minute of compiling at the start); false: eager, as before.
     compile: Bool = False
     # The TTT attention's kernel (draftlab.train.draft.TTTCache): auto = flex on CUDA (FlexAttention,
     # compiled: no [T, T] scores in memory), eager elsewhere; flex needs CUDA (no CPU backward).

@@ -58,8 +58,7 @@ def datasets(features: Path, features_manifest: dict, params):
         raise UserError(f"params.yaml: extract.tp_size {extract.tp_size} with train.features online: online training "
                         "runs one whole target per process; set train.features offline (extract captures tensor-parallel) "
                         "or extract.tp_size 1")
-    # the states from extract.engine, as extract's; train.compile compiles the in-process target's layers too
-    target = OnlineTarget(params.target, extract, ids_for_physical, compiled=params.train.compile)
+    target = OnlineTarget(params.target, extract, ids_for_physical)  # the states from extract.engine, as extract's
     return OnlineFeatures(features / "train", max_length, target), OnlineFeatures(features / "eval", max_length, target)
 
 

@@ -22,42 +22,6 @@ def test_capture_equals_output_hidden_states(arch):
     torch.testing.assert_close(final, ref[-1], rtol=0, atol=0)
 
 
-def test_compiled_layers_capture_the_eager_states_with_one_graph_for_every_layer(tmp_path):
-    """train.compile compiles the online target's decoder layers (extract.compile_layers): the captured
-    states are the eager ones up to rounding, the layers share one graph per masking (padded batches and
-    unpadded ones), and on=False gives the eager layers back. OnlineTarget(compiled=True) applies it."""
-    import torch._dynamo
-    import torch._dynamo.utils as dynamo_utils
-
-    from draftlab.features.online import OnlineTarget
-    from draftlab.params import TargetParams
-    from tests.support.micro import save_micro_model
-
-    torch._dynamo.reset()
-    model = make_micro_model("llama", num_layers=4)
-    padded = (torch.randint(5, 200, (2, 11)), torch.ones(2, 11, dtype=torch.long))
-    padded[1][1, 8:] = 0
-    whole = (torch.randint(5, 200, (3, 17)), torch.ones(3, 17, dtype=torch.long))
-    eager = [extract.capture(model, ids, att, [1, 2, 4]) for ids, att in (padded, whole)]
-    extract.compile_layers(model)
-    extract.compile_layers(model)  # a second call compiles nothing again
-    before = dynamo_utils.counters["stats"]["unique_graphs"]
-    for (ids, att), (aux_ref, final_ref) in zip((padded, whole), eager):
-        aux, final = extract.capture(model, ids, att, [1, 2, 4])
-        for i in aux:
-            torch.testing.assert_close(aux[i], aux_ref[i], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] - before <= 2  # not one per layer (4 layers, 2 batches)
-    extract.compile_layers(model, on=False)
-    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
-
-    save_micro_model(tmp_path / "micro", num_layers=2)
-    params = TargetParams(model=str(tmp_path / "micro"), revision=None, dtype="float32", device="cpu")
-    loaded = OnlineTarget(params, compiled=True).model("cpu")
-    assert all("forward" in layer.__dict__ for layer in loaded.model.layers)
-    assert not any("forward" in layer.__dict__ for layer in OnlineTarget(params).model("cpu").model.layers)
-
-
 def test_packed_shard_matches_unpadded_forward():
     """Batched, padded extraction gives each row the states of its own unpadded forward."""
     model = make_micro_model("llama", num_layers=4)

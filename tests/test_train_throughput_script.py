@@ -78,3 +78,35 @@ def test_the_gpu_busy_share_is_the_union_of_kernels_over_the_traced_window():
     events = [event("CPU", 0, 100), event("CUDA", 10, 30), event("CUDA", 20, 40), event("CUDA", 60, 70)]
     assert abs(train_throughput.gpu_busy_share(events) - 0.4) < 1e-9
     assert train_throughput.gpu_busy_share([event("CPU", 0, 5)]) is None
+
+
+def test_compare_target_compiles_every_layer_with_one_graph_and_gives_the_eager_states_back():
+    """--compare-target's target: the captured states equal the eager ones up to rounding, the layers
+    share one graph per masking (padded batches and unpadded ones), and the next mode gets the eager
+    layers back."""
+    import torch
+    import torch._dynamo
+    import torch._dynamo.utils as dynamo_utils
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import train_throughput
+
+    from draftlab.features import extract
+    from tests.support.micro import make_micro_model
+
+    torch._dynamo.reset()
+    model = make_micro_model("llama", num_layers=4)
+    padded = (torch.randint(5, 200, (2, 11)), torch.ones(2, 11, dtype=torch.long))
+    padded[1][1, 8:] = 0
+    whole = (torch.randint(5, 200, (3, 17)), torch.ones(3, 17, dtype=torch.long))
+    eager = [extract.capture(model, ids, att, [1, 2, 4]) for ids, att in (padded, whole)]
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    with train_throughput.target_layers_compiled(model, True):
+        train_throughput.compile_layers(model)  # a second call compiles nothing again
+        for (ids, att), (aux_ref, final_ref) in zip((padded, whole), eager):
+            aux, final = extract.capture(model, ids, att, [1, 2, 4])
+            for i in aux:
+                torch.testing.assert_close(aux[i], aux_ref[i], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - before <= 2  # not one per layer (4 layers, 2 batches)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)

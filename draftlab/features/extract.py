@@ -22,20 +22,6 @@ def decoder_layers(model):
     return base, base.layers, base.norm
 
 
-def compile_layers(model, on: bool = True) -> None:
-    """Each decoder layer's forward under torch.compile(dynamic=True), in place (`on=False` puts the
-    eager ones back). The layers share their code, so one graph serves all of them (a second for
-    batches without padding, where the model passes no mask); the capture hooks stay outside it
-    (nn.Module runs them around forward). What it buys: the norms, rotary and gated MLP fused, whose
-    unfused element-wise kernels take much of an eager forward over tens of thousands of tokens."""
-    _, layers, _ = decoder_layers(model)
-    for layer in layers:
-        if not on:
-            layer.__dict__.pop("forward", None)  # the class's own forward again
-        elif "forward" not in layer.__dict__:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
 class AuxCapture:
     """Forward hooks keeping the model's hidden states at `physical` indices of its latest forward.
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
-from draftlab.features.extract import TOKENS_FILE, capture, compile_layers, read_tokens_record
+from draftlab.features.extract import TOKENS_FILE, capture, read_tokens_record
 from draftlab.features.dataset import REQUIRED_METADATA, Sequences, length_groups, pack, read_metadata
 from draftlab.target.load import load_target
 
@@ -29,12 +29,10 @@ class OnlineTarget:
 
     extract_params: None or extract.engine transformers, the target in this process as extract
     captures it; extract.engine sglang, the states come from SGLang's engine instead (layer_ids:
-    draftlab.sglang.layers.ids_for_physical, passed by the caller). compiled (train.compile): the
-    in-process target's decoder layers under torch.compile (draftlab.features.extract.compile_layers;
-    the states then differ from eager ones by rounding only)."""
+    draftlab.sglang.layers.ids_for_physical, passed by the caller)."""
 
-    def __init__(self, target_params, extract_params=None, layer_ids=None, compiled: bool = False):
-        self.params, self.extract_params, self.layer_ids, self.compiled = target_params, extract_params, layer_ids, compiled
+    def __init__(self, target_params, extract_params=None, layer_ids=None):
+        self.params, self.extract_params, self.layer_ids = target_params, extract_params, layer_ids
         self.device: torch.device | None = None
         self._model = None
         self._engine = None
@@ -54,8 +52,6 @@ class OnlineTarget:
         if self._model is None or device != self.device:
             self._model = load_target(self.params, str(device))[0]
             self._model.requires_grad_(False)  # never trained here: no grad buffers
-            if self.compiled:
-                compile_layers(self._model)
             self.device = device
         return self._model
 
