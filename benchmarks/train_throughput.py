@@ -28,9 +28,9 @@ the compiled layer with the eager loss, `--compare-trace` the flex attention tra
 layer (TTTCache.trace_flex), `--compare-target` the target's decoder layers compiled too (which
 train.compile does not do: on one H100 at smollm2-conversations, 110.0k against 105.9k tok/s once
 warm, and its recompiles for new batch shapes made the first timed steps of a cold run slower than
-eager), and each mode prints its warm-up (untimed steps' wall, compile included). `--attention eager flex` times the packed modes with
-each TTT attention kernel (train.attention; flex is FlexAttention, CUDA only for training), and
-`--check-grads` first compares one packed step's loss and gradients under both. The shape
+eager: reports/perf/target-compile/), and each mode prints its warm-up (untimed steps' wall, compile
+included). `--attention eager flex` times the packed modes with each TTT attention kernel
+(train.attention; flex is FlexAttention, CUDA only for training), and `--check-grads` first compares one packed step's loss and gradients under both. The shape
 `smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--split DIR`
 trains on a split the pipeline wrote instead (data/features/train: its tokens record, so its real
 sequence lengths, loss masks and token ids; the target keeps the shape's random weights, so the
@@ -368,10 +368,11 @@ def main() -> None:
     L = t["num_hidden_layers"]
     physical = [2, L // 2, L - 3]  # three layers low, middle, high, as EAGLE-3 captures
     low, high, median = shape["lengths"]
-    lengths = chat_lengths(args.sequences, low, high, median)
     if args.split:  # the pipeline's own split: its lengths (cut at the shape's longest, as train.max_length cuts)
         lengths, physical = read_split(args.split, t)
         lengths = [min(n, high) for n in lengths]
+    else:
+        lengths = chat_lengths(args.sequences, low, high, median)
     model = build_target(t, device)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     head = model.get_output_embeddings().weight.detach().float().cpu()
@@ -380,7 +381,8 @@ def main() -> None:
     d2t, t2d = build_draft_vocab(counts, shape["draft_vocab"])
     print(f"shape {args.shape} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}): "
           f"target hidden {t['hidden_size']} x {L} layers, vocab {t['vocab_size']}; draft vocab {shape['draft_vocab']}, "
-          f"{shape['ttt_steps']} TTT steps; {len(lengths)} sequences of {min(lengths)}-{max(lengths)} tokens{' from ' + str(args.split) if args.split else ''} (median {sorted(lengths)[len(lengths) // 2]}, "
+          f"{shape['ttt_steps']} TTT steps; {len(lengths)} sequences of {min(lengths)}-{max(lengths)} tokens"
+          f"{' from ' + str(args.split) if args.split else ''} (median {sorted(lengths)[len(lengths) // 2]}, "
           f"mean {sum(lengths) / len(lengths):.0f}); {args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as root:
