@@ -59,8 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftlab.features.dataset import build_draft_vocab, write_tokens  # noqa: E402
-from draftlab.features.extract import TOKENS_FILE, decoder_layers, read_tokens_record  # noqa: E402
-from draftlab.features.dataset import read_metadata  # noqa: E402
+from draftlab.features.extract import TOKENS_FILE, decoder_layers  # noqa: E402
 from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
 from draftlab.train import loop  # noqa: E402
@@ -132,25 +131,22 @@ def write_split(root: Path, lengths: list[int], t: dict, physical: list[int], dt
     return split
 
 
-def read_split(split: Path, t: dict) -> tuple[list[int], list[int]]:
-    """(sequence lengths, physical layers) of a split the pipeline wrote; SystemExit naming what does
-    not fit the shape's target (its layers, its vocabulary)."""
-    path = split / TOKENS_FILE
-    if not path.exists():
+def read_split(split: Path, t: dict, max_length: int) -> tuple[list[int], list[int]]:
+    """(sequence lengths cut at max_length, physical layers) of a split the pipeline wrote, read as the
+    train stage reads it (OnlineFeatures); SystemExit naming what does not fit the shape's target."""
+    if not (split / TOKENS_FILE).exists():
         raise SystemExit(f"--split {split}: no {TOKENS_FILE} (the extract stage writes it with train.features online: "
                          f"give data/features/train)")
-    arrays, _ = read_tokens_record(path)
-    meta = read_metadata(path)
-    physical = list(meta.get("physical_layers") or [])
+    ds = OnlineFeatures(split, max_length, None)
+    physical = ds.physical_layers
     if not physical or max(physical) >= t["num_hidden_layers"]:
         raise SystemExit(f"--split {split}: physical layers {physical} do not fit the shape's {t['num_hidden_layers']} layers; "
                          f"pick the --shape of the target that wrote it")
-    top = int(arrays["input_ids"].max()) if len(arrays["input_ids"]) else 0
+    top = int(ds.input_ids.max()) if len(ds.input_ids) else 0
     if top >= t["vocab_size"]:
         raise SystemExit(f"--split {split}: token id {top} is outside the shape's vocabulary of {t['vocab_size']}; "
                          f"pick the --shape of the target that wrote it")
-    off = arrays["seq_offsets"].tolist()
-    return [b - a for a, b in zip(off[:-1], off[1:]) if b > a], physical
+    return [ds.length(i) for i in range(len(ds))], physical
 
 
 def gpu_busy_share(events) -> float | None:
@@ -369,8 +365,7 @@ def main() -> None:
     physical = [2, L // 2, L - 3]  # three layers low, middle, high, as EAGLE-3 captures
     low, high, median = shape["lengths"]
     if args.split:  # the pipeline's own split: its lengths (cut at the shape's longest, as train.max_length cuts)
-        lengths, physical = read_split(args.split, t)
-        lengths = [min(n, high) for n in lengths]
+        lengths, physical = read_split(args.split, t, high)
     else:
         lengths = chat_lengths(args.sequences, low, high, median)
     model = build_target(t, device)
