@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -194,7 +195,8 @@ def serve(
 
 @contextlib.contextmanager
 def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]], startup_timeout_s: float = 600.0,
-               grace_s: float = GRACE_S, groups: list | None = None, optional: list[bool] | None = None):
+               grace_s: float = GRACE_S, groups: list | None = None, optional: list[bool] | None = None,
+               meanwhile: Callable[[], None] | None = None):
     """Run several servers, each (argv, url, log_path, env) as `serve` runs one; yields the Servers,
     in the order of `specs`, once every /health returns 200. Any failure stops them all, but that of
     a server marked `optional`: it is stopped, its place in the list holds the UserError saying why,
@@ -205,7 +207,10 @@ def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]
     once the one before is healthy. That is for servers that size their memory from what is free
     when they start (SGLang without --max-total-tokens: two loading on one GPU at once misjudge its
     free memory, and the second refuses to start); servers given explicit memory pools need no
-    group (draftlab.sglang.fleet). None: every server in a group of its own."""
+    group (draftlab.sglang.fleet). None: every server in a group of its own.
+
+    meanwhile: work of this process run once the first round is launched, before waiting on its
+    health, so that it overlaps their start-up; if it raises, the servers are stopped."""
     groups = list(range(len(specs))) if groups is None else list(groups)
     optional = [False] * len(specs) if optional is None else list(optional)
     if len(groups) != len(specs) or len(optional) != len(specs):
@@ -231,6 +236,8 @@ def serve_many(specs: list[tuple[list[str], str, str | os.PathLike, dict | None]
                         if not optional[i]:
                             raise
                         got[i] = e
+                if meanwhile is not None and members is rounds[0]:
+                    meanwhile()
                 running = [i for i in members if isinstance(got[i], Server)]
                 errors = wait_all_healthy([got[i] for i in running], startup_timeout_s, [optional[i] for i in running])
                 for i, error in zip(running, errors):

@@ -100,3 +100,14 @@ def test_without_a_gpu_that_holds_them_the_servers_start_one_after_another(small
     from draftlab.bench import sweep
 
     assert sweep.waves(plan) == [["2-1-3"], ["1-1-2"], ["2-2-4"]]  # each configuration beside the baseline in turn, as before
+
+
+def test_the_offline_run_decodes_beside_the_first_wave_only_where_its_copy_fits_too(small, tmp_path, gpu):
+    plan = sglang_plan(small, tmp_path)
+    assert plan.layout.offline_beside  # 80 GiB: room for the servers and the in-process copy
+    wave = memory.first_wave_bytes(plan.layout.sizes, plan.layout.waves[0])
+    # the servers alone fit USABLE of the free memory; with the in-process copy (IN_PROCESS_OVERHEAD
+    # more than the micro models' weights) they would not: it runs before they start
+    gpu[0] = int((wave + memory.IN_PROCESS_OVERHEAD // 2) / memory.USABLE)
+    plan = sglang_plan(small, tmp_path)
+    assert plan.layout.waves == [["2-1-3", "1-1-2", "2-2-4"]] and not plan.layout.offline_beside

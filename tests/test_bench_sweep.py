@@ -370,3 +370,48 @@ def test_a_configuration_the_gpu_cannot_hold_with_the_first_ones_starts_once_the
     second = events.index(("start", 1))
     assert ("stop", spec_url) in events[:second]  # wave one's servers stopped before wave two starts
     assert ("stop", base_url) in events[second:]  # the baseline up to the end
+
+
+def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_while_the_servers_start(tmp_path):
+    """A stand-in layout (on the reference server) whose one wave leaves room for the offline run's
+    copy: it decodes between the servers' launch and their health, its rounds are timed once they are
+    up, before any request; its figures are those of the same run made before any server starts."""
+    from draftlab.bench import memory, run as bench_run
+
+    root = make_project(tmp_path, sweep=["1-1-2"], concurrency=[1])
+    names = ["2-1-3", "1-1-2"]
+    layout = memory.Layout(4096, 0.95, [names], "0", 80 * memory.GIB, dict.fromkeys([memory.BASELINE, *names], 1), True)
+    events, sent = [], []
+    decode, timing, healthy, prepare_plan = bench_run.decode_offline, bench_run.time_offline, lifecycle.wait_all_healthy, bench_run.prepare
+    launch, generate = lifecycle._launch, Client.generate
+
+    def noted(name, real):
+        def call(*args, **kw):
+            events.append(name)
+            got = real(*args, **kw)
+            events.append(name + " done")
+            return got
+        return call
+
+    def noted_generate(self, prompt, sampling_params=None, **body):
+        sent.append(len(events))
+        return generate(self, prompt, sampling_params, **body)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_run, "prepare", lambda *a, **kw: dataclasses.replace(prepare_plan(*a, **kw), layout=layout))
+        for module, name, real in [(bench_run, "decode_offline", decode), (bench_run, "time_offline", timing),
+                                   (lifecycle, "wait_all_healthy", healthy), (lifecycle, "_launch", launch)]:
+            mp.setattr(module, name, noted(name, real))
+        mp.setattr(Client, "generate", noted_generate)
+        report = bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",
+                             params_file=root / "params.yaml")
+    first = events.index("wait_all_healthy")
+    assert events.count("_launch") == 3 and max(i for i, e in enumerate(events) if e == "_launch") < events.index("decode_offline")
+    assert events.index("decode_offline done") < first < events.index("time_offline")  # decoded while they started
+    assert min(sent) > events.index("time_offline done")  # no request before the rounds were timed
+    assert list(report["phases_s"])[:2] == ["servers started, the offline run decoding meanwhile", "round costs"]
+
+    (tmp_path / "again").mkdir()
+    alone = bench_run.measure_offline(prepare(root, tmp_path / "again"))[0]  # the same run, no server beside it
+    assert report["offline"]["tau"] == alone["tau"] and report["offline"]["acceptance"] == alone["acceptance"]
+    assert report["spec"]["tau"] == report["offline"]["tau"]  # the reference server runs the engine the offline run does

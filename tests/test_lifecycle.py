@@ -260,6 +260,45 @@ def test_an_optional_server_that_fails_to_start_is_reported_in_its_place_and_the
     assert time.monotonic() - t0 < 4.0  # the crash is reported at once, not after the slow server's start-up
 
 
+def test_work_given_as_meanwhile_runs_while_the_servers_start_and_a_failure_in_it_stops_them(fake, tmp_path):
+    """serve_many(meanwhile=...): the bench decodes its offline run while its servers start; the work
+    runs after their launch and before their health, and an error in it leaves nothing running."""
+    make, started_pids = fake
+    argv, url, _ = make(delay=1.5)
+    seen = []
+
+    def decode():
+        seen.append(httpx.get(url + "/health", timeout=1).status_code if _listening(url) else "starting")
+
+    t0 = time.monotonic()
+    with lifecycle.serve_many([(argv, url, tmp_path / "logs" / "s.log", None)], 30, meanwhile=decode) as got:
+        assert seen == ["starting"]  # ran once, before the server was up
+        assert httpx.get(got[0].url + "/health", timeout=5).status_code == 200  # and the servers are waited for after it
+    assert time.monotonic() - t0 >= 1.5
+
+    (tmp_path / "pids").unlink()
+    argv, url, _ = make(delay=0.2)
+
+    def fails():
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "pids").exists() and time.monotonic() < deadline:  # the server is running
+            time.sleep(0.05)
+        raise RuntimeError("the offline run failed")
+
+    with pytest.raises(RuntimeError, match="the offline run failed"):
+        with lifecycle.serve_many([(argv, url, tmp_path / "logs" / "t.log", None)], 30, meanwhile=fails):
+            pass
+    assert wait_dead(started_pids())  # the server and its child are stopped
+
+
+def _listening(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=0.2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 def test_server_ports_are_drawn_below_the_range_the_os_hands_out_to_others(tmp_path, monkeypatch):
     """A server started beside others binds its port only after loading its model; meanwhile the
     others take ports from the OS's ephemeral range (SGLang's NCCL port). A port drawn from below

@@ -7,6 +7,7 @@ has an explicit KV pool (draftlab.sglang.fleet says why SGLang needs one for tha
     layout = draftlab.bench.memory.plan_layout(bench_params, target_params, info, draft, configurations, choices, lengths)
     layout.args    # every server's memory flags: ["--mem-fraction-static", "0.95", "--max-total-tokens", "61440"]
     layout.waves   # [["3-1-4", "7-1-8", "ngram", "advised"]]: the configurations started together, wave by wave
+    layout.offline_beside  # True: the in-process offline run decodes while the first wave starts
 
 The pool (`pool_tokens`) holds, whole (prompt, bench.max_new_tokens and the draft slots SGLang
 reserves), as many requests as the bench keeps in flight, and every request the bench sends a
@@ -19,6 +20,12 @@ starts in a later wave, once those are measured and stopped; `advised` keeps roo
 the pick that starts once the advice is known. Without a GPU to read (or with the target's weights
 not in a folder) there is no layout: SGLang sizes each pool itself, and each configuration starts
 beside the baseline in turn, one after another, as SGLang needs then.
+
+The bench's in-process offline run (the target and the draft in the bench's own process) needs the
+GPU too. Where its copy fits beside the first wave (IN_PROCESS_OVERHEAD more than both models'
+weights), it decodes while those servers start (SGLang's start-up, ~60 s, is mostly imports and
+graph capture) and the round costs are timed once they are up and idle; else it runs, and frees
+its copy, before any server starts.
 
 A --mem-fraction-static in bench.extra_server_args keeps SGLang's meaning, the share of the GPU for
 one server's weights and KV pool: the bench checks every server fits it and passes its own fraction
@@ -42,6 +49,9 @@ USABLE = 0.9  # of the GPU's free memory, for every server up at once (weights, 
 SERVER_OVERHEAD = 3 * GIB
 POOL_MARGIN = 1.25  # on the tokens the requests need: tokenizing differences, the pool's page rounding
 ANSWER_SLACK = 16  # tokens an answer may gain when a later turn renders its text again (tokenized anew)
+# The in-process offline run, beside its two models' weights: CUDA context (~0.5 GB), the decode's
+# KV caches (one request at a time) and the cost timing's batches (a few hundred tokens wide).
+IN_PROCESS_OVERHEAD = 2 * GIB
 BASELINE = "baseline"
 
 
@@ -55,6 +65,7 @@ class Layout:
     gpu: str
     free: int  # bytes free on the GPU when planned
     sizes: dict[str, int]  # bytes each server holds (weights and pool), by configuration name and BASELINE
+    offline_beside: bool = False  # the in-process offline run fits beside the first wave: it runs while they start
 
     @property
     def args(self) -> list[str]:
@@ -104,7 +115,14 @@ def plan_layout(bench_params, target_params, info: dict, draft, configurations: 
               f"with pools of {tokens} tokens, more than GPU {gpu} has free ({free / GIB:.1f} GiB): the servers start one "
               f"after another, each sizing its own pool")
         return None
-    return Layout(tokens, fleet.profile_fraction(USABLE), waves, gpu, free, sizes)
+    in_process = fleet.weight_bytes(model_path(target_params.model)) + fleet.weight_bytes(draft.path) + IN_PROCESS_OVERHEAD
+    beside = first_wave_bytes(sizes, waves[0]) + in_process <= USABLE * free
+    return Layout(tokens, fleet.profile_fraction(USABLE), waves, gpu, free, sizes, beside)
+
+
+def first_wave_bytes(sizes: dict[str, int], names: list[str]) -> int:
+    """Bytes the baseline and the servers of `names` hold together, SERVER_OVERHEAD each."""
+    return sum(sizes[n] + SERVER_OVERHEAD for n in [BASELINE, *names])
 
 
 def request_lengths(tokenizer, sets: list, warmup_ids: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -148,7 +166,13 @@ def server_bytes(target: fleet.Footprint, tokens: int, layers: int, draft_weight
 
 
 def check_share(extra_args: list[str], sizes: dict[str, int], tokens: int, gpu: str, free: int) -> None:
-    """A --mem-fraction-static in bench.extra_server_args is each server's share of the GPU: refuse one
+    """The bench's in-process offline run (the target and the draft in the bench's own process) needs the
+GPU too. Where its copy fits beside the first wave (IN_PROCESS_OVERHEAD more than both models'
+weights), it decodes while those servers start (SGLang's start-up, ~60 s, is mostly imports and
+graph capture) and the round costs are timed once they are up and idle; else it runs, and frees
+its copy, before any server starts.
+
+A --mem-fraction-static in bench.extra_server_args is each server's share of the GPU: refuse one
     that does not hold the largest server's weights and pool."""
     given = fleet.flag_value(extra_args, "--mem-fraction-static")
     if given is None:

@@ -269,15 +269,27 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         since = time.perf_counter()
 
     if plan.sweep:
-        # The advice must be known while the baseline stays up (`advised`), and a GPU must hold one
-        # copy of the target at a time (SGLang sizes its KV pool from the memory free at start-up):
-        # the in-process run first, its copy of the target freed before any server starts.
-        offline, costs, physical, ranks = measure_offline(plan)
-        release_memory(plan.device)
-        lap("offline run and round costs")
+        # The advice must be known while the baseline stays up (`advised`), so the in-process run
+        # comes before any measurement. Where its copy of the target fits beside the first wave's
+        # pools (draftlab.bench.memory), it decodes while they start and its rounds are timed once
+        # they are up and idle; else it runs, and frees its copy, before any server starts (SGLang
+        # without a planned pool sizes it from the memory free at start-up).
         with contextlib.ExitStack() as up:
-            fleet = up.enter_context(bench_sweep.servers_up(plan, out))  # the baseline and bench.sweep's servers, started together
-            lap("servers started")
+            if plan.layout is not None and plan.layout.offline_beside:
+                decoded = []
+                fleet = up.enter_context(bench_sweep.servers_up(
+                    plan, out, meanwhile=lambda: decoded.append(decode_offline(plan, "while the servers start"))))
+                lap("servers started, the offline run decoding meanwhile")
+                offline, costs, physical, ranks = time_offline(plan, decoded[0])
+                decoded.clear()
+                release_memory(plan.device)
+                lap("round costs")
+            else:
+                offline, costs, physical, ranks = measure_offline(plan)
+                release_memory(plan.device)
+                lap("offline run and round costs")
+                fleet = up.enter_context(bench_sweep.servers_up(plan, out))  # the baseline and bench.sweep's servers, started together
+                lap("servers started")
             first = bench_sweep.measure_first(plan, fleet)
             adv = advise(plan, first.baseline, first.spec, offline, costs, ranks)  # numbers in, numbers out
             pick = adv["advised"]["recommended"]
@@ -473,10 +485,27 @@ def _ms(v):
     return {str(k): _ms(x) for k, x in v.items()} if isinstance(v, dict) else 1e3 * v
 
 
+@dataclasses.dataclass
+class OfflineDecode:
+    """The in-process offline run's decode (decode_offline), and the models it ran, for time_offline."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    physical: list[int]  # the target's layers fed to the draft, as SGLang would feed them
+    prompts: list[list[int]]  # the prompts decoded, in order
+    offline: dict  # draftlab.bench.offline.summarize's figures
+
+
 def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]]:
     """(offline figures, costs, physical layers, depth-1 rank shares): the same exported draft
     in-process, fed the layers SGLang would feed it, then what each part of a round costs
     (draftlab.bench.offline), the round loop's own share calibrated on the offline run's rounds."""
+    return time_offline(plan, decode_offline(plan))
+
+
+def decode_offline(plan: BenchPlan, beside: str = "") -> OfflineDecode:
+    """The offline run's decode: the exported draft loaded in-process as served and the first prompt
+    set decoded by the project's engine. beside: what runs meanwhile, for the progress line."""
     info = plan.target
     target, _ = load_target(plan.target_params, plan.device)
     embed = target.get_input_embeddings().weight
@@ -484,9 +513,16 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     draft.to(plan.device)
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
     eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
-    print("bench: offline run (in-process, no server)")
+    print("bench: offline run (in-process, no server)" + (f", {beside}" if beside else ""))
     reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (draftlab.bench.fits.round_scale)
     prompts, offline = offline_decode(plan, target, draft, physical, eos, with_baseline=reference)
+    return OfflineDecode(target, draft, physical, prompts, offline)
+
+
+def time_offline(plan: BenchPlan, decoded: OfflineDecode) -> tuple[dict, dict, list[int], list[float]]:
+    """measure_offline's figures from a decode already made: what each part of a round costs, timed
+    now (with no server measuring beside it), and the loop's share from the decode's rounds."""
+    target, draft, physical, prompts, offline = decoded.target, decoded.draft, decoded.physical, decoded.prompts, decoded.offline
     flags = plan.flags
     ran = (flags.num_steps, flags.topk, flags.num_draft_tokens)
     # A sliding-window target (gpt-oss) verifies chains only in-process (draftlab.engine.speculative.verify_tree)

@@ -88,11 +88,12 @@ class Launch:
 
 @contextlib.contextmanager
 def start_many(backend: str, bench_params, target_params, draft: Path | None, version: str, launches: list[Launch],
-               together: bool = True, memory_args: Sequence[str] = ()):
+               together: bool = True, memory_args: Sequence[str] = (), meanwhile=None):
     """Several servers as `start` starts one, all at the same time (together; else one after another,
     each once the one before is healthy, for SGLang servers that size their memory pools themselves);
     yields per launch its lifecycle.Server, or for an optional one that did not start the UserError
-    saying why. A baseline gets bench.port (SGLang), every other server a free port of its own."""
+    saying why. A baseline gets bench.port (SGLang), every other server a free port of its own.
+    meanwhile: lifecycle.serve_many's, work of this process run while the servers start."""
     ports = _ports(backend, bench_params, launches)
     specs = []
     for launch, port in zip(launches, ports):
@@ -100,7 +101,7 @@ def start_many(backend: str, bench_params, target_params, draft: Path | None, ve
                                 memory_args=memory_args)
         specs.append((argv, url, launch.log, None))
     with lifecycle.serve_many(specs, bench_params.startup_timeout_s, groups=None if together else [0] * len(specs),
-                              optional=[launch.optional for launch in launches]) as servers:
+                              optional=[launch.optional for launch in launches], meanwhile=meanwhile) as servers:
         yield servers
 
 

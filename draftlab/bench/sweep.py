@@ -147,13 +147,14 @@ def _key(res: Resolution) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def servers_up(plan, out: Path):
+def servers_up(plan, out: Path, meanwhile=None):
     """The sweep's servers (Fleet): the baseline, up for the whole sweep, and bench.sweep's
     configurations, started with it before anything is measured; the answers that later turns
-    follow are taken from the baseline once, on start. Every server is stopped on exit."""
+    follow are taken from the baseline once, on start. Every server is stopped on exit.
+    meanwhile: work of this process run while the first wave starts (the offline run's decode)."""
     with contextlib.ExitStack() as stack:
         fleet = Fleet(plan, out, stack)
-        fleet.start_wave(0)
+        fleet.start_wave(0, meanwhile)
         plan.answer_turns(fleet.base_url, out)
         yield fleet
 
@@ -172,9 +173,10 @@ class Fleet:
         first = config is self.plan.configurations[0]
         return self.out / ("server-spec.log" if first else f"server-spec-{config.name}.log")
 
-    def start_wave(self, k: int) -> None:
+    def start_wave(self, k: int, meanwhile=None) -> None:
         """Start wave k's servers together (the baseline with the first); the first wave's
-        spec.*'s server must start, a later one's failure is its configuration's error."""
+        spec.*'s server must start, a later one's failure is its configuration's error.
+        meanwhile: run while they start (after their launch, before their health)."""
         plan, bp, layout = self.plan, self.plan.bench_params, self.plan.layout
         configs = [c for c in plan.configurations if c.name in self.waves[k] and c.resolution is not None]
         launches = [servers.Launch(c.resolution.effective, self.log(c), True, optional=c is not plan.configurations[0]) for c in configs]
@@ -182,11 +184,13 @@ class Fleet:
             launches.insert(0, servers.Launch(plan.flags, self.out / "server-baseline.log", False))
         self.current = k
         if not launches:
+            if meanwhile is not None:
+                meanwhile()
             return
         together = layout is not None or bp.backend == "reference"  # the reference server pre-allocates nothing
         self._announce(configs, together)
         got = self.stack.enter_context(servers.start_many(bp.backend, bp, plan.target_params, plan.draft.path, plan.sglang_version,
-                                                          launches, together, layout.args if layout else ()))
+                                                          launches, together, layout.args if layout else (), meanwhile))
         if self.base_url is None:
             self.base_url, got = got[0].url, got[1:]
         for config, srv in zip(configs, got):
