@@ -151,19 +151,33 @@ def print_summary(s: dict) -> None:
               f"over {s['servers_started']} server(s)")
 
 
-def profile_servers(urls: list[str], steps: int, trace_dir: Path, timeout_s: float = 300.0) -> list[Path]:
-    """Ask every server (its /v1 URL) for a trace of its next `steps` steps; the trace files once written."""
+def profile_servers(urls: list[str], steps: int, trace_dir: Path, timeout_s: float = 300.0, ask_timeout_s: float = 120.0,
+                    logs: Path | None = None) -> list[Path]:
+    """Ask every server (its /v1 URL) for a trace of its next `steps` steps, all at once (so that the
+    windows overlap); the trace files once written. A server that does not take the request within
+    ask_timeout_s runs no scheduler steps (SGLang acknowledges /start_profile from its scheduler):
+    stopped with its name and log, not left waiting."""
     import httpx
+    from concurrent.futures import ThreadPoolExecutor
 
-    dirs = []
-    for i, url in enumerate(urls):
-        d = trace_dir / f"server-{i}"
+    dirs = [trace_dir / f"server-{i}" for i in range(len(urls))]
+
+    def ask(url: str, d: Path) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        root = url.removesuffix("/v1")
-        r = httpx.post(f"{root}/start_profile", json={"output_dir": str(d), "num_steps": steps, "activities": ["CPU", "GPU"]},
-                       timeout=60.0, trust_env=False)
+        r = httpx.post(f"{url.removesuffix('/v1')}/start_profile",
+                       json={"output_dir": str(d), "num_steps": steps, "activities": ["CPU", "GPU"]},
+                       timeout=ask_timeout_s, trust_env=False)
         r.raise_for_status()
-        dirs.append(d)
+
+    with ThreadPoolExecutor(max(1, len(urls))) as pool:
+        asked = [pool.submit(ask, url, d) for url, d in zip(urls, dirs)]
+        for i, (url, future) in enumerate(zip(urls, asked)):
+            try:
+                future.result()
+            except httpx.TimeoutException:
+                where = f" (its log: {logs / f'.sglang-server-{i}.log'})" if logs else ""
+                raise SystemExit(f"server {i} at {url} did not take /start_profile within {ask_timeout_s:.0f} s: its scheduler "
+                                 f"runs no steps, so it is not answering{where}") from None
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         found = [sorted(d.glob("*.trace.json*")) for d in dirs]
@@ -211,7 +225,13 @@ def live(args) -> dict:
         if not worker.is_alive():
             raise SystemExit(f"the {len(rows)} conversations were answered within --warmup-s {args.warmup_s}: "
                              "raise --conversations or lower --warmup-s")
-        traces = profile_servers(urls, args.profile_steps, trace_dir)
+        sent = sum(backend.sent.values())
+        print(f"after {args.warmup_s:.0f} s: {done['rows']} conversations answered, {sent} requests sent; tracing "
+              f"{len(urls)} server(s)", flush=True)
+        if not sent:
+            raise SystemExit(f"no request reached a server within --warmup-s {args.warmup_s}: the client did not start "
+                             f"(the servers' logs: {logs})")
+        traces = profile_servers(urls, args.profile_steps, trace_dir, logs=logs)
         if not args.stop_after_traces:
             worker.join()
         seconds = time.perf_counter() - t0  # with --stop-after-traces, the conversations finished so far

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -70,13 +72,13 @@ class StandIn:
     """An OpenAI-compatible stand-in that also answers SGLang's /start_profile: a short delay per
     answer, and a trace of two kernels written where it was asked, as SGLang's profiler would."""
 
-    def __init__(self, latency_s: float = 0.05):
+    def __init__(self, latency_s: float = 0.05, profile_after_s: float = 0.0):
         import http.server
         import threading
         import time as clock
 
         stand_in = self
-        self.profiled, self.latency_s = [], latency_s
+        self.profiled, self.latency_s, self.profile_after_s = [], latency_s, profile_after_s
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -96,6 +98,7 @@ class StandIn:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 if self.path == "/start_profile":
+                    clock.sleep(stand_in.profile_after_s)  # a scheduler that runs no steps takes it late
                     stand_in.profiled.append(body)
                     now_us = 1.8e15  # every server's kernels at the same wall-clock times: one window, whatever the order
                     threading.Timer(0.2, write_trace, (Path(body["output_dir"]) / "p-TP-0.trace.json.gz", 0,
@@ -159,3 +162,16 @@ def test_the_live_run_answers_through_the_stage_client_and_traces_every_server_m
     early = synth_profile.live(args)
     assert started[-1].concurrency == 6
     assert early["conversations"] < 50 and early["kernel_groups"] == s["kernel_groups"]
+
+
+def test_a_server_that_does_not_take_the_trace_request_is_named_not_waited_on(tmp_path):
+    """Every server is asked at once; one that runs no scheduler steps (a stalled start, a kernel
+    compiling) stops the benchmark with its URL and log instead of hanging it."""
+    import time
+
+    quick, stalled = StandIn(), StandIn(profile_after_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"server 1 at .* did not take /start_profile within 1 s.*its log: .*\.sglang-server-1\.log"):
+        synth_profile.profile_servers([quick.url, stalled.url], 3, tmp_path / "traces", ask_timeout_s=1.0, logs=tmp_path)
+    assert time.monotonic() - t0 < 4.0
+    assert len(quick.profiled) == 1  # the other was asked all the same, beside it
