@@ -27,7 +27,7 @@ from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, check_manifest_target, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
 from draftlab.manifest import build_manifest, read_verified, with_lineage, write_manifest
-from draftlab.features.online import OnlineFeatures, OnlineTarget
+from draftlab.features.online import OnlineFeatures, OnlineTarget, cache_states
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.layers import ids_for_physical, user_layers_from_physical
 from draftlab.target.load import target_fingerprint
@@ -129,6 +129,11 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
 
     device = train.resolve_device(train_params.device)
     rank, world = parallel.setup_distributed(device.type)
+    if train_params.features == "online":
+        train_ds.target.load(device)  # its weights on the device before the state cache is sized
+        decided = cache_states([train_ds, eval_ds], train_params.state_cache, device, world)
+        if rank == 0:
+            print(decided)
     inputs = {"features": features_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)

@@ -193,3 +193,84 @@ def test_online_training_refuses_a_tensor_parallel_capture_engine(runs, tmp_path
     online = json.loads((runs / "features-online" / "manifest.json").read_text())
     with pytest.raises(UserError, match=r"extract\.tp_size 2 with train\.features online.*set train\.features offline"):
         datasets(runs / "features-online", online, load_params(["target", "train"]))
+
+
+def _fit_online(runs, tmp_path, cache: bool, stop=None, path=None):
+    """(draft weights, history, tokens the target ran on) of train.fit over the online features of `runs`."""
+    from draftlab.train import loop as train
+    from draftlab.train.draft import DraftConfig
+    from draftlab.target.weights import load_target_head
+
+    p = load_params(["target", "train"], runs / "params.yaml")
+    tp, feat = p.train, runs / "features-online"
+    target = OnlineTarget(p.target)
+    ran = []
+    capture = target.capture
+    target.capture = lambda ids, mask, physical, device: ran.append(int(mask.sum())) or capture(ids, mask, physical, device)
+    train_ds, eval_ds = (OnlineFeatures(feat / s, tp.max_length, target) for s in ("train", "eval"))
+    if cache:
+        for ds in (train_ds, eval_ds):
+            ds.keep_states("cpu")
+    info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
+    d2t, t2d = load_draft_vocab(feat)
+    embed, head = load_target_head(str(runs / "micro"))
+    draft = train.init_draft(DraftConfig.from_target(info, 3, len(d2t)), embed, head, d2t, t2d, tp.seed)
+    history = train.fit(draft, head.float(), train_ds, eval_ds, tp, path or tmp_path / f"cache-{cache}.pt", "k",
+                        torch.device("cpu"), stop_after_steps=stop)
+    tokens = sum(train_ds.length(i) for i in range(len(train_ds))) + sum(eval_ds.length(i) for i in range(len(eval_ds)))
+    return draft.state_dict(), history, sum(ran), tokens
+
+
+def test_the_state_cache_runs_the_target_once_per_sequence_and_trains_as_without_it(runs, tmp_path):
+    """train.state_cache: three epochs cost one pass of the target over both splits, not three; the
+    states read back are those it computed, so the run learns as the uncached one does (the target's
+    rounding under other batch shapes aside)."""
+    cached, h_cached, ran_cached, tokens = _fit_online(runs, tmp_path, cache=True)
+    plain, h_plain, ran_plain, _ = _fit_online(runs, tmp_path, cache=False)
+    assert ran_cached == tokens  # every sequence of both splits once
+    assert ran_plain == 3 * tokens  # three epochs, each split every epoch
+    for a, b in zip(h_cached, h_plain):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=2e-2)
+    assert h_cached[-1]["eval_loss"] < h_cached[0]["eval_loss"]  # it learns
+    for name, w in cached.items():
+        assert torch.allclose(w, plain[name], rtol=5e-2, atol=5e-3), name
+
+
+def test_a_resumed_run_with_the_state_cache_gives_the_uninterrupted_weights(runs, tmp_path):
+    """The cache starts empty after a restart: the steps before the checkpoint fill it again, as
+    they first did, so the later epochs read the same states to the bit."""
+    straight, *_ = _fit_online(runs, tmp_path, cache=True, path=tmp_path / "a.pt")
+    _fit_online(runs, tmp_path, cache=True, stop=9, path=tmp_path / "b.pt")  # stopped in epoch 2, after step 8's checkpoint
+    resumed, *_ = _fit_online(runs, tmp_path, cache=True, path=tmp_path / "b.pt")
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
+
+
+def test_the_state_cache_is_kept_only_where_both_splits_fit_and_one_process_trains(runs, monkeypatch):
+    from draftlab.features import online
+
+    target = OnlineTarget(None)
+    splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
+    need = sum(ds.state_bytes() for ds in splits)
+    assert need == sum(sum(ds.length(i) for i in range(len(ds))) for ds in splits) * 4 * 64 * 2  # (k+1) x H x bf16
+    monkeypatch.setattr(online, "free_memory", lambda device: int(need / online.STATE_CACHE_SHARE) - 1)
+    line = online.cache_states(splits, "auto", "cpu")
+    assert "state cache off" in line and "more than 60% of the" in line and all(ds.cache is None for ds in splits)
+    assert "off" in online.cache_states(splits, "auto", "cpu", world=2) and splits[0].cache is None
+    assert "off (train.state_cache)" in online.cache_states(splits, "off", "cpu")
+    monkeypatch.setattr(online, "free_memory", lambda device: int(need / online.STATE_CACHE_SHARE) + 1)
+    assert "state cache on cpu" in online.cache_states(splits, "auto", "cpu") and all(ds.cache is not None for ds in splits)
+
+
+def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():
+    from draftlab.train.draft import DraftConfig
+    from draftlab.train.flops import Meter
+
+    info = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 320, "max_position_embeddings": 512, "architecture": "LlamaForCausalLM"}
+    meters = [Meter(info, DraftConfig.from_target(info, 3, 96), online) for online in (True, True, False)]
+    ran, cached, stored = meters
+    for m, target_ran in zip(meters, (True, False, True)):
+        m.step([30, 20], [40, 38, 36], 1.0, slots=50, target_ran=target_ran)
+    assert cached.target == stored.target < ran.target  # the soft labels' head only, as with stored states
+    assert cached.draft == ran.draft

@@ -249,7 +249,8 @@ def write_params(root: Path, target_dir: Path):
 target: {{model: {target_dir}, revision: null, dtype: float32, device: cpu}}
 train: {{seed: 0, epochs: 1, batch_size: 4, max_length: 512, lr: 0.003, min_lr_ratio: 0.1, warmup_ratio: 0.1,
         weight_decay: 0.0, grad_clip: 0.5, ttt_steps: 3, ttt_decay: 0.8, intermediate_size: null,
-        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: null, compile: false, attention: auto}}
+        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: null, compile: false, attention: auto,
+        state_cache: auto}}
 """)
 
 

@@ -139,7 +139,8 @@ def test_two_processes_split_each_token_budget_step_to_the_one_process_weights(t
 target: {{model: {tmp_path / 'target'}, revision: null, dtype: float32, device: cpu}}
 train: {{seed: 0, epochs: 1, batch_size: 4, max_length: 512, lr: 0.003, min_lr_ratio: 0.1, warmup_ratio: 0.1,
         weight_decay: 0.0, grad_clip: 0.5, ttt_steps: 3, ttt_decay: 0.8, intermediate_size: null,
-        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: 160, compile: false, attention: auto}}
+        checkpoint_every: 2, device: auto, autocast: auto, features: offline, batch_tokens: 160, compile: false, attention: auto,
+        state_cache: auto}}
 """)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     env.pop("DRAFTLAB_PEAK_FLOPS", None)

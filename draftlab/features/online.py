@@ -47,6 +47,12 @@ class OnlineTarget:
             self._engine, self.device = open_engine(self.params, self.extract_params, str(device), layer_ids=self.layer_ids), torch.device(device)
         return self._engine.capture(ids, attention_mask, physical)
 
+    def load(self, device) -> None:
+        """Load the target on `device` now (it is loaded on first use otherwise): extract.engine
+        transformers' copy; SGLang's engine opens on first use."""
+        if getattr(self.extract_params, "engine", "transformers") == "transformers":
+            self.model(device)
+
     def model(self, device) -> torch.nn.Module:
         device = torch.device(device)
         if self._model is None or device != self.device:
@@ -61,7 +67,12 @@ class OnlineFeatures(Sequences):
     split's tokens record; the states of a batch come from `target` at batch time.
 
     tokens_served / seconds: real tokens of the batches made so far and the seconds spent
-    making them (target forward included), for the stage's online rate.
+    making them (target forward included), for the stage's online rate. target_ran: whether the
+    last batch ran the target (with a state cache, a batch of sequences seen before does not).
+
+    keep_states(device) gives the split a StateCache: each sequence's states are kept, in the
+    storage dtype, once the target has computed them, and later epochs read them back instead of
+    running the target again (train.state_cache; draftlab.features.online.cache_states decides).
     """
 
     def __init__(self, split_dir: str | Path, max_length: int | None, target: OnlineTarget):
@@ -77,6 +88,17 @@ class OnlineFeatures(Sequences):
         off = arrays["seq_offsets"].tolist()
         self.index = [(a, b) for a, b in zip(off[:-1], off[1:]) if b > a]  # the order FeatureDataset would see
         self.tokens_served, self.seconds = 0, 0.0
+        self.cache: StateCache | None = None
+        self.target_ran = False
+
+    def state_bytes(self) -> int:
+        """Bytes a StateCache of this split takes: every token's captured and final states."""
+        width = (len(self.physical_layers) + 1) * int(self.metadata["hidden_size"])
+        return sum(self.length(i) for i in range(len(self))) * width * self.storage.itemsize
+
+    def keep_states(self, device) -> None:
+        self.cache = StateCache([self.length(i) for i in range(len(self))], len(self.physical_layers),
+                                int(self.metadata["hidden_size"]), self.storage, device)
 
     def span(self, i: int) -> tuple[int, int]:
         return self.index[i]
@@ -103,17 +125,34 @@ class OnlineFeatures(Sequences):
         for j, (r, m) in enumerate(seqs):
             ids[j, : len(r)], real[j, : len(r)], loss_mask[j, : len(m)] = r, True, m
         ids, real = ids.to(device), real.to(device)
-        physical = self.physical_layers
-        aux, final = self.target.capture(ids, real.long(), physical, device)
+        cache = self.cache
+        todo = list(range(len(indices))) if cache is None else [j for j, i in enumerate(indices) if not cache.has(i)]
+        self.target_ran = bool(todo)
+        if cache is None:
+            aux, final = self._states(ids, real, device)
+        else:  # the target runs on the sequences not seen before (their own padded batch); then all are read back
+            if todo:
+                n = [len(seqs[j][0]) for j in todo]
+                sub = torch.tensor(todo, device=ids.device)
+                aux, final = self._states(ids[sub, : max(n)], real[sub, : max(n)], device)
+                for k, j in enumerate(todo):
+                    cache.put(indices[j], aux[k, : n[k]], final[k, : n[k]])
+            aux, final = cache.read(indices, T)
         out = {
             "input_ids": ids,
             "loss_mask": loss_mask.to(device),
-            "aux_hidden": self._as_stored(torch.cat([aux[i] for i in sorted(physical)], dim=-1), real),
+            "aux_hidden": self._as_stored(aux, real),
             "final_hidden": self._as_stored(final, real),
         }
         self.tokens_served += sum(len(r) for r, _ in seqs)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def _states(self, ids: torch.Tensor, real: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [B, T, k*H], final [B, T, H]) from the target, in the storage dtype."""
+        physical = self.physical_layers
+        aux, final = self.target.capture(ids, real.long(), physical, device)
+        return torch.cat([aux[i] for i in sorted(physical)], dim=-1).to(self.storage), final.to(self.storage)
 
     def packed_batch(self, rows: list[list[int]], device) -> dict[str, torch.Tensor]:
         """Sequences.packed_batch with the states made by the target on the sequences padded apart,
@@ -122,10 +161,13 @@ class OnlineFeatures(Sequences):
         flat = [i for row in rows for i in row]
         lengths = [self.length(i) for i in flat]
         parts: list[dict[str, torch.Tensor] | None] = [None] * len(flat)
+        ran = False
         for group in length_groups(lengths, len(rows) * max(sum(self.length(i) for i in row) for row in rows)):
             b = self.batch([flat[j] for j in group], device)
+            ran |= self.target_ran
             for k, j in enumerate(group):
                 parts[j] = {name: x[k, : lengths[j]] for name, x in b.items()}
+        self.target_ran = ran
         longest = max(lengths)
         padded = {name: torch.stack([F.pad(p[name], (0, 0) * (p[name].ndim - 1) + (0, longest - len(p[name]))) for p in parts])
                   for name in parts[0]}
@@ -135,3 +177,74 @@ class OnlineFeatures(Sequences):
         """Rounded as a stored shard holds it, as float32; padding 0.0 exactly as collate pads."""
         x = x.to(self.storage).float()
         return torch.where(real[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+class StateCache:
+    """Every sequence's states, once computed, in one pair of flat tensors on one device (the
+    storage dtype: what a stored shard would hold): sequence i's tokens at offsets[i]:offsets[i+1]."""
+
+    def __init__(self, lengths: list[int], layers: int, hidden: int, dtype: torch.dtype, device):
+        self.offsets = [0]
+        for n in lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        total = self.offsets[-1]
+        self.aux = torch.empty((total, layers * hidden), dtype=dtype, device=device)
+        self.final = torch.empty((total, hidden), dtype=dtype, device=device)
+        self.kept = [False] * len(lengths)
+
+    def has(self, i: int) -> bool:
+        return self.kept[i]
+
+    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        self.aux[a:b].copy_(aux)
+        self.final[a:b].copy_(final)
+        self.kept[i] = True
+
+    def read(self, indices: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [B, T, k*H], final [B, T, H]) of `indices`, zero past each sequence's end."""
+        aux = torch.zeros((len(indices), T, self.aux.shape[1]), dtype=self.aux.dtype, device=self.aux.device)
+        final = torch.zeros((len(indices), T, self.final.shape[1]), dtype=self.final.dtype, device=self.final.device)
+        for j, i in enumerate(indices):
+            a, b = self.offsets[i], self.offsets[i + 1]
+            aux[j, : b - a], final[j, : b - a] = self.aux[a:b], self.final[a:b]
+        return aux, final
+
+
+STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for the state caches of both splits
+
+
+def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int = 1) -> str:
+    """train.state_cache: give every split a StateCache (auto: when they fit STATE_CACHE_SHARE of the
+    device's free memory, one training process); returns the line that says what was decided.
+
+    The rest of the free memory is the training step's: at SmolLM2's shape (32,768-token packed
+    steps, 7 TTT steps, draft vocab 16,384) its peak was 17.5 GB, 22% of an 80 GB GPU."""
+    if setting == "off":
+        return "train: state cache off (train.state_cache): the target runs on every batch of every epoch"
+    if world > 1:
+        return (f"train: state cache off: {world} processes see other sequences every epoch (train.state_cache auto keeps "
+                "states for one process)")
+    need = sum(ds.state_bytes() for ds in splits)
+    free = free_memory(device)
+    if free is None or need > STATE_CACHE_SHARE * free:
+        have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
+        return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB, more than {STATE_CACHE_SHARE:.0%} of "
+                f"the {have} free on {device}; the target runs on every batch of every epoch")
+    for ds in splits:
+        ds.keep_states(device)
+    return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by the "
+            "target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
+
+
+def free_memory(device) -> int | None:
+    """Bytes free on `device`: the GPU's (CUDA), the host's available memory (CPU, Linux); None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -99,14 +99,16 @@ class Meter:
         self.tokens = self.slots = self.steps = 0
         self.target = self.draft = self.seconds = 0.0
 
-    def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None) -> None:
+    def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None,
+             target_ran: bool = True) -> None:
+        """target_ran: False for an online step whose states came from the state cache (no target forward)."""
         self.steps += 1
         self.tokens += sum(lengths)
         if slots is None:
             slots = sum(len(lengths[r::world]) * max(lengths[r::world], default=0) for r in range(world))
         self.slots += slots
         if self.countable:
-            self.target += target_flops(self.target_cfg, lengths, self.online)
+            self.target += target_flops(self.target_cfg, lengths, self.online and target_ran)
             self.draft += draft_flops(self.draft_cfg, lengths, [int(n) for n in scored])
         self.seconds += seconds
 

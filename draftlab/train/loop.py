@@ -403,6 +403,23 @@ def epoch_plans(train_ds, tp, world: int) -> list[list[list[int]]]:
     return [packed_batches(lengths, longest, tp.batch_tokens // longest, tp.seed, e, world) for e in range(tp.epochs)]
 
 
+def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, rank: int) -> None:
+    """A resumed run with a state cache (draftlab.features.online.StateCache) starts with it empty:
+    the states the steps before it kept are computed again, batch by batch as those steps made
+    them (each sequence in the step it first appeared in), so that later epochs read what the
+    uninterrupted run read, to the bit."""
+    cache = getattr(train_ds, "cache", None)
+    if cache is None or not steps:
+        return
+    if rank == 0:
+        print(f"state cache: the target computes again the states the {len(steps)} steps before the checkpoint kept", flush=True)
+    for plan in steps:
+        mine = plan[rank::world]
+        if all(cache.has(i) for i in ([i for row in mine for i in row] if packed else mine)):
+            continue
+        train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
+
+
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
     """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
     state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
@@ -484,6 +501,8 @@ def fit(
             step, epoch0, batch0, history, running = state
             if rank == 0:
                 print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})")
+            before = [plans[e][b] for e in range(epoch0 + 1) for b in range(len(plans[e]) if e < epoch0 else batch0)]
+            refill_state_cache(train_ds, before, packed, device, world, rank)
 
     def save(epoch, batch):
         if rank == 0:
@@ -524,7 +543,8 @@ def fit(
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
                 seqs = [i for row in batches[b] for i in row] if packed else batches[b]
                 slots = packed_slots(batches[b], lengths, world) if packed else None
-                meter.step([lengths[i] for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots)
+                meter.step([lengths[i] for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots,
+                           target_ran=getattr(train_ds, "target_ran", True))
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, global_loss.item(), time.perf_counter() - t0)
