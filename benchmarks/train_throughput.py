@@ -29,7 +29,9 @@ layer (TTTCache.trace_flex), `--compare-target` the target's decoder layers comp
 train.compile does not do: on one H100 at smollm2-conversations, 110.0k against 105.9k tok/s once
 warm, and its recompiles for new batch shapes made the first timed steps of a cold run slower than
 eager: reports/perf/target-compile/), and each mode prints its warm-up (untimed steps' wall, compile
-included). `--attention eager flex` times the packed modes with each TTT attention kernel
+included). `--compare-cache` times the last packed mode again with the states read from
+train.state_cache's cache (the timed steps' states computed first, as the first epoch would), as
+every epoch after the first trains. `--attention eager flex` times the packed modes with each TTT attention kernel
 (train.attention; flex is FlexAttention, CUDA only for training), and `--check-grads` first compares one packed step's loss and gradients under both. The shape
 `smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--split DIR`
 trains on a split the pipeline wrote instead (data/features/train: its tokens record, so its real
@@ -222,7 +224,7 @@ def flex_traced(on: bool):
 
 
 def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False,
-             attention="auto"):
+             attention="auto", cached=False):
     t = shape["target"]
     facts = {**t, "num_layers": t["num_hidden_layers"], "head_dim": t["hidden_size"] // t["num_attention_heads"]}
     target = OnlineTarget(None)
@@ -241,6 +243,10 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
     if args.warmup + steps > available:
         raise SystemExit(f"{name}: an epoch has {available} steps, fewer than --warmup {args.warmup} + --steps {steps}; "
                          f"raise --sequences or lower the steps")
+    if cached:  # train.state_cache: the steps' states computed first (as epoch 1 would), then read back (epochs 2+)
+        ds.keep_states(device)
+        for rows in loop.epoch_plans(ds, tp, 1)[0][: args.warmup + steps]:
+            ds.packed_batch(rows, device)
     meter = Timed(args.warmup, facts, cfg, True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -338,6 +344,9 @@ def main() -> None:
     ap.add_argument("--compare-target", action="store_true",
                     help="with --compile, also time the target's decoder layers compiled beside the compiled draft "
                          "(train.compile leaves the target eager)")
+    ap.add_argument("--compare-cache", action="store_true",
+                    help="also time the last packed mode (compiled with --compile) with its states read from "
+                         "train.state_cache's cache, as epochs after the first are: no target forward")
     ap.add_argument("--compare-trace", action="store_true",
                     help="with --compile, also time the flex attention traced into the compiled layer (one graph "
                          "per TTT step) against the default, which compiles it apart")
@@ -405,6 +414,10 @@ def main() -> None:
                     print(show(results[-1]), flush=True)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                     print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if args.compare_cache:  # the same packed mode, its states read from train.state_cache's cache
+            results.append(run_mode(f"packed {budgets[-1]}{' +compile' if args.compile else ''}, states cached", *common,
+                                    batch_tokens=budgets[-1], compiled=args.compile, attention=args.attention[-1], cached=True))
+            print(show(results[-1]), flush=True)
         if args.profile:
             results.append(run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile,
                                     attention=args.attention[-1]))

@@ -58,6 +58,16 @@ def test_a_pipeline_split_is_trained_and_its_eval_split_timed_twice(tmp_path):
     assert profiled["mode"] == "profile" and profiled["gpu_busy_share"] is None  # no GPU kernels on a CPU
 
 
+def test_compare_cache_times_the_packed_mode_again_with_no_target_forward(tmp_path):
+    train = write_split(tmp_path / "train", 80)
+    out = tmp_path / "r.json"
+    r = run(["--split", train, "--skip-padded", "--warmup", "1", "--steps", "2", "--compare-cache", "--out", out], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    live, cached = json.loads(out.read_text())["results"]
+    assert cached["mode"].endswith("states cached") and cached["tokens"] == live["tokens"]  # the same steps
+    assert cached["target_flops_per_token"] < live["target_flops_per_token"]  # the soft labels' head only
+
+
 def test_a_split_of_another_target_is_refused_naming_what_does_not_fit(tmp_path):
     layers = run(["--split", write_split(tmp_path / "a", 20, physical=(1, 2, 9))], tmp_path)
     assert layers.returncode != 0 and "physical layers [1, 2, 9]" in layers.stderr and "4 layers" in layers.stderr
