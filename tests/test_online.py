@@ -260,6 +260,8 @@ def test_the_state_cache_is_kept_only_where_both_splits_fit_and_one_process_trai
     assert "off (train.state_cache)" in online.cache_states(splits, "off", "cpu")
     monkeypatch.setattr(online, "free_memory", lambda device: int(need / online.STATE_CACHE_SHARE) + 1)
     assert "state cache on cpu" in online.cache_states(splits, "auto", "cpu") and all(ds.cache is not None for ds in splits)
+    monkeypatch.setattr(online, "free_memory", lambda device: None)
+    assert "cannot be read" in online.cache_states([OnlineFeatures(runs / "features-online" / "eval", 512, target)], "auto", "cpu")
 
 
 def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():

@@ -10,6 +10,7 @@ from the offline one only by the target's rounding under another batch shape.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -227,10 +228,12 @@ def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int 
                 "states for one process)")
     need = sum(ds.state_bytes() for ds in splits)
     free = free_memory(device)
-    if free is None or need > STATE_CACHE_SHARE * free:
-        have = "unknown" if free is None else f"{free / 2**30:.1f} GiB"
+    if free is None:
+        return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB and the memory free on {device} "
+                "cannot be read; the target runs on every batch of every epoch")
+    if need > STATE_CACHE_SHARE * free:
         return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB, more than {STATE_CACHE_SHARE:.0%} of "
-                f"the {have} free on {device}; the target runs on every batch of every epoch")
+                f"the {free / 2**30:.1f} GiB free on {device}; the target runs on every batch of every epoch")
     for ds in splits:
         ds.keep_states(device)
     return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by the "
@@ -243,8 +246,6 @@ def free_memory(device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
