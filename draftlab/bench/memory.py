@@ -166,13 +166,7 @@ def server_bytes(target: fleet.Footprint, tokens: int, layers: int, draft_weight
 
 
 def check_share(extra_args: list[str], sizes: dict[str, int], tokens: int, gpu: str, free: int) -> None:
-    """The bench's in-process offline run (the target and the draft in the bench's own process) needs the
-GPU too. Where its copy fits beside the first wave (IN_PROCESS_OVERHEAD more than both models'
-weights), it decodes while those servers start (SGLang's start-up, ~60 s, is mostly imports and
-graph capture) and the round costs are timed once they are up and idle; else it runs, and frees
-its copy, before any server starts.
-
-A --mem-fraction-static in bench.extra_server_args is each server's share of the GPU: refuse one
+    """A --mem-fraction-static in bench.extra_server_args is each server's share of the GPU: refuse one
     that does not hold the largest server's weights and pool."""
     given = fleet.flag_value(extra_args, "--mem-fraction-static")
     if given is None:
