@@ -41,13 +41,18 @@ def pack(tar_path: str | Path, root: str | Path = ".") -> list[str]:
     """PACKED's files under `root` into one .tar.gz at `tar_path` (written whole: a tmp file renamed),
     whatever of them exists; returns the paths packed."""
     root, tar_path = Path(root), Path(tar_path)
-    found = [src for pattern in PACKED for src in sorted(root.glob(pattern))]
+    found = matching(PACKED, root)
     tmp = tar_path.with_name(tar_path.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for src in found:
             tar.add(src, arcname=str(src.relative_to(root)))
     os.replace(tmp, tar_path)
     return [str(src.relative_to(root)) for src in found]
+
+
+def matching(patterns: tuple[str, ...], root: Path) -> list[Path]:
+    """The paths under `root` that `patterns` (globs, relative to it) name, pattern by pattern, each's sorted."""
+    return [src for pattern in patterns for src in sorted(root.glob(pattern))]
 
 
 def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -107,11 +112,10 @@ def keep(folder: Path, record: dict) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for pattern in KEPT:
-        for src in sorted(Path(".").glob(pattern)):
-            dst = tmp / src
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(src, dst) if src.is_dir() else shutil.copy2(src, dst)
+    for src in matching(KEPT, Path(".")):
+        dst = tmp / src
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dst) if src.is_dir() else shutil.copy2(src, dst)
     atomic_write_json(tmp / "point.json", record)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
