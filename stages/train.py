@@ -160,7 +160,11 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
                             "features": train_params.features, "train_tokens": tokens, "tokens_per_s": tokens_per_s,
                             "throughput": rate,  # draftlab.train.flops: FLOPs of the target and the draft, MFU, padding
                             # online: the target's states are computed per batch; none are stored or read
-                            "hidden_bytes_written": 0}
+                            "hidden_bytes_written": 0,
+                            # online: whether the states were kept after the first epoch (train.state_cache), and their bytes
+                            "state_cache": {"kept": getattr(train_ds, "cache", None) is not None,
+                                            "bytes": sum(ds.state_bytes() for ds in (train_ds, eval_ds))
+                                            if train_params.features == "online" else 0}}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)
         K = train_params.ttt_steps

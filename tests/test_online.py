@@ -79,6 +79,10 @@ def test_online_training_matches_offline(runs):
     assert abs(on["tau_pred"] - off["tau_pred"]) <= 0.02 * off["tau_pred"], (off["tau_pred"], on["tau_pred"])
     manifest = json.loads((runs / "ckpt-online" / "manifest.json").read_text())["info"]
     assert manifest["features"] == "online" and manifest["hidden_bytes_written"] == 0 and manifest["tokens_per_s"] > 0
+    target = OnlineTarget(None)
+    splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
+    # params.yaml's train.state_cache auto: the micro splits fit, so their states were kept after the first epoch
+    assert manifest["state_cache"] == {"kept": True, "bytes": sum(ds.state_bytes() for ds in splits)}
 
 
 def test_online_vocab_and_sample_match_offline(runs):

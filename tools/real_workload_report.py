@@ -199,6 +199,7 @@ def by_group_md(bench: dict) -> list[str]:
 def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
+    kept = ((read(run, "models/draft-ckpt/manifest.json") or {}).get("info") or {}).get("state_cache") or {}
     prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
     steps = bench["settings"]["num_steps"]
     trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]
@@ -213,7 +214,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
            "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
-           f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}.", "",
+           f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
+           f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}.", "",
            *learning_curve_md(run),
            *step1_md(train),
            *training_pays_md(bench),
