@@ -280,3 +280,26 @@ def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():
         m.step([30, 20], [40, 38, 36], 1.0, slots=50, target_ran=target_ran)
     assert cached.target == stored.target < ran.target  # the soft labels' head only, as with stored states
     assert cached.draft == ran.draft
+
+
+def test_a_step_out_of_memory_beside_the_state_cache_drops_the_cache_and_the_run_goes_on(runs, tmp_path, monkeypatch, capsys):
+    """The cache's 60% share is a rule of thumb: where a training step still runs out of memory beside
+    it, the cache is given back and the step runs again, the target computing the states from then on."""
+    from draftlab.train import loop as train
+
+    calls, forward = [], train.TTT.forward
+
+    def short_of_memory_once(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 4:  # the fourth training step of the first epoch
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(train.TTT, "forward", short_of_memory_once)
+    weights, history, ran, tokens = _fit_online(runs, tmp_path, cache=True)
+    assert "ran out of memory beside the state cache" in capsys.readouterr().out
+    assert len(history) == 3 and all(torch.isfinite(w).all() for w in weights.values())
+    assert ran > tokens  # after the drop the target computed states again, as with train.state_cache off
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):  # with no cache to give back, the error is the run's
+        _fit_online(runs, tmp_path, cache=False)

@@ -196,6 +196,9 @@ class StateCache:
     def has(self, i: int) -> bool:
         return self.kept[i]
 
+    def nbytes(self) -> int:
+        return self.aux.nbytes + self.final.nbytes
+
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
         a, b = self.offsets[i], self.offsets[i + 1]
         self.aux[a:b].copy_(aux)

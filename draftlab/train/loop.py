@@ -420,6 +420,24 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
         train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
 
 
+def held_state_caches(*datasets) -> bool:
+    return any(getattr(ds, "cache", None) is not None for ds in datasets)
+
+
+def drop_state_caches(train_ds, eval_ds, device, rank: int) -> None:
+    """A step that ran out of memory beside the state caches: they are given back, and the target
+    runs on every batch from here (as train.state_cache off), rather than the run failing."""
+    held = sum(ds.cache.nbytes() for ds in (train_ds, eval_ds) if getattr(ds, "cache", None) is not None)
+    for ds in (train_ds, eval_ds):
+        ds.cache = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"warning: a training step ran out of memory beside the state cache ({held / 2**30:.1f} GiB): the cache is "
+              "dropped and the target runs on every batch from here; set train.state_cache: off to start without it",
+              flush=True)
+
+
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
     """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
     state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
@@ -519,19 +537,33 @@ def fit(
         batches = plans[epoch]
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
             t0 = time.perf_counter()
-            mine = batches[b][rank::world]
-            batch = train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
-            if b + 1 < len(batches) and hasattr(train_ds, "prefetch"):  # stored states: read the next batch during this step
-                ahead = batches[b + 1][rank::world]
-                train_ds.prefetch([i for row in ahead for i in row] if packed else ahead, device)
-            labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
-            counts = step_token_counts(batch, tp.ttt_steps, world)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, total, tp.lr, tp.warmup_ratio, tp.min_lr_ratio)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, _ = model(batch, labels, counts, world)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+
+            def forward_backward():  # the step up to its gradients; run again once if the state cache is dropped
+                mine = batches[b][rank::world]
+                batch = train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
+                if b + 1 < len(batches) and hasattr(train_ds, "prefetch"):  # stored states: read the next batch during this step
+                    ahead = batches[b + 1][rank::world]
+                    train_ds.prefetch([i for row in ahead for i in row] if packed else ahead, device)
+                labels = target_labels(batch["final_hidden"], head, draft.d2t, dtype=labels_dtype(autocast))
+                counts = step_token_counts(batch, tp.ttt_steps, world)
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, total, tp.lr, tp.warmup_ratio, tp.min_lr_ratio)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    loss, _ = model(batch, labels, counts, world)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                return batch, counts, loss
+
+            try:
+                done = forward_backward()
+            except torch.OutOfMemoryError:
+                if not held_state_caches(train_ds, eval_ds):
+                    raise
+                done = None  # retried below, once the failed step's tensors are freed with its traceback
+            if done is None:
+                drop_state_caches(train_ds, eval_ds, device, rank)
+                done = forward_backward()
+            batch, counts, loss = done
             if tp.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
             opt.step()
