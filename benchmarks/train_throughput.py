@@ -245,8 +245,7 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
                          f"raise --sequences or lower the steps")
     if cached:  # train.state_cache: the steps' states computed first (as epoch 1 would), then read back (epochs 2+)
         ds.keep_states(device)
-        for rows in loop.epoch_plans(ds, tp, 1)[0][: args.warmup + steps]:
-            ds.packed_batch(rows, device)
+        loop.refill_state_cache(ds, loop.epoch_plans(ds, tp, 1)[0][: args.warmup + steps], True, device, 1, 0)
     meter = Timed(args.warmup, facts, cfg, True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -39,6 +39,7 @@ from draftlab.train.batches import epoch_batches, packed_batches, packed_padding
 from draftlab.train.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
+from draftlab.features.online import drop_states, held_states
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab import parallel
 from draftlab.data.loops import answer_loop_flags, spans
@@ -420,16 +421,10 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
         train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
 
 
-def held_state_caches(*datasets) -> bool:
-    return any(getattr(ds, "cache", None) is not None for ds in datasets)
-
-
-def drop_state_caches(train_ds, eval_ds, device, rank: int) -> None:
-    """A step that ran out of memory beside the state caches: they are given back, and the target
-    runs on every batch from here (as train.state_cache off), rather than the run failing."""
-    held = sum(ds.cache.nbytes() for ds in (train_ds, eval_ds) if getattr(ds, "cache", None) is not None)
-    for ds in (train_ds, eval_ds):
-        ds.cache = None
+def give_back_states(splits, held: int, device, rank: int) -> None:
+    """A step that ran out of memory beside the state caches (`held` bytes): they are given back, and
+    the target runs on every batch from here (as train.state_cache off), rather than the run failing."""
+    drop_states(splits)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if rank == 0:
@@ -557,11 +552,12 @@ def fit(
             try:
                 done = forward_backward()
             except torch.OutOfMemoryError:
-                if not held_state_caches(train_ds, eval_ds):
+                held = held_states((train_ds, eval_ds))
+                if not held:
                     raise
                 done = None  # retried below, once the failed step's tensors are freed with its traceback
             if done is None:
-                drop_state_caches(train_ds, eval_ds, device, rank)
+                give_back_states((train_ds, eval_ds), held, device, rank)
                 done = forward_backward()
             batch, counts, loss = done
             if tp.grad_clip > 0:
