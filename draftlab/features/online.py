@@ -243,18 +243,6 @@ def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int 
             "target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
 
 
-def held_states(splits) -> int:
-    """Bytes the state caches of `splits` hold (0: none; a dataset of stored states has none)."""
-    return sum(ds.cache.nbytes() for ds in splits if getattr(ds, "cache", None) is not None)
-
-
-def drop_states(splits) -> None:
-    """Give the state caches of `splits` back: the target computes every batch's states again."""
-    for ds in splits:
-        if getattr(ds, "cache", None) is not None:
-            ds.cache = None
-
-
 def free_memory(device) -> int | None:
     """Bytes free on `device`: the GPU's (CUDA), the host's available memory (CPU, Linux); None if unknown."""
     device = torch.device(device)

@@ -39,7 +39,6 @@ from draftlab.train.batches import epoch_batches, packed_batches, packed_padding
 from draftlab.train.draft import DraftConfig, Eagle3Draft, TTTCache
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
-from draftlab.features.online import drop_states, held_states
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab import parallel
 from draftlab.data.loops import answer_loop_flags, spans
@@ -421,10 +420,19 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
         train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
 
 
+def held_states(splits) -> int:
+    """Bytes the state caches of `splits` hold (draftlab.features.online.StateCache; 0: none, as for
+    stored states). Here by duck typing: the stages that import this module (export, check) must
+    not depend on the target's code that draftlab.features.online imports."""
+    return sum(ds.cache.nbytes() for ds in splits if getattr(ds, "cache", None) is not None)
+
+
 def give_back_states(splits, held: int, device, rank: int) -> None:
     """A step that ran out of memory beside the state caches (`held` bytes): they are given back, and
     the target runs on every batch from here (as train.state_cache off), rather than the run failing."""
-    drop_states(splits)
+    for ds in splits:
+        if getattr(ds, "cache", None) is not None:
+            ds.cache = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if rank == 0:
