@@ -97,6 +97,8 @@ class Server:
     process: subprocess.Popen
     log_path: Path
     stopped: bool = False  # stop() has run: its process group is gone, and the pgid may belong to another now
+    launched: float | None = None  # time.time() just before its process started
+    healthy_at: float | None = None  # time.time() when its /health first answered 200 (draftlab.sglang.startup)
 
     @property
     def pid(self) -> int:
@@ -130,6 +132,8 @@ def wait_all_healthy(servers: list[Server], timeout_s: float, optional: list[boo
                         errors[i] = e
                 if errors[i] is not None and not optional[i]:
                     raise errors[i]
+                if errors[i] is None and last[i] is None:
+                    servers[i].healthy_at = time.time()
                 if errors[i] is not None or last[i] is None:
                     pending.remove(i)
             if pending:
@@ -260,6 +264,7 @@ def _launch(spec: tuple[list[str], str, str | os.PathLike, dict | None], logs: c
     """Start one server of serve_many in its own process group, its output to its log; records its pidfile."""
     argv, url, log_path, env = spec
     log = logs.enter_context(open(log_path, "wb"))
+    launched = time.time()
     try:
         proc = subprocess.Popen(
             [str(a) for a in argv],
@@ -272,7 +277,7 @@ def _launch(spec: tuple[list[str], str, str | os.PathLike, dict | None], logs: c
     except OSError as e:
         raise UserError(f"cannot start server {argv[0]!r}: {e}") from None
     _pidfile(log_path).write_text(json.dumps({"pgid": proc.pid, "argv": [str(a) for a in argv]}))
-    return Server(url.rstrip("/"), proc, Path(log_path))
+    return Server(url.rstrip("/"), proc, Path(log_path), launched=launched)
 
 
 def _pidfile(log_path: str | os.PathLike) -> Path:

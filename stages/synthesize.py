@@ -46,12 +46,13 @@ SERVER_MANAGED = {"--model-path": "target.model", "--model": "target.model", "--
 
 
 @contextlib.contextmanager
-def own_servers(target_params, synth_params, out: Path):
+def own_servers(target_params, synth_params, out: Path, startups: list | None = None):
     """synth.backend sglang: SGLang servers of the target for the stage's lifetime (synth.servers_per_gpu
     on each visible GPU, draftlab.sglang.fleet); yields their /v1 URLs. Servers that share a GPU get
-    explicit KV pools and start together; where that GPU's memory cannot be read, one after another."""
+    explicit KV pools and start together; where that GPU's memory cannot be read, one after another.
+    startups: a list to receive where each server's start-up went (draftlab.sglang.startup)."""
     from draftlab import lifecycle
-    from draftlab.sglang import fleet
+    from draftlab.sglang import fleet, startup
     from draftlab.sglang.launch import free_port, launch_argv
 
     folder = model_path(target_params.model)
@@ -77,6 +78,11 @@ def own_servers(target_params, synth_params, out: Path):
     # A server with an explicit pool is a group of its own: it starts beside the others (lifecycle.serve_many)
     groups = [i if p.explicit else p.gpu for i, p in enumerate(plan)]
     with lifecycle.serve_many(specs, synth_params.startup_timeout_s, groups=groups) as servers:
+        got = [startup.server_startup(srv) for srv in servers]
+        if startups is not None:
+            startups.extend(got)
+        if line := startup.summary(got):
+            print(f"synthesize: {line}")
         yield [f"{srv.url}/v1" for srv in servers]
 
 
@@ -114,11 +120,13 @@ def main(prompts_dir: Path, out: Path) -> None:
     from draftlab.sglang.launch import check_extra_args
 
     check_extra_args(synth_params.server_args, "synth.server_args", SERVER_MANAGED)  # before any server starts
-    with own_servers(target_params, synth_params, out) if synth_params.backend == "sglang" else contextlib.nullcontext() as urls:
-        run(params, splits, inputs, out, make_backend(target_params, synth_params, urls))
+    startups: list = []
+    with own_servers(target_params, synth_params, out, startups) if synth_params.backend == "sglang" else contextlib.nullcontext() as urls:
+        run(params, splits, inputs, out, make_backend(target_params, synth_params, urls), startups)
 
 
-def run(params, splits, inputs, out: Path, backend) -> None:
+def run(params, splits, inputs, out: Path, backend, server_startup: list | None = None) -> None:
+    """server_startup: where each server's start-up went (own_servers), kept in the manifest."""
     target_params, synth_params = params.target, params.synth
     tok = backend.tokenizer
     synth.check_context(splits, tok, backend.context_length, synth_params.max_new_tokens)
@@ -176,6 +184,8 @@ def run(params, splits, inputs, out: Path, backend) -> None:
         "chat_template_hash": chat_template_hash(tok),
         "files": output_files(out),  # per file rows + sha256: extract names the one cut or changed
     }
+    if server_startup:  # seconds from launch to healthy, by phase, per server (draftlab.sglang.startup)
+        info["server_startup"] = server_startup
     # The outputs' content hash is an input too: sampled answers differ between runs.
     manifest = build_manifest("synthesize", as_dict(params), {**inputs, "outputs_sha256": dir_hash(out)}, __file__, info)
     write_manifest(out, manifest)

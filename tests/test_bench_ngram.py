@@ -233,3 +233,9 @@ def test_the_bench_says_where_its_wall_time_went(run):
     assert all(s >= 0 for s in phases.values()) and phases["served and measured (later turns' answers included)"] > 0
     md = (root / "reports/bench/report.md").read_text()
     assert "## Where the bench's time went" in md and "servers started: " in md
+    # each server's own start-up, launch to healthy: the baseline and every configuration started with it
+    startups = report["server_startup"]
+    names = [c["configuration"] for c in report["configurations"]]
+    assert {"baseline", names[0]} <= set(startups) <= {"baseline", *names}
+    assert all(0 < s["total_s"] <= phases["servers started"] + 1 for s in startups.values())
+    assert f"Server start-up (launch to a healthy /health, from each server's log): {len(startups)} servers up in" in md

@@ -113,7 +113,8 @@ STARTUP_S = 2.0
 def slow_sglang(tmp_path, monkeypatch):
     """`python -m sglang.launch_server` as a stand-in that takes STARTUP_S to become healthy and
     records its argv, GPU and start time; a micro target; GPU 0 visible. Returns a function that
-    runs the synthesize stage's own_servers and gives (records, seconds until all were healthy)."""
+    runs the synthesize stage's own_servers and gives (records, seconds until all were healthy, the
+    start-ups own_servers recorded)."""
     import json
     import time
     import types
@@ -135,21 +136,23 @@ def slow_sglang(tmp_path, monkeypatch):
     def run(free_gib, server_args=()):
         monkeypatch.setattr(fleet, "gpu_free_memory", lambda gpu: None if free_gib is None else free_gib * GIB)
         synth = types.SimpleNamespace(servers_per_gpu=3, mem_fraction_static=0.6, server_args=list(server_args), startup_timeout_s=60.0)
-        t0 = time.monotonic()
-        with own_servers(target, synth, tmp_path / "out") as urls:
+        t0, startups = time.monotonic(), []
+        with own_servers(target, synth, tmp_path / "out", startups) as urls:
             took = time.monotonic() - t0
             assert len(urls) == 3
         records = [json.loads(p.read_text()) for p in (tmp_path / "records").iterdir()]
         for p in (tmp_path / "records").iterdir():
             p.unlink()
-        return sorted(records, key=lambda r: r["started"]), took
+        return sorted(records, key=lambda r: r["started"]), took, startups
 
     return run
 
 
-def test_servers_of_one_gpu_start_together_when_their_pools_are_explicit(slow_sglang):
-    records, took = slow_sglang(80)
+def test_servers_of_one_gpu_start_together_when_their_pools_are_explicit(slow_sglang, capsys):
+    records, took, startups = slow_sglang(80)
     assert took < 2 * STARTUP_S  # about one start-up, not three
+    assert len(startups) == 3 and all(STARTUP_S <= s["total_s"] <= took + 0.1 for s in startups)  # kept for the manifest
+    assert "synthesize: 3 servers up in" in capsys.readouterr().out
     assert records[-1]["started"] - records[0]["started"] < 1.0  # none waited for another to be healthy
     for r in records:
         argv = r["argv"]
@@ -157,13 +160,13 @@ def test_servers_of_one_gpu_start_together_when_their_pools_are_explicit(slow_sg
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.8"  # 1 - (1 - 0.6) / 2
         assert int(argv[argv.index("--max-total-tokens") + 1]) > 0
         assert argv.count("--max-total-tokens") == 1 and argv.count("--mem-fraction-static") == 1
-    records, _ = slow_sglang(80, server_args=["--max-total-tokens", "1000"])  # the user's own pool, within the share
+    records, _, _ = slow_sglang(80, server_args=["--max-total-tokens", "1000"])  # the user's own pool, within the share
     assert [r["argv"][r["argv"].index("--max-total-tokens") + 1] for r in records] == ["1000"] * 3
     assert all(r["argv"].count("--max-total-tokens") == 1 for r in records)
 
 
 def test_servers_of_one_gpu_whose_memory_is_unknown_start_one_after_another(slow_sglang):
-    records, took = slow_sglang(None)
+    records, took, _ = slow_sglang(None)
     assert took >= 3 * STARTUP_S
     assert all(b["started"] - a["started"] >= STARTUP_S for a, b in zip(records, records[1:]))  # each once the one before was up
     assert all("--max-total-tokens" not in r["argv"] and "0.2" in r["argv"] for r in records)  # 0.6 / 3 each, SGLang's own pool

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 
 from draftlab.bench import servers
+from draftlab.sglang import startup
 from draftlab.sglang.client import parse_meta
 
 NGRAM = "NGRAM"
@@ -184,4 +185,6 @@ def markdown(report: dict) -> str:
                 groups_markdown(s), ""]
     if report.get("phases_s"):
         out += ["## Where the bench's time went", "", ", ".join(f"{k}: {v:.0f} s" for k, v in report["phases_s"].items()) + ".", ""]
+        if line := startup.summary(list((report.get("server_startup") or {}).values())):
+            out += [f"Server start-up (launch to a healthy /health, from each server's log): {line}.", ""]
     return "\n".join(out)

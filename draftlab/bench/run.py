@@ -262,6 +262,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     requests.jsonl under `out` and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
     phases, since = {}, time.perf_counter()  # where the bench's wall time goes, in seconds
+    fleet = None  # bench.sweep's servers (their start-ups are reported)
 
     def lap(name: str) -> None:
         nonlocal since
@@ -357,6 +358,8 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "prompt_sets": sets_report,
         "training_pays": sets_report[0]["training_pays"],
         "phases_s": phases,  # the bench's wall time by phase, in the order run (the report's own writing after)
+        # per server (the baseline, each configuration's): seconds from launch to healthy, by phase (draftlab.sglang.startup)
+        "server_startup": fleet.startup if fleet is not None else None,
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }

@@ -52,6 +52,7 @@ from draftlab.bench import servers
 from draftlab.bench.memory import BASELINE
 from draftlab.errors import UserError
 from draftlab.params import ADVISED, is_ngram, parse_configuration, parse_ngram
+from draftlab.sglang import startup
 from draftlab.sglang.flags import Resolution
 from draftlab.sglang.launch import free_port as sglang_free_port
 
@@ -168,6 +169,7 @@ class Fleet:
         self.current: int | None = None  # the wave up
         self.up: dict[str, object] = {}  # configuration name -> its lifecycle.Server, or the UserError its start gave
         self.base_url: str | None = None
+        self.startup: dict[str, dict | None] = {}  # server name -> where its start-up went (draftlab.sglang.startup)
 
     def log(self, config: Configuration) -> Path:
         first = config is self.plan.configurations[0]
@@ -191,6 +193,11 @@ class Fleet:
         self._announce(configs, together)
         got = self.stack.enter_context(servers.start_many(bp.backend, bp, plan.target_params, plan.draft.path, plan.sglang_version,
                                                           launches, together, layout.args if layout else (), meanwhile))
+        names = ([] if self.base_url is not None else [BASELINE]) + [c.name for c in configs]
+        started = {name: startup.server_startup(srv) for name, srv in zip(names, got) if isinstance(srv, lifecycle.Server)}
+        self.startup.update(started)
+        if line := startup.summary(list(started.values())):
+            print(f"bench: {line}")
         if self.base_url is None:
             self.base_url, got = got[0].url, got[1:]
         for config, srv in zip(configs, got):

@@ -1,0 +1,100 @@
+"""Where an SGLang server's start-up went, read from its log: launch to a healthy /health, cut at
+the lines SGLang 0.5.x writes on the way.
+
+A server of a 135M target takes minutes to start on a fresh machine, and a profile starts
+servers twice (synthesize, bench): start-up can cost more than the work. SGLang stamps every log
+line with the local time to the second ("[2026-12-06 05:46:31 TP0] Load weight begin. ..."), so
+the phases come out to about a second. A phase whose closing line is missing (another SGLang
+version, the project's reference server) is counted in the next phase.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+# (phase, what ends it), in the order SGLang writes them. A speculative server loads its draft and
+# captures the draft's graphs after the target's: that lands in cuda_graphs, which ends at the
+# last capture.
+PHASES = (
+    ("imports", "first log line"),  # the interpreter starting and importing SGLang (torch, triton, flashinfer)
+    ("init", "Load weight begin"),  # server arguments, the scheduler's process, torch.distributed
+    ("weights", "Load weight end"),
+    ("kv_pool", "Memory pool end"),
+    ("cuda_graphs", "the last 'Capture ... end'"),  # also compiles the attention backend's kernels on a cold cache
+    ("warmup", "The server is fired up and ready to roll"),  # the HTTP server and SGLang's own warm-up request
+    ("health", "our first 200 from /health"),
+)
+LINE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:\.(\d+))?[^\]]*\] (.*)$")
+CAPTURE_END = re.compile(r"^Capture .* end\. elapsed=([0-9.]+) s")
+
+
+def stamped_lines(text: str) -> list[tuple[float, str]]:
+    """(epoch seconds, message) of every line with SGLang's time stamp (local time)."""
+    out = []
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m:
+            stamp = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+            out.append((stamp + (float("0." + m.group(2)) if m.group(2) else 0.0), m.group(3)))
+    return out
+
+
+def phases(log_text: str, launched: float, healthy_at: float) -> dict:
+    """{"total_s", "phases_s": {phase: seconds}, "cuda_graph_capture_s"} of one start-up. The phases
+    sum to total_s; each boundary is clamped between the one before and healthy_at."""
+    lines = stamped_lines(log_text)
+
+    def first(prefix: str, after: float) -> float | None:
+        return next((t for t, msg in lines if t >= after and msg.startswith(prefix)), None)
+
+    captures = [(t, float(m.group(1))) for t, msg in lines if (m := CAPTURE_END.match(msg))]
+    bounds: dict[str, float | None] = {}
+    at = launched
+    for name, _ in PHASES[:-1]:
+        if name == "imports":
+            t = lines[0][0] if lines else None
+        elif name == "cuda_graphs":
+            t = captures[-1][0] if captures else None
+        else:
+            t = first({"init": "Load weight begin", "weights": "Load weight end", "kv_pool": "Memory pool end",
+                       "warmup": "The server is fired up"}[name], at)
+        if t is not None:
+            t = min(max(t, at), healthy_at)
+            at = t
+        bounds[name] = t
+    out, start = {}, launched
+    for name, _ in PHASES[:-1]:
+        if bounds[name] is not None:
+            out[name] = round(bounds[name] - start, 1)
+            start = bounds[name]
+    out["health"] = round(healthy_at - start, 1)
+    return {"total_s": round(healthy_at - launched, 1), "phases_s": out,
+            "cuda_graph_capture_s": round(sum(s for _, s in captures), 1) if captures else None}
+
+
+def server_startup(srv) -> dict | None:
+    """`phases` of a started lifecycle.Server (from its log), or None when its times are not known."""
+    if getattr(srv, "launched", None) is None or getattr(srv, "healthy_at", None) is None:
+        return None
+    try:
+        text = Path(srv.log_path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    return phases(text, srv.launched, srv.healthy_at)
+
+
+def summary(startups: list[dict | None]) -> str:
+    """One line: the slowest start-up and where it went, e.g. "4 servers up in 95-170 s; the slowest:
+    imports 52 s, init 30 s, ..."; "" when none is known."""
+    known = [s for s in startups if s]
+    if not known:
+        return ""
+    slow = max(known, key=lambda s: s["total_s"])
+    totals = sorted(s["total_s"] for s in known)
+    span = f"{totals[0]:.0f}-{totals[-1]:.0f}" if round(totals[0]) != round(totals[-1]) else f"{totals[-1]:.0f}"
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in slow["phases_s"].items())
+    head = f"{len(known)} server{'s' if len(known) > 1 else ''} up in {span} s"
+    if len(slow["phases_s"]) == 1:  # no SGLang milestones in the log
+        return head
+    return f"{head}; {'the slowest' if len(known) > 1 else 'its start-up'}: {parts}"

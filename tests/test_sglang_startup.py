@@ -1,0 +1,99 @@
+"""Where a server's start-up went: the phases read from SGLang's log lines, and the times a real launch records."""
+import sys
+import textwrap
+import time
+
+from draftlab import lifecycle
+from draftlab.sglang import startup
+
+
+def stamp(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def sglang_log(t0: float, lines: list[tuple[float, str]], prefix: str = " TP0") -> str:
+    """A log as SGLang 0.5.x writes it: "[YYYY-mm-dd HH:MM:SS TP0] message", unstamped lines between."""
+    out = ["/usr/lib/python3/site-packages/torch/cuda/__init__.py: UserWarning: an unstamped warning"]
+    out += [f"[{stamp(t0 + dt)}{prefix}] {msg}" for dt, msg in lines]
+    return "\n".join(out) + "\n"
+
+
+def test_a_speculative_servers_log_is_cut_into_phases_that_sum_to_its_start_up():
+    t0 = float(int(time.time()))  # whole seconds, as SGLang stamps its lines
+    text = sglang_log(t0, [
+        (52, "server_args=ServerArgs(model_path='models/target')"),
+        (82, "Load weight begin. avail mem=78.20 GB"),
+        (86, "Load weight end. elapsed=3.21 s, type=LlamaForCausalLM, avail mem=77.90 GB, mem usage=0.30 GB."),
+        (87, "Memory pool end. avail mem=62.00 GB"),
+        (88, "Capture target decode CUDA graph begin. backend=full, bs=[1, 2, 4], avail mem=61.90 GB"),
+        (150, "Capture target decode CUDA graph end. elapsed=61.50 s, mem usage=0.40 GB, avail mem=61.50 GB."),
+        (151, "Load weight begin. avail mem=61.50 GB"),  # the draft's worker: counted in cuda_graphs
+        (171, "Capture draft decode CUDA graph end. elapsed=19.30 s, mem usage=0.10 GB, avail mem=61.40 GB."),
+        (180, "The server is fired up and ready to roll!"),
+    ])
+    got = startup.phases(text, launched=t0, healthy_at=t0 + 181.5)
+    assert got["phases_s"] == {"imports": 52.0, "init": 30.0, "weights": 4.0, "kv_pool": 1.0, "cuda_graphs": 84.0,
+                               "warmup": 9.0, "health": 1.5}
+    assert got["total_s"] == 181.5 == sum(got["phases_s"].values())
+    assert got["cuda_graph_capture_s"] == 80.8  # both captures' own elapsed= figures
+
+
+def test_a_missing_line_lands_its_time_in_the_next_phase_and_no_phase_runs_backwards():
+    t0 = float(int(time.time()))
+    text = sglang_log(t0, [  # no "Memory pool end" (another version); milliseconds in the stamp's own format
+        (10, "Load weight begin. avail mem=78.20 GB"),
+        (12, "Load weight end. elapsed=1.00 s"),
+        (40, "Capture decode CUDA graph end. elapsed=27.00 s"),
+    ], prefix="")
+    text = text.replace(f"[{stamp(t0 + 40)}]", f"[{stamp(t0 + 40)}.500]")
+    got = startup.phases(text, launched=t0 + 0.6, healthy_at=t0 + 45)  # launched within the first stamped second
+    assert list(got["phases_s"]) == ["imports", "init", "weights", "cuda_graphs", "health"]
+    assert got["phases_s"]["cuda_graphs"] == 28.5  # the missing pool line: its time is with the graphs, 12 -> 40.5
+    assert min(got["phases_s"].values()) >= 0 and round(sum(got["phases_s"].values()), 1) == got["total_s"] == 44.4
+
+
+def test_a_log_without_sglangs_lines_gives_the_start_up_whole():
+    got = startup.phases("reference server listening\n", launched=100.0, healthy_at=102.2)
+    assert got == {"total_s": 2.2, "phases_s": {"health": 2.2}, "cuda_graph_capture_s": None}
+    assert startup.summary([got]) == "1 server up in 2 s"
+    assert startup.summary([None]) == ""
+
+
+def test_the_summary_names_the_slowest_servers_phases():
+    fast = {"total_s": 95.0, "phases_s": {"imports": 40.0, "cuda_graphs": 50.0, "health": 5.0}}
+    slow = {"total_s": 170.0, "phases_s": {"imports": 52.0, "cuda_graphs": 113.0, "health": 5.0}}
+    line = startup.summary([fast, slow, None])
+    assert line == "2 servers up in 95-170 s; the slowest: imports 52 s, cuda graphs 113 s, health 5 s"
+
+
+SLOW_STARTER = textwrap.dedent('''
+    import http.server, sys, time
+    port = int(sys.argv[1])
+    def log(msg):
+        print(time.strftime("[%Y-%m-%d %H:%M:%S TP0] ") + msg, flush=True)
+    log("Load weight begin. avail mem=1.00 GB")
+    time.sleep(2.5)
+    log("Load weight end. elapsed=2.50 s")
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    log("The server is fired up and ready to roll!")
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+''')
+
+
+def test_a_launched_server_records_when_it_started_and_became_healthy(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SLOW_STARTER)
+    port = lifecycle.free_port()
+    before = time.time()
+    with lifecycle.serve([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", tmp_path / "server.log",
+                         startup_timeout_s=30) as srv:
+        after = time.time()
+        got = startup.server_startup(srv)
+    assert before <= srv.launched <= srv.healthy_at <= after
+    assert got["total_s"] >= 2.5 and 1.5 <= got["phases_s"]["weights"] <= 3.5  # the sleep between its lines, to a second
+    assert round(sum(got["phases_s"].values()), 1) == got["total_s"]
