@@ -39,6 +39,7 @@ import yaml
 
 from draftlab import jsonl, metrics
 from draftlab.bench.report import groups_markdown, headline_markdown
+from draftlab.sglang import startup
 
 CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "c#", "sql", "html", "css", "bash", "regex",
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
@@ -196,6 +197,16 @@ def by_group_md(bench: dict) -> list[str]:
     return out
 
 
+def startups_md(synth: dict, bench: dict) -> list[str]:
+    """The servers' start-ups, launch to a healthy /health, by phase (draftlab.sglang.startup): the
+    synthesize stage's and the bench's, where their manifests recorded them."""
+    lines = [f"{stage}: {line}" for stage, got in (("synthesize", synth.get("server_startup") or []),
+                                                   ("bench", list((bench.get("server_startup") or {}).values())))
+             if (line := startup.summary(got))]
+    return ["Server start-ups (launch to a healthy /health, by phase from each server's log): " + "; ".join(lines) + ".", ""] \
+        if lines else []
+
+
 def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
@@ -216,6 +227,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}.", "",
+           *startups_md(synth, bench),
            *learning_curve_md(run),
            *step1_md(train),
            *training_pays_md(bench),
