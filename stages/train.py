@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from draftlab import parallel
@@ -94,6 +95,17 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     plt.close("all")
 
 
+def cuda_memory(device) -> dict | None:
+    """This process's peak CUDA memory and how often the caching allocator ran short (a retry frees
+    its cached blocks and synchronizes the device: the GPU idles meanwhile); None off a GPU."""
+    if device.type != "cuda":
+        return None
+    s = torch.cuda.memory_stats(device)
+    return {"peak_allocated_gib": round(s.get("allocated_bytes.all.peak", 0) / 2**30, 2),
+            "peak_reserved_gib": round(s.get("reserved_bytes.all.peak", 0) / 2**30, 2),
+            "alloc_retries": int(s.get("num_alloc_retries", 0)), "ooms": int(s.get("num_ooms", 0))}
+
+
 def step1_line(kinds: dict, bands: dict, turns: dict | None = None) -> str:
     """The eval split's step-1 acceptance by kind of token, position band and turn, in one line."""
     def rate(c):
@@ -164,7 +176,8 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
                             # online: whether the states were kept after the first epoch (train.state_cache), and their bytes
                             "state_cache": {"kept": getattr(train_ds, "cache", None) is not None,
                                             "bytes": sum(ds.state_bytes() for ds in (train_ds, eval_ds))
-                                            if train_params.features == "online" else 0}}
+                                            if train_params.features == "online" else 0},
+                            "cuda_memory": cuda_memory(device)}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)
         K = train_params.ttt_steps
@@ -216,6 +229,13 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             f"{rate['target_flops_per_s'] / 1e12:.2f} TFLOP/s target + {rate['draft_flops_per_s'] / 1e12:.2f} draft "
             f"({rate['target_flop_share']:.0%} target), MFU {'n/a (no peak for this device)' if rate['mfu'] is None else format(rate['mfu'], '.1%')}")
         print(f"train: padding {last['train_padding_share']:.1%} of the last epoch's tokens; {flop_s}")
+        if by := rate.get("by_states"):
+            print(f"train: steps whose states the target computed: {by['computed']['steps']} at {by['computed']['tokens_per_s']} "
+                  f"tokens/s; read from the state cache: {by['cached']['steps']} at {by['cached']['tokens_per_s']} tokens/s")
+        if (mem := manifest["info"]["cuda_memory"]) and mem["alloc_retries"]:
+            print(f"train: warning: the CUDA allocator ran short {mem['alloc_retries']} time(s) (peak {mem['peak_reserved_gib']} GiB "
+                  "reserved): each time it freed its cache and synchronized the GPU, which slows the steps; train.state_cache off "
+                  "or a smaller train.batch_tokens leaves it more room")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -83,6 +83,9 @@ def test_online_training_matches_offline(runs):
     splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
     # params.yaml's train.state_cache auto: the micro splits fit, so their states were kept after the first epoch
     assert manifest["state_cache"] == {"kept": True, "bytes": sum(ds.state_bytes() for ds in splits)}
+    by = manifest["throughput"]["by_states"]  # the first epoch's steps ran the target, the later ones read states back
+    assert by["computed"]["steps"] > 0 and by["cached"]["steps"] == 2 * by["computed"]["steps"] and by["cached"]["tokens_per_s"] > 0
+    assert manifest["cuda_memory"] is None  # trained on a CPU: no allocator to report
 
 
 def test_online_vocab_and_sample_match_offline(runs):
@@ -282,6 +285,25 @@ def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():
     assert cached.draft == ran.draft
 
 
+def test_the_rates_of_computed_and_cached_steps_are_reported_apart():
+    """With the state cache, the first epoch (the target runs) and the later ones (states read back)
+    run at different rates: the summary gives each its own, so a slow first epoch shows."""
+    from draftlab.train.draft import DraftConfig
+    from draftlab.train.flops import Meter
+
+    info = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 320, "max_position_embeddings": 512, "architecture": "LlamaForCausalLM"}
+    m = Meter(info, DraftConfig.from_target(info, 3, 96), True)
+    for target_ran, seconds in ((True, 2.0), (True, 3.0), (False, 1.0), (False, 1.0), (False, 0.5)):
+        m.step([30, 20], [40, 38, 36], seconds, slots=50, target_ran=target_ran)
+    s = m.summary(None)
+    assert s["by_states"] == {"computed": {"steps": 2, "tokens_per_s": 20.0}, "cached": {"steps": 3, "tokens_per_s": 60.0}}
+    assert s["tokens_per_s"] == round(250 / 7.5, 1)  # over every step, as before
+    plain = Meter(info, DraftConfig.from_target(info, 3, 96), True)
+    plain.step([30, 20], [40, 38, 36], 1.0, slots=50)
+    assert plain.summary(None)["by_states"] is None  # no step was cached: nothing to tell apart
+
+
 def test_a_step_out_of_memory_beside_the_state_cache_drops_the_cache_and_the_run_goes_on(runs, tmp_path, monkeypatch, capsys):
     """The cache's 60% share is a rule of thumb: where a training step still runs out of memory beside
     it, the cache is given back and the step runs again, the target computing the states from then on."""
@@ -303,3 +325,14 @@ def test_a_step_out_of_memory_beside_the_state_cache_drops_the_cache_and_the_run
     calls.clear()
     with pytest.raises(torch.OutOfMemoryError):  # with no cache to give back, the error is the run's
         _fit_online(runs, tmp_path, cache=False)
+
+
+def test_the_allocators_shortfalls_come_from_cudas_memory_stats(monkeypatch):
+    """The train manifest's cuda_memory: peaks in GiB and the allocator's retries (each frees its cache and
+    synchronizes the GPU: what a state cache filling the memory would cost); None off a GPU."""
+    from stages import train as stage
+
+    stats = {"allocated_bytes.all.peak": 3 * 2**30, "reserved_bytes.all.peak": 5.5 * 2**30, "num_alloc_retries": 7, "num_ooms": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert stage.cuda_memory(torch.device("cuda", 0)) == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 5.5, "alloc_retries": 7, "ooms": 0}
+    assert stage.cuda_memory(torch.device("cpu")) is None

@@ -91,7 +91,10 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
     for rel, stage, wall in (("data/prompts", "prompts", 12.5), ("data/synth", "synthesize", 180.0),
                              ("models/draft-ckpt", "train", 301.2), ("reports/bench", "bench", 390.0)):
         (run / rel).mkdir(parents=True, exist_ok=True)
-        info = {"wall_s": wall, **({"state_cache": {"kept": True, "bytes": 3 * 2**30}} if stage == "train" else {}),
+        info = {"wall_s": wall, **({"state_cache": {"kept": True, "bytes": 3 * 2**30},
+                                    "throughput": {"by_states": {"computed": {"steps": 10, "tokens_per_s": 72000.0},
+                                                                 "cached": {"steps": 20, "tokens_per_s": 187000.0}}}}
+                                   if stage == "train" else {}),
                 **({"server_startup": [{"total_s": 170.0, "phases_s": {"imports": 60.0, "cuda_graphs": 100.0, "health": 10.0}},
                                        {"total_s": 90.0, "phases_s": {"health": 90.0}}]} if stage == "synthesize" else {})}
         (run / rel / "manifest.json").write_text(json.dumps({"stage": stage, "config_hash": "x", "info": info}))
@@ -102,7 +105,8 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
     rwr.main([str(run), str(out), "--prompts", str(REPORT / "bench-prompts.jsonl")])
     md = (out / "results.md").read_text()
     assert "| synthesize | 180.000 |" in md and "| train | 301.200 |" in md and "Not recorded: target, extract" in md
-    assert "states kept after the first epoch (3.0 GiB)." in md  # train.state_cache, from the train manifest
+    assert ("states kept after the first epoch (3.0 GiB): steps with the target 72000.0 tok/s, from the cache 187000.0 tok/s."
+            in md)  # train.state_cache, from the train manifest
     # the synthesize manifest's server start-ups: the slowest one's phases
     assert "synthesize: 2 servers up in 90-170 s; the slowest: imports 60 s, cuda graphs 100 s, health 10 s" in md
     assert json.loads((out / "stage-counts.json").read_text())["seconds"]["bench"] == 390.0

@@ -197,6 +197,14 @@ def by_group_md(bench: dict) -> list[str]:
     return out
 
 
+def cache_rates(by_states: dict | None) -> str:
+    """With train.state_cache: the rates of the steps whose states the target computed and of those read back."""
+    if not by_states:
+        return ""
+    return (f": steps with the target {by_states['computed']['tokens_per_s']} tok/s, "
+            f"from the cache {by_states['cached']['tokens_per_s']} tok/s")
+
+
 def startups_md(synth: dict, bench: dict) -> list[str]:
     """The servers' start-ups, launch to a healthy /health, by phase (draftlab.sglang.startup): the
     synthesize stage's and the bench's, where their manifests recorded them."""
@@ -210,7 +218,9 @@ def startups_md(synth: dict, bench: dict) -> list[str]:
 def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
-    kept = ((read(run, "models/draft-ckpt/manifest.json") or {}).get("info") or {}).get("state_cache") or {}
+    train_info = (read(run, "models/draft-ckpt/manifest.json") or {}).get("info") or {}
+    kept = train_info.get("state_cache") or {}
+    by_states = (train_info.get("throughput") or {}).get("by_states")
     prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
     steps = bench["settings"]["num_steps"]
     trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]
@@ -226,7 +236,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
-           f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}.", "",
+           f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
+           f"{cache_rates(by_states)}.", "",
            *startups_md(synth, bench),
            *learning_curve_md(run),
            *step1_md(train),

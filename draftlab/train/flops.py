@@ -98,6 +98,7 @@ class Meter:
             self.countable = False
         self.tokens = self.slots = self.steps = 0
         self.target = self.draft = self.seconds = 0.0
+        self.by_states = {"computed": [0, 0, 0.0], "cached": [0, 0, 0.0]}  # steps, tokens, seconds: the target ran or not
 
     def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None,
              target_ran: bool = True) -> None:
@@ -111,6 +112,8 @@ class Meter:
             self.target += target_flops(self.target_cfg, lengths, self.online and target_ran)
             self.draft += draft_flops(self.draft_cfg, lengths, [int(n) for n in scored])
         self.seconds += seconds
+        got = self.by_states["computed" if target_ran else "cached"]
+        got[0], got[1], got[2] = got[0] + 1, got[1] + sum(lengths), got[2] + seconds
 
     def summary(self, peak: float | None) -> dict:
         """Rates over the timed steps; MFU None without a peak (CPU)."""
@@ -130,4 +133,8 @@ class Meter:
             "target_flop_share": round(self.target / flops, 4) if flops else None,
             "peak_flops": peak,
             "mfu": round(flops / s / peak, 4) if flops and peak and self.seconds else None,
+            # online with train.state_cache: the steps whose states the target computed (the first epoch) apart
+            # from those read back from the cache, each with its own rate; None where no step was cached
+            "by_states": {k: {"steps": n, "tokens_per_s": round(t / sec, 1) if sec else None}
+                          for k, (n, t, sec) in self.by_states.items()} if self.by_states["cached"][0] else None,
         }
