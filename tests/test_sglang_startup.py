@@ -52,6 +52,16 @@ def test_a_missing_line_lands_its_time_in_the_next_phase_and_no_phase_runs_backw
     assert min(got["phases_s"].values()) >= 0 and round(sum(got["phases_s"].values()), 1) == got["total_s"] == 44.4
 
 
+def test_lines_stamped_in_the_launch_second_still_end_their_phases():
+    """Stamps are whole seconds, so a fast start's lines can read earlier than the launch: they are
+    taken in the log's order, each phase at least 0 s."""
+    t0 = float(int(time.time()))
+    text = sglang_log(t0, [(0, "server_args=ServerArgs()"), (0, "Load weight begin. avail mem=1.00 GB"),
+                           (0, "Load weight end. elapsed=0.10 s")])
+    got = startup.phases(text, launched=t0 + 0.6, healthy_at=t0 + 2.0)
+    assert got["phases_s"] == {"imports": 0.0, "init": 0.0, "weights": 0.0, "health": 1.4}
+
+
 def test_a_log_without_sglangs_lines_gives_the_start_up_whole():
     got = startup.phases("reference server listening\n", launched=100.0, healthy_at=102.2)
     assert got == {"total_s": 2.2, "phases_s": {"health": 2.2}, "cuda_graph_capture_s": None}

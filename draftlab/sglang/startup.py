@@ -13,20 +13,20 @@ import re
 import time
 from pathlib import Path
 
-# (phase, what ends it), in the order SGLang writes them. A speculative server loads its draft and
-# captures the draft's graphs after the target's: that lands in cuda_graphs, which ends at the
-# last capture.
+# (phase, the log line that ends it), in the order SGLang writes them: a line's opening words, or
+# a pattern. A speculative server loads its draft and captures the draft's graphs after the
+# target's: that lands in cuda_graphs, which ends at the last capture. "health" ends at our first
+# 200 from /health.
+CAPTURE_END = re.compile(r"^Capture .* end\. elapsed=([0-9.]+) s")
 PHASES = (
-    ("imports", "first log line"),  # the interpreter starting and importing SGLang (torch, triton, flashinfer)
+    ("imports", None),  # to the first stamped line: the interpreter starting, SGLang's imports (torch, triton, flashinfer)
     ("init", "Load weight begin"),  # server arguments, the scheduler's process, torch.distributed
     ("weights", "Load weight end"),
     ("kv_pool", "Memory pool end"),
-    ("cuda_graphs", "the last 'Capture ... end'"),  # also compiles the attention backend's kernels on a cold cache
-    ("warmup", "The server is fired up and ready to roll"),  # the HTTP server and SGLang's own warm-up request
-    ("health", "our first 200 from /health"),
+    ("cuda_graphs", CAPTURE_END),  # also compiles the attention backend's kernels on a cold cache
+    ("warmup", "The server is fired up"),  # the HTTP server and SGLang's own warm-up request
 )
 LINE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:\.(\d+))?[^\]]*\] (.*)$")
-CAPTURE_END = re.compile(r"^Capture .* end\. elapsed=([0-9.]+) s")
 
 
 def stamped_lines(text: str) -> list[tuple[float, str]]:
@@ -44,31 +44,19 @@ def phases(log_text: str, launched: float, healthy_at: float) -> dict:
     """{"total_s", "phases_s": {phase: seconds}, "cuda_graph_capture_s"} of one start-up. The phases
     sum to total_s; each boundary is clamped between the one before and healthy_at."""
     lines = stamped_lines(log_text)
-
-    def first(prefix: str, after: float) -> float | None:
-        return next((t for t, msg in lines if t >= after and msg.startswith(prefix)), None)
-
-    captures = [(t, float(m.group(1))) for t, msg in lines if (m := CAPTURE_END.match(msg))]
-    bounds: dict[str, float | None] = {}
-    at = launched
-    for name, _ in PHASES[:-1]:
-        if name == "imports":
-            t = lines[0][0] if lines else None
-        elif name == "cuda_graphs":
-            t = captures[-1][0] if captures else None
-        else:
-            t = first({"init": "Load weight begin", "weights": "Load weight end", "kv_pool": "Memory pool end",
-                       "warmup": "The server is fired up"}[name], at)
-        if t is not None:
-            t = min(max(t, at), healthy_at)
-            at = t
-        bounds[name] = t
-    out, start = {}, launched
-    for name, _ in PHASES[:-1]:
-        if bounds[name] is not None:
-            out[name] = round(bounds[name] - start, 1)
-            start = bounds[name]
-    out["health"] = round(healthy_at - start, 1)
+    captures = [(i, float(m.group(1))) for i, (_, msg) in enumerate(lines) if (m := CAPTURE_END.match(msg))]
+    out, at, seen = {}, launched, 0  # at: when the last phase found ended; seen: the index of its line
+    for name, ends in PHASES:
+        if ends is None:
+            j = 0 if lines else None
+        elif ends is CAPTURE_END:
+            j = captures[-1][0] if captures and captures[-1][0] >= seen else None
+        else:  # by order in the log: stamps to the second cannot order lines of one second
+            j = next((k for k in range(seen, len(lines)) if lines[k][1].startswith(ends)), None)
+        if j is not None:  # else this phase's time is counted in the next one found
+            t = min(max(lines[j][0], at), healthy_at)
+            out[name], at, seen = round(t - at, 1), t, j
+    out["health"] = round(healthy_at - at, 1)
     return {"total_s": round(healthy_at - launched, 1), "phases_s": out,
             "cuda_graph_capture_s": round(sum(s for _, s in captures), 1) if captures else None}
 
