@@ -235,7 +235,8 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if (mem := manifest["info"]["cuda_memory"]) and mem["alloc_retries"]:
             print(f"train: warning: the CUDA allocator ran short {mem['alloc_retries']} time(s) (peak {mem['peak_reserved_gib']} GiB "
                   "reserved): each time it freed its cache and synchronized the GPU, which slows the steps; train.state_cache off "
-                  "or a smaller train.batch_tokens leaves it more room")
+                  "or a smaller train.batch_tokens leaves it more room, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True less "
+                  "fragmentation")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

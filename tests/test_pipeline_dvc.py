@@ -87,6 +87,16 @@ def test_the_advice_says_what_pays_at_each_concurrency_measured(project):
     assert "concurrency" in line  # the stage's one-line summary names the crossover, or that there is none
 
 
+def test_the_bench_records_its_two_servers_start_ups(project):
+    """Without bench.sweep too, the baseline's and the draft's server each have their start-up in bench.json."""
+    root, out = project
+    bench = json.loads((root / "reports/bench.json").read_text())
+    s = bench["settings"]
+    assert set(bench["server_startup"]) == {"baseline", f"{s['num_steps']}-{s['topk']}-{s['num_draft_tokens']}"}
+    assert all(0 < got["total_s"] < 600 for got in bench["server_startup"].values())
+    assert any(x.startswith("bench: 2 servers up in") for x in out.splitlines())  # printed once both are up
+
+
 def test_second_repro_runs_nothing_and_hashes_are_stable(project):
     root, _ = project
     before = config_hashes(root)

@@ -39,9 +39,11 @@ import torch
 from draftlab import jsonl
 from draftlab.bench import advice, servers, prompts as bench_prompts, report as bench_report, sweep as bench_sweep, offline as cost_timing, ngram_advice, fits
 from draftlab.bench import memory
+from draftlab.bench.memory import BASELINE
 from draftlab.engine import speculative as spec_engine
 from draftlab.errors import UserError
 from draftlab.params import HELDOUT, BenchParams, SpecParams, TargetParams
+from draftlab.sglang import startup
 from draftlab.sglang.checkpoint import ExportedDraft, load_exported
 from draftlab.sglang.client import Client
 from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
@@ -262,7 +264,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     requests.jsonl under `out` and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
     phases, since = {}, time.perf_counter()  # where the bench's wall time goes, in seconds
-    fleet = None  # bench.sweep's servers (their start-ups are reported)
+    fleet, startups = None, {}  # bench.sweep's servers; without a sweep, each started server's start-up
 
     def lap(name: str) -> None:
         nonlocal since
@@ -299,7 +301,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
             lap("served and measured (later turns' answers included)")
         lap("servers stopped")
     else:
-        sets, log = measure_served(plan, out)
+        sets, log = measure_served(plan, out, startups)
         lap("servers started, served and measured")
         baseline, spec = sets[plan.sets[0].name]
         offline, costs, physical, ranks = measure_offline(plan)
@@ -359,7 +361,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "training_pays": sets_report[0]["training_pays"],
         "phases_s": phases,  # the bench's wall time by phase, in the order run (the report's own writing after)
         # per server (the baseline, each configuration's): seconds from launch to healthy, by phase (draftlab.sglang.startup)
-        "server_startup": fleet.startup if fleet is not None else None,
+        "server_startup": (fleet.startup if fleet is not None else startups) or None,
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
@@ -441,9 +443,10 @@ def release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_served(plan: BenchPlan, out: Path) -> tuple[dict, Path]:
+def measure_served(plan: BenchPlan, out: Path, startups: dict | None = None) -> tuple[dict, Path]:
     """({prompt set name: (baseline figures or None, speculative figures)}, the speculative server's
-    log): same prompts and lengths, same run; every server stopped after."""
+    log): same prompts and lengths, same run; every server stopped after. startups: each started
+    server's start-up is put there (the baseline's, then the configuration's)."""
     bench_params, target_params, flags, version = plan.bench_params, plan.target_params, plan.flags, plan.sglang_version
     backend, draft, sampling = bench_params.backend, plan.draft.path, plan.sampling
     log = out / "server-spec.log"
@@ -456,8 +459,12 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict, Path]:
         # load hits both alike (SGLang: the second server sizes its KV pool from what the first left).
         print("bench: and a baseline server (no speculation); requests alternate between the two")
         spec_port = sglang_free_port() if backend == "sglang" else None  # the baseline has bench.port
-        with servers.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url, \
-             servers.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port) as url:
+        with servers.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False,
+                           startups=startups, name=BASELINE) as base_url, \
+             servers.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port,
+                           startups=startups, name=name) as url:
+            if line := startup.summary(list((startups or {}).values())):
+                print(f"bench: {line}")
             plan.answer_turns(base_url, out)
             for bset in plan.sets:
                 got = servers.measure({"baseline": base_url, "speculative": url}, bench_params, plan.set_prompt_ids(bset), sampling,
@@ -467,12 +474,14 @@ def measure_served(plan: BenchPlan, out: Path) -> tuple[dict, Path]:
         # One server at a time (bench.side_by_side: false), baseline first.
         baselines = {}
         if backend != "url":
-            with servers.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False) as base_url:
+            with servers.start(backend, bench_params, target_params, draft, flags, version, base_log, speculative=False,
+                               startups=startups, name=BASELINE) as base_url:
                 plan.answer_turns(base_url, out)
                 for bset in plan.sets:
                     baselines[bset.name] = servers.measure({"baseline": base_url}, bench_params, plan.set_prompt_ids(bset), sampling,
                                                          bench_params.warmup, label=f"baseline {bset.name}")["baseline"]
-        with servers.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True) as url:
+        with servers.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True,
+                           startups=startups, name=name) as url:
             plan.answer_turns(url, out)  # bench.backend url: no baseline; the server given answers (a no-op after the above)
             for bset in plan.sets:
                 sets[bset.name] = (baselines.get(bset.name), servers.measure({"speculative": url}, bench_params, plan.set_prompt_ids(bset),

@@ -29,6 +29,7 @@ from draftlab import jsonl, lifecycle, progress
 from draftlab.engine import server
 from draftlab.errors import UserError
 from draftlab.metrics import conditional_acceptance, pooled_tau
+from draftlab.sglang import startup
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
 from draftlab.sglang.flags import SPEC_KEYS, SpecFlags
 from draftlab.sglang.fleet import without_flag
@@ -57,13 +58,15 @@ def render_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
 
 
 def start(backend: str, bench_params, target_params, draft: Path | None, flags: SpecFlags, version: str, log: Path,
-          speculative: bool, hidden: bool = False, port: int | None = None, memory_args: Sequence[str] = ()):
+          speculative: bool, hidden: bool = False, port: int | None = None, memory_args: Sequence[str] = (),
+          startups: dict | None = None, name: str = ""):
     """Context manager yielding the base URL of a started (or given) server, stopped on exit.
 
     speculative False: a baseline server (no speculation; `flags` still gives the server-wide
     settings). hidden: start it with --enable-return-hidden-states (live parity). port: None = bench.port
     for SGLang, a free one for the reference server. memory_args: SGLang's memory flags when it
     starts beside others (draftlab.bench.memory), in place of any in bench.extra_server_args.
+    startups: where a started server's start-up went is put there under `name` (draftlab.sglang.startup).
     """
     if backend == "url":
         if not bench_params.url:
@@ -72,8 +75,8 @@ def start(backend: str, bench_params, target_params, draft: Path | None, flags: 
     port = port or (bench_params.port if backend == "sglang" else lifecycle.free_port())
     argv, url = server_argv(backend, bench_params, target_params, draft, flags, version, speculative, port, hidden, memory_args)
     if backend == "sglang":
-        return _url(serve(argv, log, bench_params.startup_timeout_s), url)
-    return _url(lifecycle.serve(argv, url, log, startup_timeout_s=bench_params.startup_timeout_s), url)
+        return _url(serve(argv, log, bench_params.startup_timeout_s), url, startups, name)
+    return _url(lifecycle.serve(argv, url, log, startup_timeout_s=bench_params.startup_timeout_s), url, startups, name)
 
 
 @dataclass(frozen=True)
@@ -156,11 +159,13 @@ class _given:
 
 
 class _url:
-    def __init__(self, cm, url):
-        self.cm, self.url = cm, url
+    def __init__(self, cm, url, startups: dict | None = None, name: str = ""):
+        self.cm, self.url, self.startups, self.name = cm, url, startups, name
 
     def __enter__(self):
-        self.cm.__enter__()
+        srv = self.cm.__enter__()
+        if self.startups is not None:
+            self.startups[self.name] = startup.server_startup(srv)
         return self.url
 
     def __exit__(self, *exc):
