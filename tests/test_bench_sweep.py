@@ -370,6 +370,8 @@ def test_a_configuration_the_gpu_cannot_hold_with_the_first_ones_starts_once_the
     second = events.index(("start", 1))
     assert ("stop", spec_url) in events[:second]  # wave one's servers stopped before wave two starts
     assert ("stop", base_url) in events[second:]  # the baseline up to the end
+    # every server that started has its start-up in bench.json, the later wave's too; the one that failed has none
+    assert set(waves[0]["server_startup"]) == {"baseline", "2-1-3", "2-2-4"}
 
 
 def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_while_the_servers_start(tmp_path):

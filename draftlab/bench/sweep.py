@@ -240,7 +240,7 @@ class Fleet:
         port = sglang_free_port() if bp.backend == "sglang" else None  # the baseline has bench.port
         with servers.start(bp.backend, bp, self.plan.target_params, self.plan.draft.path, config.resolution.effective,
                            self.plan.sglang_version, self.log(config), speculative=True, port=port,
-                           memory_args=layout.args if layout else ()) as url:
+                           memory_args=layout.args if layout else (), startups=self.startup, name=config.name) as url:
             yield url
 
 
