@@ -164,7 +164,7 @@ def test_the_dequantized_folder_holds_the_stages_manifest_outside_the_pin(tmp_pa
     assert run_target_stage(tmp_path, str(gguf)) == pin
 
 
-def test_the_stage_parses_the_gguf_header_once(tmp_path, monkeypatch, micro):
+def test_the_stage_parses_the_gguf_header_and_builds_its_name_map_once(tmp_path, monkeypatch, micro):
     """The pin, the check and transformers' config, tokenizer and weights all read one parse of the
     header: parsing a real vocabulary's header takes seconds each time."""
     import gguf as gguf_package
@@ -178,7 +178,16 @@ def test_the_stage_parses_the_gguf_header_once(tmp_path, monkeypatch, micro):
             parsed.append(Path(p).name)
             super().__init__(p, *a, **kw)
 
+    maps, name_map = [], gguf_package.get_tensor_name_map
+
+    def counting_map(arch, n_blocks):  # transformers asks for it once per module of the model: 3 s a load at SmolLM2's size
+        maps.append((arch, n_blocks))
+        return name_map(arch, n_blocks)
+
     monkeypatch.setattr(gguf_package, "GGUFReader", Counting)
+    monkeypatch.setattr(gguf_package, "get_tensor_name_map", counting_map)
     monkeypatch.chdir(tmp_path)
     run_target_stage(tmp_path, str(path))
     assert parsed == ["micro.Q8_0.gguf"]
+    assert len(maps) == 1  # the tensor-name map is built once, not per module
+    assert gguf_package.get_tensor_name_map is counting_map  # given back after loading
