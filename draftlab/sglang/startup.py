@@ -63,7 +63,7 @@ def phases(log_text: str, launched: float, healthy_at: float) -> dict:
 
 def server_startup(srv) -> dict | None:
     """`phases` of a started lifecycle.Server (from its log), or None when its times are not known."""
-    if getattr(srv, "launched", None) is None or getattr(srv, "healthy_at", None) is None:
+    if srv.launched is None or srv.healthy_at is None:
         return None
     try:
         text = Path(srv.log_path).read_text(encoding="utf-8", errors="replace")
