@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftlab import lifecycle
+from draftlab import jsonl, lifecycle
 from draftlab.bench import servers as bench, sweep as bench_sweep
 from draftlab.data import prompts
 from draftlab.bench.stage import bench as bench_stage
@@ -417,3 +417,34 @@ def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_whi
     alone = bench_run.measure_offline(prepare(root, tmp_path / "again"))[0]  # the same run, no server beside it
     assert report["offline"]["tau"] == alone["tau"] and report["offline"]["acceptance"] == alone["acceptance"]
     assert report["spec"]["tau"] == report["offline"]["tau"]  # the reference server runs the engine the offline run does
+
+
+def test_every_measured_pass_is_on_disk_as_it_ends_with_the_report_figures(swept):
+    root, report, _, _, _ = swept
+    got = [r for _, r in jsonl.read(root / "reports/bench/passes.jsonl", "")]
+    assert [(r["configuration"], r["prompt_set"]) for r in got] == [(c["configuration"], "heldout") for c in report["configurations"]]
+    for row, c in zip(got, report["configurations"]):
+        assert row["tau"] == pytest.approx(c["tau"]) and row["speedup"] == pytest.approx(c["speedup"])
+        (point,) = row["by_concurrency"]
+        assert point["concurrency"] == 2 and point["speedup"] == pytest.approx(c["concurrency"][0]["speedup"])
+
+
+def test_a_bench_stopped_mid_sweep_keeps_the_passes_it_finished(tmp_path):
+    root = make_project(tmp_path, sweep=SWEEP)
+    measure, calls = bench.measure, []
+
+    def stopped_at_the_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return measure(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "measure", stopped_at_the_third)
+        with pytest.raises(KeyboardInterrupt):
+            bench_stage(root / "models/draft", root / "data/prompts", root / "reports/bench", root / "reports/bench.json",
+                        params_file=root / "params.yaml")
+    got = [r for _, r in jsonl.read(root / "reports/bench/passes.jsonl", "")]
+    assert [r["configuration"] for r in got] == ["2-1-3", "1-1-2"]  # the two measured before the stop
+    assert all(r["tau"] > 1.0 and r["speedup"] > 0 for r in got)
+    assert not (root / "reports/bench.json").exists()

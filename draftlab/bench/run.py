@@ -38,7 +38,7 @@ import torch
 
 from draftlab import jsonl
 from draftlab.bench import advice, servers, prompts as bench_prompts, report as bench_report, sweep as bench_sweep, offline as cost_timing, ngram_advice, fits
-from draftlab.bench import memory
+from draftlab.bench import memory, passes
 from draftlab.bench.memory import BASELINE
 from draftlab.engine import speculative as spec_engine
 from draftlab.errors import UserError
@@ -263,6 +263,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     first, then every configuration beside one baseline); writes the server logs and
     requests.jsonl under `out` and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
+    passes.start(out)
     phases, since = {}, time.perf_counter()  # where the bench's wall time goes, in seconds
     fleet, startups = None, {}  # bench.sweep's servers; without a sweep, each started server's start-up
 
@@ -470,6 +471,7 @@ def measure_served(plan: BenchPlan, out: Path, startups: dict | None = None) -> 
                 got = servers.measure({"baseline": base_url, "speculative": url}, bench_params, plan.set_prompt_ids(bset), sampling,
                                     bench_params.warmup, label=f"{name} {bset.name}")
                 sets[bset.name] = (got["baseline"], got["speculative"])
+                passes.record(out, name, bset.name, *sets[bset.name])
     else:
         # One server at a time (bench.side_by_side: false), baseline first.
         baselines = {}
@@ -486,6 +488,7 @@ def measure_served(plan: BenchPlan, out: Path, startups: dict | None = None) -> 
             for bset in plan.sets:
                 sets[bset.name] = (baselines.get(bset.name), servers.measure({"speculative": url}, bench_params, plan.set_prompt_ids(bset),
                                                                            sampling, bench_params.warmup, label=f"{name} {bset.name}")["speculative"])
+                passes.record(out, name, bset.name, *sets[bset.name])
     if not sets[plan.sets[0].name][1]["spec"]:
         raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
     if backend == "url" and bench_params.server_log:

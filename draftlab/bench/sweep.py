@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab import lifecycle
-from draftlab.bench import servers
+from draftlab.bench import passes, servers
 from draftlab.bench.memory import BASELINE
 from draftlab.errors import UserError
 from draftlab.params import ADVISED, is_ngram, parse_configuration, parse_ngram
@@ -259,7 +259,7 @@ def measure_first(plan, fleet: Fleet) -> Pairing:
     """spec.*'s configuration beside the baseline: the pairing that calibrates the advice."""
     config = plan.configurations[0]
     with fleet.serving(config) as url:
-        return _pair(plan, fleet.base_url, config, fleet.log(config), url)
+        return _pair(plan, fleet, config, url)
 
 
 def measure_rest(plan, fleet: Fleet, first: Pairing, pick: tuple[int, int, int] | None) -> list[Pairing]:
@@ -279,7 +279,7 @@ def measure_rest(plan, fleet: Fleet, first: Pairing, pick: tuple[int, int, int] 
         measured[config.key] = config
         try:
             with fleet.serving(config) as url:
-                pairings.append(_pair(plan, fleet.base_url, config, fleet.log(config), url))
+                pairings.append(_pair(plan, fleet, config, url))
         except UserError as e:
             print(f"bench: warning: configuration {config.name} failed: {str(e).splitlines()[0]}")
             pairings.append(Pairing(config, None, None, fleet.log(config), error=str(e)))
@@ -303,9 +303,10 @@ def _advised(plan, pick, measured: dict, listed: list[Configuration]) -> Configu
     return Configuration(name_of(pick), [ADVISED], choice)
 
 
-def _pair(plan, base_url: str, config: Configuration, log: Path, url: str) -> Pairing:
-    """Measure `config`'s server at `url` paired against the baseline, on every prompt set."""
-    bp = plan.bench_params
+def _pair(plan, fleet: Fleet, config: Configuration, url: str) -> Pairing:
+    """Measure `config`'s server at `url` paired against the fleet's baseline, on every prompt set
+    (each set's pass recorded as it ends: draftlab.bench.passes)."""
+    bp, base_url = plan.bench_params, fleet.base_url
     flags = config.resolution.effective
     print(f"bench: {config.name} ({', '.join(config.roles)}): speculative server {flags.algorithm} steps={flags.num_steps} "
           f"topk={flags.topk} draft_tokens={flags.num_draft_tokens} beside the baseline; requests in ABBA order"
@@ -317,8 +318,9 @@ def _pair(plan, base_url: str, config: Configuration, log: Path, url: str) -> Pa
         if not got["speculative"]["spec"]:
             raise UserError(f"the server at {url} returned no speculative counters (spec_verify_ct): is it running with speculation?")
         sets[bset.name] = (got["baseline"], got["speculative"])
+        passes.record(fleet.out, config.name, bset.name, *sets[bset.name])
     base, spec = sets[plan.sets[0].name]
-    return Pairing(config, base, spec, log, {"baseline": base_url, "speculative": url}, sets=sets)
+    return Pairing(config, base, spec, fleet.log(config), {"baseline": base_url, "speculative": url}, sets=sets)
 
 
 # ---------------------------------------------------------------------------------------------
