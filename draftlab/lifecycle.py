@@ -99,6 +99,7 @@ class Server:
     stopped: bool = False  # stop() has run: its process group is gone, and the pgid may belong to another now
     launched: float | None = None  # time.time() just before its process started
     healthy_at: float | None = None  # time.time() when its /health first answered 200 (draftlab.sglang.startup)
+    polled_from: float | None = None  # time.time() when this process began to poll its /health (after `meanwhile` work)
 
     @property
     def pid(self) -> int:
@@ -119,6 +120,8 @@ def wait_all_healthy(servers: list[Server], timeout_s: float, optional: list[boo
     errors: list[UserError | None] = [None] * len(servers)
     last: list[str | None] = ["no answer yet"] * len(servers)  # what each /health said; None: 200
     pending = list(range(len(servers)))
+    for srv in servers:
+        srv.polled_from = srv.polled_from or time.time()
     with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:  # trust_env: no proxy for loopback
         while pending:
             if time.monotonic() >= deadline:

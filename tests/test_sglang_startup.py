@@ -64,7 +64,7 @@ def test_lines_stamped_in_the_launch_second_still_end_their_phases():
 
 def test_a_log_without_sglangs_lines_gives_the_start_up_whole():
     got = startup.phases("reference server listening\n", launched=100.0, healthy_at=102.2)
-    assert got == {"total_s": 2.2, "phases_s": {"health": 2.2}, "cuda_graph_capture_s": None}
+    assert got == {"total_s": 2.2, "ready_s": None, "phases_s": {"health": 2.2}, "cuda_graph_capture_s": None}
     assert startup.summary([got]) == "1 server up in 2 s"
     assert startup.summary([None]) == ""
 
@@ -74,6 +74,23 @@ def test_the_summary_names_the_slowest_servers_phases():
     slow = {"total_s": 170.0, "phases_s": {"imports": 52.0, "cuda_graphs": 113.0, "health": 5.0}}
     line = startup.summary([fast, slow, None])
     assert line == "2 servers up in 95-170 s; the slowest: imports 52 s, cuda graphs 113 s, health 5 s"
+
+
+def test_time_the_caller_spent_on_its_own_work_is_not_the_servers():
+    """The bench decodes its offline run while its servers start and polls /health after it: a
+    server ready long before is not slow to start, and the record says so."""
+    t0 = float(int(time.time()))
+    text = sglang_log(t0, [(20, "Load weight begin. avail mem=78.20 GB"), (21, "Load weight end. elapsed=1.00 s"),
+                           (60, "Capture decode CUDA graph end. elapsed=38.00 s"), (65, "The server is fired up and ready to roll!")])
+    got = startup.phases(text, launched=t0, healthy_at=t0 + 171.0, polled_from=t0 + 170.5)
+    assert got["ready_s"] == 65.0 and got["total_s"] == 171.0
+    assert got["phases_s"]["this_process_busy"] == 105.5 and got["phases_s"]["health"] == 0.5
+    assert round(sum(got["phases_s"].values()), 1) == got["total_s"]
+    polled_early = startup.phases(text, launched=t0, healthy_at=t0 + 66.0, polled_from=t0 + 1.0)
+    assert "this_process_busy" not in polled_early["phases_s"] and polled_early["phases_s"]["health"] == 1.0
+    line = startup.summary([got, {**got, "total_s": 173.0, "ready_s": 77.0}])
+    assert line.startswith("2 servers up in 171-173 s, ready by their logs in 65-77 s; the slowest: ")
+    assert "this process busy 106 s" in line
 
 
 SLOW_STARTER = textwrap.dedent('''
@@ -107,3 +124,18 @@ def test_a_launched_server_records_when_it_started_and_became_healthy(tmp_path):
     assert before <= srv.launched <= srv.healthy_at <= after
     assert got["total_s"] >= 2.5 and 1.5 <= got["phases_s"]["weights"] <= 3.5  # the sleep between its lines, to a second
     assert round(sum(got["phases_s"].values()), 1) == got["total_s"]
+
+
+def test_servers_started_beside_work_of_this_process_record_when_it_began_to_poll(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SLOW_STARTER)
+    ports = [lifecycle.free_port(), lifecycle.free_port()]
+    while ports[1] == ports[0]:
+        ports[1] = lifecycle.free_port()
+    specs = [([sys.executable, str(script), str(p)], f"http://127.0.0.1:{p}", tmp_path / f"server-{p}.log", None) for p in ports]
+    with lifecycle.serve_many(specs, 30, meanwhile=lambda: time.sleep(5.0)) as servers:
+        got = [startup.server_startup(srv) for srv in servers]
+    for srv, g in zip(servers, got):
+        assert srv.launched + 5.0 <= srv.polled_from <= srv.healthy_at
+        assert g["ready_s"] <= 4.0 and g["total_s"] >= 5.0  # ready after its 2.5 s sleep, healthy to us after ours
+        assert g["phases_s"]["this_process_busy"] >= 0.5

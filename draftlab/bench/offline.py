@@ -39,9 +39,9 @@ def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[i
 
 
 def decode_each(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
-                eos: set[int], ignore_eos: bool, with_baseline: bool = True) -> tuple[list, list]:
+                eos: set[int], ignore_eos: bool, with_baseline: bool = True, done=None) -> tuple[list, list]:
     """(spec_engine results, baseline results) of `offline_run`, for callers that decode in parts
-    (the turns of a conversation) and `summarize` them together."""
+    (the turns of a conversation) and `summarize` them together. done(): called after each prompt."""
     results, baselines = [], []
     for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
         results.append(speculative.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
@@ -49,6 +49,8 @@ def decode_each(target, draft, prompts: list[list[int]], flags, physical: list[i
                                             eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
         if with_baseline:
             baselines.append(speculative.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
+        if done:
+            done()
     return results, baselines
 
 

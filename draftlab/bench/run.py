@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab import jsonl
+from draftlab import jsonl, progress
 from draftlab.bench import advice, servers, prompts as bench_prompts, report as bench_report, sweep as bench_sweep, offline as cost_timing, ngram_advice, fits
 from draftlab.bench import memory, passes
 from draftlab.bench.memory import BASELINE
@@ -576,13 +576,16 @@ def offline_decode(plan: BenchPlan, target, draft, physical: list[int], eos: set
     bp = plan.bench_params
     bset = dataclasses.replace(plan.sets[0], answers={})  # its own answers, not the baseline server's
     prompts, results, baselines = [], [], []
-    for turn in range(1, bset.turns + 1):
-        keys = [i for i, t in bset.requests if t == turn]
-        ids = bset.render(plan.tokenizer, turn=turn)
-        got, base = cost_timing.decode_each(target, draft, ids, plan.flags, physical, bp.max_new_tokens, eos, bp.ignore_eos, with_baseline)
-        for i, r in zip(keys, got):
-            bset.answers[(i, turn)] = plan.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        prompts, results, baselines = prompts + ids, results + got, baselines + base
+    # In-process decoding runs at the engine's pace, not the server's (tens of ms a round on a GPU: minutes)
+    with progress.bar(len(bset.requests), f"bench offline {bset.name}", "req") as bar:
+        for turn in range(1, bset.turns + 1):
+            keys = [i for i, t in bset.requests if t == turn]
+            ids = bset.render(plan.tokenizer, turn=turn)
+            got, base = cost_timing.decode_each(target, draft, ids, plan.flags, physical, bp.max_new_tokens, eos, bp.ignore_eos,
+                                                with_baseline, done=bar.update)
+            for i, r in zip(keys, got):
+                bset.answers[(i, turn)] = plan.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            prompts, results, baselines = prompts + ids, results + got, baselines + base
     return prompts, cost_timing.summarize(prompts, results, baselines)
 
 
