@@ -233,6 +233,18 @@ def load_draft_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 # Reader
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`, without waiting for the GPU. A plain .to("cuda") of pageable memory
+    synchronizes the stream: every kernel queued must finish before the copy returns, so the host
+    could not build the next batch (and launch the target's forward for it) while the GPU still
+    runs the step before. From pinned memory the copy is queued like a kernel; PyTorch's pinned
+    allocator keeps the host block until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def collate(items: list[dict], device) -> dict[str, torch.Tensor]:
     """Pad sequences at the end to the longest; padding has loss_mask False (and, being after
     every real token, is never attended to under a causal mask)."""
@@ -271,13 +283,13 @@ def pack(batch: dict[str, torch.Tensor], rows: list[list[int]]) -> dict[str, tor
             seq[r, at : at + n] = j
             at, j = at + n, j + 1
     device = batch["input_ids"].device
-    src, real = src.to(device), (src >= 0).to(device)
+    src, real = to_device(src, device), to_device(src >= 0, device)
     out = {}
     for name, x in batch.items():
         flat = x.flatten(0, 1)[src.clamp(min=0)]  # [R, width, ...]
         keep = real.view(*real.shape, *([1] * (flat.ndim - 2)))
         out[name] = torch.where(keep, flat, torch.zeros((), dtype=flat.dtype, device=device))
-    out["position_ids"], out["seq_ids"] = pos.to(device), seq.to(device)
+    out["position_ids"], out["seq_ids"] = to_device(pos, device), to_device(seq, device)
     return out
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from draftlab.dtypes import torch_dtype
 from draftlab.errors import UserError
 from draftlab.features.extract import TOKENS_FILE, capture, read_tokens_record
-from draftlab.features.dataset import REQUIRED_METADATA, Sequences, length_groups, pack, read_metadata
+from draftlab.features.dataset import REQUIRED_METADATA, Sequences, length_groups, pack, read_metadata, to_device
 from draftlab.target.load import load_target
 
 
@@ -125,23 +125,25 @@ class OnlineFeatures(Sequences):
         loss_mask = torch.zeros((len(seqs), T), dtype=torch.bool)
         for j, (r, m) in enumerate(seqs):
             ids[j, : len(r)], real[j, : len(r)], loss_mask[j, : len(m)] = r, True, m
-        ids, real = ids.to(device), real.to(device)
         cache = self.cache
         todo = list(range(len(indices))) if cache is None else [j for j, i in enumerate(indices) if not cache.has(i)]
         self.target_ran = bool(todo)
+        # Every index and mask is made on the host and copied without a wait (to_device): the host
+        # goes on to the next batch while the GPU runs the target and the draft's step.
+        on_device = to_device(ids, device), to_device(real, device)
         if cache is None:
-            aux, final = self._states(ids, real, device)
+            aux, final = self._states(*on_device, device)
         else:  # the target runs on the sequences not seen before (their own padded batch); then all are read back
             if todo:
                 n = [len(seqs[j][0]) for j in todo]
-                sub = torch.tensor(todo, device=ids.device)
-                aux, final = self._states(ids[sub, : max(n)], real[sub, : max(n)], device)
+                aux, final = self._states(to_device(ids[todo, : max(n)], device), to_device(real[todo, : max(n)], device), device)
                 for k, j in enumerate(todo):
                     cache.put(indices[j], aux[k, : n[k]], final[k, : n[k]])
             aux, final = cache.read(indices, T)
+        ids, real = on_device
         out = {
             "input_ids": ids,
-            "loss_mask": loss_mask.to(device),
+            "loss_mask": to_device(loss_mask, device),
             "aux_hidden": self._as_stored(aux, real),
             "final_hidden": self._as_stored(final, real),
         }
