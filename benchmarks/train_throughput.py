@@ -29,9 +29,10 @@ layer (TTTCache.trace_flex), `--compare-target` the target's decoder layers comp
 train.compile does not do: on one H100 at smollm2-conversations, 110.0k against 105.9k tok/s once
 warm, and its recompiles for new batch shapes made the first timed steps of a cold run slower than
 eager: reports/perf/target-compile/), and each mode prints its warm-up (untimed steps' wall, compile
-included). `--compare-cache` times the last packed mode again with the states read from
-train.state_cache's cache (the timed steps' states computed first, as the first epoch would), as
-every epoch after the first trains. `--attention eager flex` times the packed modes with each TTT attention kernel
+included). `--compare-cache` times the last packed mode twice more with train.state_cache's cache:
+filling it (the target runs and each sequence's states are copied into the cache and read back, as
+the first epoch trains) and read from it (the timed steps' states computed first, as every epoch
+after the first trains). `--profile-filling` traces the filling mode instead of the plain one. `--attention eager flex` times the packed modes with each TTT attention kernel
 (train.attention; flex is FlexAttention, CUDA only for training), and `--check-grads` first compares one packed step's loss and gradients under both. The shape
 `smollm2-conversations` has lengths of whole regenerated conversations (20-4096 tokens). `--split DIR`
 trains on a split the pipeline wrote instead (data/features/train: its tokens record, so its real
@@ -224,7 +225,7 @@ def flex_traced(on: bool):
 
 
 def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, device, batch_tokens, compiled=False, profile=False,
-             attention="auto", cached=False):
+             attention="auto", cache=None):
     t = shape["target"]
     facts = {**t, "num_layers": t["num_hidden_layers"], "head_dim": t["hidden_size"] // t["num_attention_heads"]}
     target = OnlineTarget(None)
@@ -243,8 +244,9 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
     if args.warmup + steps > available:
         raise SystemExit(f"{name}: an epoch has {available} steps, fewer than --warmup {args.warmup} + --steps {steps}; "
                          f"raise --sequences or lower the steps")
-    if cached:  # train.state_cache: the steps' states computed first (as epoch 1 would), then read back (epochs 2+)
+    if cache is not None:  # train.state_cache: "fill" as epoch 1 trains, "read" as epochs 2+ do
         ds.keep_states(device)
+    if cache == "read":  # the steps' states computed first (as epoch 1 would), then read back
         loop.refill_state_cache(ds, loop.epoch_plans(ds, tp, 1)[0][: args.warmup + steps], True, device, 1, 0)
     meter = Timed(args.warmup, facts, cfg, True)
     if device.type == "cuda":
@@ -344,8 +346,8 @@ def main() -> None:
                     help="with --compile, also time the target's decoder layers compiled beside the compiled draft "
                          "(train.compile leaves the target eager)")
     ap.add_argument("--compare-cache", action="store_true",
-                    help="also time the last packed mode (compiled with --compile) with its states read from "
-                         "train.state_cache's cache, as epochs after the first are: no target forward")
+                    help="also time the last packed mode (compiled with --compile) with train.state_cache's cache: "
+                         "filling it, as the first epoch does, and read from it, as epochs after the first are (no target forward)")
     ap.add_argument("--compare-trace", action="store_true",
                     help="with --compile, also time the flex attention traced into the compiled layer (one graph "
                          "per TTT step) against the default, which compiles it apart")
@@ -354,6 +356,8 @@ def main() -> None:
     ap.add_argument("--check-grads", action="store_true",
                     help="first compare one packed step's loss and gradients, eager against flex attention (CUDA)")
     ap.add_argument("--profile", action="store_true", help="top operators of 3 packed-mode steps (torch.profiler)")
+    ap.add_argument("--profile-filling", action="store_true",
+                    help="profile as --profile does, with the steps' states filling train.state_cache's cache (the first epoch)")
     ap.add_argument("--top", type=int, default=20, help="rows of the profile table")
     ap.add_argument("--skip-padded", action="store_true", help="time the packed mode only")
     ap.add_argument("--split", type=Path, help="train on this split the pipeline wrote (data/features/train), not the shape's synthetic one")
@@ -413,13 +417,15 @@ def main() -> None:
                     print(show(results[-1]), flush=True)
                 except Exception as e:  # noqa: BLE001 - report it, keep the other figures
                     print(f"torch.compile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        if args.compare_cache:  # the same packed mode, its states read from train.state_cache's cache
-            results.append(run_mode(f"packed {budgets[-1]}{' +compile' if args.compile else ''}, states cached", *common,
-                                    batch_tokens=budgets[-1], compiled=args.compile, attention=args.attention[-1], cached=True))
-            print(show(results[-1]), flush=True)
-        if args.profile:
-            results.append(run_mode("profile", *common, batch_tokens=budgets[-1], profile=True, compiled=args.compile,
-                                    attention=args.attention[-1]))
+        if args.compare_cache:  # the same packed mode with train.state_cache's cache: filled (epoch 1), read (epochs 2+)
+            for cache, label in (("fill", "states filling the cache"), ("read", "states cached")):
+                results.append(run_mode(f"packed {budgets[-1]}{' +compile' if args.compile else ''}, {label}", *common,
+                                        batch_tokens=budgets[-1], compiled=args.compile, attention=args.attention[-1], cache=cache))
+                print(show(results[-1]), flush=True)
+        if args.profile or args.profile_filling:
+            results.append(run_mode("profile" + (", states filling the cache" if args.profile_filling else ""), *common,
+                                    batch_tokens=budgets[-1], profile=True, compiled=args.compile, attention=args.attention[-1],
+                                    cache="fill" if args.profile_filling else None))
         print(f"({time.perf_counter() - t0:.0f} s in all)")
     f = results[0]
     print(f"FLOPs per real token: target {f['target_flops_per_token'] / 1e6:,.1f} MFLOP (forward + soft-label head), "

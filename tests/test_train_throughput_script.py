@@ -61,10 +61,14 @@ def test_a_pipeline_split_is_trained_and_its_eval_split_timed_twice(tmp_path):
 def test_compare_cache_times_the_packed_mode_again_with_no_target_forward(tmp_path):
     train = write_split(tmp_path / "train", 80)
     out = tmp_path / "r.json"
-    r = run(["--split", train, "--skip-padded", "--warmup", "1", "--steps", "2", "--compare-cache", "--out", out], tmp_path)
+    r = run(["--split", train, "--skip-padded", "--warmup", "1", "--steps", "2", "--compare-cache", "--profile-filling", "--out", out],
+            tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    live, cached = json.loads(out.read_text())["results"]
-    assert cached["mode"].endswith("states cached") and cached["tokens"] == live["tokens"]  # the same steps
+    live, filling, cached, profiled = json.loads(out.read_text())["results"]
+    assert profiled["mode"] == "profile, states filling the cache"  # the first epoch's path traced
+    assert filling["mode"].endswith("states filling the cache") and cached["mode"].endswith("states cached")
+    assert live["tokens"] == filling["tokens"] == cached["tokens"]  # the same steps
+    assert filling["target_flops_per_token"] == live["target_flops_per_token"]  # filling: the target runs, as epoch 1
     assert cached["target_flops_per_token"] < live["target_flops_per_token"]  # the soft labels' head only
 
 
