@@ -16,7 +16,8 @@ synth.backend sglang: the stage starts `python -m sglang.launch_server` for the 
 every stage loads: a GGUF target's dequantized one) in target.dtype on a free port, with
 synth.server_args, waits for /health, answers through its OpenAI-compatible API exactly as the
 openai backend does, and stops it (on an error or Ctrl-C too). Its log is data/synth/.sglang-server.log
-(a dot file: not part of the outputs' hash).
+(a dot file: not part of the outputs' hash). Where each server's start-up went (imports, weights, CUDA
+graphs, ...: draftlab.sglang.startup) is printed and kept in the manifest's info.server_startup.
 """
 from __future__ import annotations
 
