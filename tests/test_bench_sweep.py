@@ -448,3 +448,15 @@ def test_a_bench_stopped_mid_sweep_keeps_the_passes_it_finished(tmp_path):
     assert [r["configuration"] for r in got] == ["2-1-3", "1-1-2"]  # the two measured before the stop
     assert all(r["tau"] > 1.0 and r["speedup"] > 0 for r in got)
     assert not (root / "reports/bench.json").exists()
+
+
+def test_the_offline_runs_step1_acceptance_is_split_by_kind_and_position_and_adds_up(swept):
+    _, report, _, _, _ = swept
+    offline = report["offline"]
+    kinds, bands = offline["step1_by_kind"], offline["step1_by_position"]
+    rounds = sum(c["rounds"] for c in kinds.values())
+    assert rounds == sum(c["rounds"] for c in bands.values()) > 0  # every round once in each split
+    hits = sum(c["rounds"] * c["a_1"] for c in kinds.values() if c["rounds"])
+    assert hits / rounds == pytest.approx(offline["acceptance"][0], abs=1e-3)  # a chain proposes at depth 1 every round
+    md = (Path(report["draft_dir"]).parents[1] / "reports/bench/report.md").read_text()
+    assert "## Where the offline run's acceptance goes" in md and f"| loop tokens | {kinds['loop']['rounds']} |" in md

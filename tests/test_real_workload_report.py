@@ -110,3 +110,16 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
     # the synthesize manifest's server start-ups: the slowest one's phases
     assert "synthesize: 2 servers up in 90-170 s; the slowest: imports 60 s, cuda graphs 100 s, health 10 s" in md
     assert json.loads((out / "stage-counts.json").read_text())["seconds"]["bench"] == 390.0
+
+
+def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_groups():
+    cell = {"tokens": 10, "a_1": 0.5}
+    train = {"step1_by_kind": {"loop": cell, "other": cell}, "step1_by_position": {"0-63": cell, "64-127": cell},
+             "step1_by_turn": {"1": cell}}
+    bench = {"offline": {"step1_by_kind": {"loop": {"rounds": 7, "a_1": 0.9}, "other": {"rounds": 30, "a_1": 0.4}},
+                         "step1_by_position": {"0-63": {"rounds": 20, "a_1": 0.45}, "64-127": {"rounds": 17, "a_1": 0.5}}}}
+    md = "\n".join(rwr.step1_md(train, bench))
+    assert "| group | tokens | a_1 | offline rounds | offline a_1 |" in md
+    assert "| loop tokens | 10 | 0.500 | 7 | 0.900 |" in md and "| positions 64-127 | 10 | 0.500 | 17 | 0.500 |" in md
+    assert "| turn 1 | 10 | 0.500 |  |  |" in md  # the bench sends no turn groups
+    assert "offline" not in "\n".join(rwr.step1_md(train, {"offline": {"tau": 2.0}}))  # an older bench: training's alone

@@ -107,6 +107,8 @@ def test_oracle_draft_accepts_every_draft(target, references, config):
     assert r.tau == pytest.approx(max_new / k)  # SGLang: completion tokens / verify steps
     assert r.meta() == {"completion_tokens": max_new, "spec_verify_ct": k, "spec_accept_length": r.tau}
     assert 0 < r.prefill_s + r.draft_s + r.verify_s <= r.total_s
+    # each round's first draft predicts the answer token after the last one emitted: 1, then steps + 1 further each round
+    assert r.rounds == [(1 + j * (steps + 1), steps) for j in range(k)]
 
 
 @pytest.mark.parametrize("config", [(3, 1, 4), (3, 4, 12)], ids=["chain", "tree"])
@@ -117,6 +119,7 @@ def test_null_draft_accepts_nothing(target, references, config):
     assert r.spec_verify_ct == 23 and r.accept_hist == [23] + [0] * config[0]
     assert r.proposed[0] == 23 and r.accepted == [0] * config[0]
     assert r.tau == pytest.approx(24 / 23)
+    assert r.rounds == [(p, 0) for p in range(1, 24)]  # one token a round, nothing accepted
 
 
 def test_flags_sglang_would_change_or_reject_are_refused(target):
@@ -345,3 +348,20 @@ def test_the_offline_run_decodes_each_prompt_both_ways_unless_a_served_engine_is
     spec_only = offline.offline_run(target, draft, PROMPTS[1:], flags, PHYSICAL, 12, set(), True, with_baseline=False)
     assert both["baseline_step_s"] > 0 and spec_only["baseline_step_s"] is None
     assert spec_only["tau"] == both["tau"] and spec_only["outputs"] == both["outputs"]
+
+
+def test_the_offline_rounds_step1_acceptance_splits_by_kind_of_token_and_answer_position():
+    """Hand-made results: which rounds land on loop tokens and in which band is known exactly."""
+    from draftlab.bench.offline import step1_by_group
+
+    loop = list(range(100, 110)) * 3  # 30 tokens: the gram ending at 17 (position 17 on) repeats one ending at 7
+    first = speculative.SpecResult(loop + list(range(200, 270)), {}, 4, [], [], [], 0, 0, 0, 0,
+                                   rounds=[(1, 2), (20, 3), (70, 0), (90, 1)])
+    second = speculative.SpecResult(list(range(300, 440)), {}, 2, [], [], [], 0, 0, 0, 0, rounds=[(5, 0), (130, 1)])
+    got = step1_by_group([first, second])
+    assert got["step1_by_kind"] == {"loop": {"rounds": 1, "a_1": 1.0}, "other": {"rounds": 5, "a_1": 0.6}}
+    assert got["step1_by_position"]["0-63"] == {"rounds": 3, "a_1": round(2 / 3, 4)}
+    assert got["step1_by_position"]["64-127"] == {"rounds": 2, "a_1": 0.5}
+    assert got["step1_by_position"]["128-255"] == {"rounds": 1, "a_1": 1.0}
+    assert got["step1_by_position"]["512+"] == {"rounds": 0, "a_1": None}
+    assert step1_by_group([speculative.SpecResult([1, 2], {}, 0, [], [], [], 0, 0, 0, 0)]) == {}  # NGRAM's: no rounds kept

@@ -81,17 +81,28 @@ def learning_curve_md(run: Path) -> list[str]:
                    for r in curve.itertuples()]), ""]
 
 
-def step1_md(train: dict) -> list[str]:
-    """The eval split's step-1 acceptance by the predicted token's kind (loop or not) and position band."""
+def step1_md(train: dict, bench: dict | None = None) -> list[str]:
+    """The eval split's step-1 acceptance by the predicted token's kind (loop or not) and position band,
+    beside the bench's offline rounds in the same groups where the bench kept them."""
     kinds, bands = train.get("step1_by_kind"), train.get("step1_by_position")
     if not kinds or not bands:
         return []
+    offline = (bench or {}).get("offline") or {}
+    by = {**{f"{k} tokens": c for k, c in (offline.get("step1_by_kind") or {}).items()},
+          **{f"positions {k}": c for k, c in (offline.get("step1_by_position") or {}).items()}}
+    more = ["offline rounds", "offline a_1"] if by else []
+
+    def row(group, c):
+        return [group, c["tokens"], c["a_1"]] + ([by[group]["rounds"], by[group]["a_1"]] if group in by else ["", ""] if by else [])
     return ["## Step-1 acceptance on the eval split, by kind of token and position in the answer (teacher-forced)", "",
-            table(["group", "tokens", "a_1"], [[f"{k} tokens", c["tokens"], c["a_1"]] for k, c in kinds.items()] +
-                  [[f"positions {k}", c["tokens"], c["a_1"]] for k, c in bands.items()] +
-                  [[f"turn {k}", c["tokens"], c["a_1"]] for k, c in (train.get("step1_by_turn") or {}).items()]),
+            table(["group", "tokens", "a_1", *more], [row(f"{k} tokens", c) for k, c in kinds.items()] +
+                  [row(f"positions {k}", c) for k, c in bands.items()] +
+                  [row(f"turn {k}", c) for k, c in (train.get("step1_by_turn") or {}).items()]), "",
             "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py); the turn is the answer's "
-            "in its conversation.", ""] + first_turns_md(train)
+            "in its conversation."
+            + (" The offline columns: the bench's offline run over its prompts, at the first draft of each verify round (what "
+               "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if by else ""),
+            ""] + first_turns_md(train)
 
 
 def first_turns_md(train: dict) -> list[str]:
@@ -240,7 +251,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{cache_rates(by_states)}.", "",
            *startups_md(synth, bench),
            *learning_curve_md(run),
-           *step1_md(train),
+           *step1_md(train, bench),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],

@@ -23,6 +23,7 @@ import torch
 
 from draftlab.engine import ngram, speculative
 from draftlab.bench.advice import CHAINS, TREES
+from draftlab.data.loops import POSITION_BANDS, band_names, band_of, loop_flags
 from draftlab.train.draft import KVCache
 from draftlab.features.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
@@ -74,7 +75,31 @@ def summarize(prompts: list[list[int]], results: list, baselines: list) -> dict:
         "decode_s": sum(r.total_s - r.prefill_s for r in results),  # the draft prefill included (subtracted by the caller)
         "requests": len(results),
         "outputs": [p + r.output_ids for p, r in zip(prompts, results)],
+        **step1_by_group(results),
     }
+
+
+def step1_by_group(results: list) -> dict:
+    """Step-1 acceptance of the decode's rounds, by the kind of the token the round's first draft
+    predicts (a loop token of the answer, draftlab.data.loops, or not) and by its position in the
+    answer: {"step1_by_kind": {"loop"|"other": {"rounds", "a_1"}}, "step1_by_position": {band: ...}}.
+    These are the rounds decoding ran, so they start where the draft missed before: set beside
+    training's teacher-forced figures (every answer token), the same groups show where serving's
+    acceptance differs. {} where no result kept its rounds (NGRAM's engine)."""
+    cells = {("kind", k): [0, 0] for k in ("loop", "other")} | {("band", b): [0, 0] for b in range(len(POSITION_BANDS))}
+    for r in results:
+        flags = loop_flags(r.output_ids)
+        for position, kept in r.rounds:
+            for key in (("kind", "loop" if flags[position] else "other"), ("band", band_of(position))):
+                cells[key][0] += 1
+                cells[key][1] += kept >= 1
+    if not any(n for n, _ in cells.values()):
+        return {}
+
+    def cell(n, hits):
+        return {"rounds": n, "a_1": round(hits / n, 4) if n else None}
+    return {"step1_by_kind": {k: cell(*cells[("kind", k)]) for k in ("loop", "other")},
+            "step1_by_position": {name: cell(*cells[("band", b)]) for b, name in enumerate(band_names())}}
 
 
 def _rollback(cache, n: int) -> None:

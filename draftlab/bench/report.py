@@ -183,8 +183,22 @@ def markdown(report: dict) -> str:
         out += [f"## {s['name']}: every configuration by turn and category", "",
                 f"Source: `{s['source']}`. tau and a_i pooled over the group's requests; speedup: medians of tokens/s per request.", "",
                 groups_markdown(s), ""]
+    out += offline_step1_markdown(report.get("offline") or {})
     if report.get("phases_s"):
         out += ["## Where the bench's time went", "", ", ".join(f"{k}: {v:.0f} s" for k, v in report["phases_s"].items()) + ".", ""]
         if line := startup.summary(list((report.get("server_startup") or {}).values())):
             out += [f"Server start-up (launch to a healthy /health, from each server's log): {line}.", ""]
     return "\n".join(out)
+
+
+def offline_step1_markdown(offline: dict) -> list[str]:
+    """The offline run's step-1 acceptance by kind of token and position in the answer (draftlab.bench.offline.step1_by_group)."""
+    kinds, bands = offline.get("step1_by_kind"), offline.get("step1_by_position")
+    if not kinds or not bands:
+        return []
+    rows = [(f"{k} tokens", c) for k, c in kinds.items()] + [(f"positions {k}", c) for k, c in bands.items()]
+    return ["## Where the offline run's acceptance goes", "",
+            "The first draft of every verify round of the offline run (the project's engine over the first prompt set), by "
+            "the token it predicts: a loop token closes an 8-gram already in the answer (draftlab/data/loops.py).", "",
+            "| group | rounds | a_1 |", "|---|---|---|"] + \
+        [f"| {g} | {c['rounds']} | {'-' if c['a_1'] is None else format(c['a_1'], '.3f')} |" for g, c in rows] + [""]

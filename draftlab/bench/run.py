@@ -336,7 +336,8 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
                   "adjustments": [dataclasses.asdict(f) for f in res.adjustments], "on_adjust": plan.spec_params.on_adjust},
         "baseline": {"tokens_per_s": baseline["speed"]} if baseline else None,
         "spec": {**spec["spec"], "tokens_per_s": spec["speed"]},
-        "offline": {k: offline[k] for k in ("tau", "acceptance", "tokens_per_s")},
+        # step1_by_*: the offline rounds' first-draft acceptance by kind of token and answer position (bench.offline)
+        "offline": {k: offline[k] for k in ("tau", "acceptance", "tokens_per_s", "step1_by_kind", "step1_by_position") if k in offline},
         "speedup": speedup,
         "server_accept_length": spec["server_accept_length"],
         "server_log": str(log) if log.exists() else None,

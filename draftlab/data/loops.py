@@ -12,6 +12,17 @@ from __future__ import annotations
 import numpy as np
 
 LOOP_NGRAM = 8  # tokens: long enough that ordinary phrasing rarely repeats it within one answer
+POSITION_BANDS = (0, 64, 128, 256, 512)  # where each band of answer positions starts (tokens since the answer's first)
+
+
+def band_names() -> list[str]:
+    ends = [f"-{b - 1}" for b in POSITION_BANDS[1:]] + ["+"]
+    return [f"{a}{e}" for a, e in zip(POSITION_BANDS, ends)]
+
+
+def band_of(position: int) -> int:
+    """The index into POSITION_BANDS of an answer position."""
+    return sum(position >= b for b in POSITION_BANDS) - 1
 
 
 def loop_flags(ids, n: int = LOOP_NGRAM) -> list[bool]:

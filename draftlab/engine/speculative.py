@@ -76,6 +76,9 @@ class SpecResult:
     draft_s: float  # draft prefill + tree drafting + draft extends, seconds
     verify_s: float  # target verify forwards, seconds
     total_s: float  # the whole request, seconds
+    # per verify round, in order: (the answer position its first draft token predicts, drafts accepted);
+    # what the acceptance by position in the answer and by kind of token is counted from (bench offline)
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -173,7 +176,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
     out, finish, emit = emitter(max_new_tokens, stops)
     hist, proposed, accepted = [0] * (num_steps + 1), [0] * num_steps, [0] * num_steps
     secs = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}  # seconds per phase
-    verify_ct = 0
+    verify_ct, rounds = 0, []
 
     if max_new_tokens <= 0:
         return SpecResult([], finish, 0, hist, proposed, accepted, 0.0, 0.0, 0.0, time.perf_counter() - t_start)
@@ -209,6 +212,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
             verify_ct += 1
             count_depths(tree, path, proposed, accepted)
             new = [tree.tokens[c] for c in path[1:]] + [bonus]
+            rounds.append((len(out), len(path) - 1))  # out ends with the root: its first draft predicts out[len(out)]
             before = len(out)
             done = emit(new)
             hist[len(out) - before - 1] += 1
@@ -225,7 +229,7 @@ def generate(target, draft, prompt_ids, *, num_steps: int, topk: int, num_draft_
             x = bonus
 
     return SpecResult(out, finish, verify_ct, hist, proposed, accepted, secs["prefill"], secs["draft"], secs["verify"],
-                      time.perf_counter() - t_start)
+                      time.perf_counter() - t_start, rounds)
 
 
 @torch.inference_mode()

@@ -41,7 +41,7 @@ from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, collate, draft_to_target  # noqa: F401 - collate: also train.collate
 from draftlab.fsutil import atomic_write_bytes, atomic_write_json, canonical_safetensors
 from draftlab import parallel
-from draftlab.data.loops import answer_loop_flags, spans
+from draftlab.data.loops import POSITION_BANDS, answer_loop_flags, band_names, spans
 from draftlab.metrics import acceptance_counts, chain_tau, conditional_acceptance
 
 WEIGHTS = "draft.safetensors"
@@ -209,14 +209,6 @@ def step_token_counts(batch: dict, steps: int, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(counts)
     return counts
-
-
-POSITION_BANDS = (0, 64, 128, 256, 512)  # where each band of answer positions starts (tokens since the answer's first)
-
-
-def band_names() -> list[str]:
-    ends = [f"-{b - 1}" for b in POSITION_BANDS[1:]] + ["+"]
-    return [f"{a}{e}" for a, e in zip(POSITION_BANDS, ends)]
 
 
 TURN_GROUPS = ("1", "2", "3+")  # an answer's turn in its conversation: the first, the second, any later one
