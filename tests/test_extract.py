@@ -22,6 +22,32 @@ def test_capture_equals_output_hidden_states(arch):
     torch.testing.assert_close(final, ref[-1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_right_padded_batch_runs_without_its_mask_and_gives_every_real_token_the_same_states(arch):
+    """The stages pad at the end: the causal target then needs no mask (transformers builds none and
+    takes its causal kernel), and each real token's states are those of its own unpadded forward."""
+    model = make_micro_model(arch, num_layers=6)
+    lengths = [11, 8, 3]
+    ids = torch.randint(5, 200, (3, 11))
+    att = torch.zeros_like(ids)
+    for j, n in enumerate(lengths):
+        att[j, :n] = 1
+    physical = [1, 3, 6]
+    seen = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    try:
+        aux, final = extract.capture(model, ids, att, physical, right_padded=True)
+    finally:
+        hook.remove()
+    assert seen == [None]  # no mask reached the model
+    for j, n in enumerate(lengths):
+        with torch.no_grad():
+            solo = model(input_ids=ids[j:j + 1, :n], output_hidden_states=True).hidden_states
+        for i in physical:
+            torch.testing.assert_close(aux[i][j, :n], solo[i][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[j, :n], solo[-1][0], rtol=1e-5, atol=1e-5)
+
+
 def test_packed_shard_matches_unpadded_forward():
     """Batched, padded extraction gives each row the states of its own unpadded forward."""
     model = make_micro_model("llama", num_layers=4)

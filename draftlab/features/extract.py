@@ -60,13 +60,19 @@ class AuxCapture:
 
 
 @torch.no_grad()
-def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int]):
-    """Run `model` once; return ({physical index: [B, T, H]}, final hidden [B, T, H])."""
+def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int], right_padded: bool = False):
+    """Run `model` once; return ({physical index: [B, T, H]}, final hidden [B, T, H]).
+
+    right_padded: every row's real tokens come first (its mask is 1s, then 0s), as the stages pad.
+    The causal target then runs without the mask: no real token attends to the padding after it,
+    so their states are the same, and transformers takes its mask-free causal attention instead of
+    building a [B, 1, T, T] mask (and reading the 2D one on the host first: a GPU sync per batch).
+    The padding rows' states differ, and every caller drops them."""
     base, layers, _ = decoder_layers(model)
     L = len(layers)
     with AuxCapture(model, sorted(set(physical) | {L})) as cap:
         # The base model (no lm_head): logits over the vocab would cost B*T*V memory for nothing.
-        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        base(input_ids=input_ids, attention_mask=None if right_padded else attention_mask, use_cache=False)
     return {i: cap.got[i] for i in physical}, cap.got[L]
 
 
@@ -221,7 +227,7 @@ def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: lis
             ids[j, : len(r)] = torch.tensor(r)
             att[j, : len(r)] = 1
         if isinstance(model, torch.nn.Module):
-            aux, final = capture(model, ids.to(device), att.to(device), physical)
+            aux, final = capture(model, ids.to(device), att.to(device), physical, right_padded=True)
         else:  # a capture engine (draftlab.features.engines): the same contract
             aux, final = model.capture(ids.to(device), att.to(device), physical)
         handle = (b, copier.start([aux[i] for i in physical] + [final], dtype))
