@@ -66,8 +66,9 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, physic
     right_padded: every row's real tokens come first (its mask is 1s, then 0s), as the stages pad.
     The causal target then runs without the mask: no real token attends to the padding after it,
     so their states are the same, and transformers takes its mask-free causal attention instead of
-    building a [B, 1, T, T] mask (and reading the 2D one on the host first: a GPU sync per batch).
-    The padding rows' states differ, and every caller drops them."""
+    building a [B, 1, T, T] mask and attending through it. The padding's own states differ, and
+    every caller drops them. (transformers still reads one flag on the host per forward: its check
+    of the position ids for packed sequences.)"""
     base, layers, _ = decoder_layers(model)
     L = len(layers)
     with AuxCapture(model, sorted(set(physical) | {L})) as cap:
