@@ -82,8 +82,7 @@ def own_servers(target_params, synth_params, out: Path, startups: list | None = 
         got = [startup.server_startup(srv) for srv in servers]
         if startups is not None:
             startups.extend(got)
-        if line := startup.summary(got):
-            print(f"synthesize: {line}")
+        startup.announce("synthesize", got)
         yield [f"{srv.url}/v1" for srv in servers]
 
 

@@ -29,17 +29,16 @@ def test_a_right_padded_batch_runs_without_its_mask_and_gives_every_real_token_t
     model = make_micro_model(arch, num_layers=6)
     lengths = [11, 8, 3]
     ids = torch.randint(5, 200, (3, 11))
-    att = torch.zeros_like(ids)
-    for j, n in enumerate(lengths):
-        att[j, :n] = 1
     physical = [1, 3, 6]
     seen = []
     hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
     try:
-        aux, final = extract.capture(model, ids, att, physical, right_padded=True)
+        aux, final = extract.capture(model, ids, None, physical)  # padded at the end: no mask given
+        extract.extract_shard(model, [(ids[j, :n].tolist(), [True] * n) for j, n in enumerate(lengths)], [1], batch_size=3,
+                              dtype=torch.float32, device="cpu")  # the stage's own batches, padded at the end
     finally:
         hook.remove()
-    assert seen == [None]  # no mask reached the model
+    assert seen == [None, None]  # no mask reached the model, from capture or from the extract stage
     for j, n in enumerate(lengths):
         with torch.no_grad():
             solo = model(input_ids=ids[j:j + 1, :n], output_hidden_states=True).hidden_states

@@ -265,7 +265,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
     out.mkdir(parents=True, exist_ok=True)
     passes.start(out)
     phases, since = {}, time.perf_counter()  # where the bench's wall time goes, in seconds
-    fleet, startups = None, {}  # bench.sweep's servers; without a sweep, each started server's start-up
+    startups = {}  # each started server's start-up, by name (draftlab.sglang.startup)
 
     def lap(name: str) -> None:
         nonlocal since
@@ -282,7 +282,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
             if plan.layout is not None and plan.layout.offline_beside:
                 decoded = []
                 fleet = up.enter_context(bench_sweep.servers_up(
-                    plan, out, meanwhile=lambda: decoded.append(decode_offline(plan, "while the servers start"))))
+                    plan, out, meanwhile=lambda: decoded.append(decode_offline(plan, "while the servers start")), startups=startups))
                 lap("servers started, the offline run decoding meanwhile")
                 offline, costs, physical, ranks = time_offline(plan, decoded[0])
                 decoded.clear()
@@ -292,7 +292,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
                 offline, costs, physical, ranks = measure_offline(plan)
                 release_memory(plan.device)
                 lap("offline run and round costs")
-                fleet = up.enter_context(bench_sweep.servers_up(plan, out))  # the baseline and bench.sweep's servers, started together
+                fleet = up.enter_context(bench_sweep.servers_up(plan, out, startups=startups))  # the baseline and bench.sweep's, together
                 lap("servers started")
             first = bench_sweep.measure_first(plan, fleet)
             adv = advise(plan, first.baseline, first.spec, offline, costs, ranks)  # numbers in, numbers out
@@ -363,7 +363,7 @@ def run(plan: BenchPlan, out: Path) -> BenchResult:
         "training_pays": sets_report[0]["training_pays"],
         "phases_s": phases,  # the bench's wall time by phase, in the order run (the report's own writing after)
         # per server (the baseline, each configuration's): seconds from launch to healthy, by phase (draftlab.sglang.startup)
-        "server_startup": (fleet.startup if fleet is not None else startups) or None,
+        "server_startup": startups or None,
         "hardware": {"device": plan.device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(0) if plan.device == "cuda" else None},
     }
@@ -465,8 +465,7 @@ def measure_served(plan: BenchPlan, out: Path, startups: dict | None = None) -> 
                            startups=startups, name=BASELINE) as base_url, \
              servers.start(backend, bench_params, target_params, draft, flags, version, log, speculative=True, port=spec_port,
                            startups=startups, name=name) as url:
-            if line := startup.summary(list((startups or {}).values())):
-                print(f"bench: {line}")
+            startup.announce("bench", (startups or {}).values())
             plan.answer_turns(base_url, out)
             for bset in plan.sets:
                 got = servers.measure({"baseline": base_url, "speculative": url}, bench_params, plan.set_prompt_ids(bset), sampling,

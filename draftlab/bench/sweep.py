@@ -148,13 +148,14 @@ def _key(res: Resolution) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def servers_up(plan, out: Path, meanwhile=None):
+def servers_up(plan, out: Path, meanwhile=None, startups: dict | None = None):
     """The sweep's servers (Fleet): the baseline, up for the whole sweep, and bench.sweep's
     configurations, started with it before anything is measured; the answers that later turns
     follow are taken from the baseline once, on start. Every server is stopped on exit.
-    meanwhile: work of this process run while the first wave starts (the offline run's decode)."""
+    meanwhile: work of this process run while the first wave starts (the offline run's decode).
+    startups: where each server's start-up went is put there, by server name (Fleet.startup)."""
     with contextlib.ExitStack() as stack:
-        fleet = Fleet(plan, out, stack)
+        fleet = Fleet(plan, out, stack, startups)
         fleet.start_wave(0, meanwhile)
         plan.answer_turns(fleet.base_url, out)
         yield fleet
@@ -163,13 +164,14 @@ def servers_up(plan, out: Path, meanwhile=None):
 class Fleet:
     """The servers of a sweep: the baseline, and the speculative ones wave by wave (`waves`)."""
 
-    def __init__(self, plan, out: Path, stack: contextlib.ExitStack):
+    def __init__(self, plan, out: Path, stack: contextlib.ExitStack, startups: dict | None = None):
         self.plan, self.out, self.stack = plan, out, stack
         self.waves = waves(plan)
         self.current: int | None = None  # the wave up
         self.up: dict[str, object] = {}  # configuration name -> its lifecycle.Server, or the UserError its start gave
         self.base_url: str | None = None
-        self.startup: dict[str, dict | None] = {}  # server name -> where its start-up went (draftlab.sglang.startup)
+        # server name -> where its start-up went (draftlab.sglang.startup); the caller's dict when given
+        self.startup: dict[str, dict | None] = {} if startups is None else startups
 
     def log(self, config: Configuration) -> Path:
         first = config is self.plan.configurations[0]
@@ -196,8 +198,7 @@ class Fleet:
         names = ([] if self.base_url is not None else [BASELINE]) + [c.name for c in configs]
         started = {name: startup.server_startup(srv) for name, srv in zip(names, got) if isinstance(srv, lifecycle.Server)}
         self.startup.update(started)
-        if line := startup.summary(list(started.values())):
-            print(f"bench: {line}")
+        startup.announce("bench", started.values())
         if self.base_url is None:
             self.base_url, got = got[0].url, got[1:]
         for config, srv in zip(configs, got):

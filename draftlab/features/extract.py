@@ -60,20 +60,20 @@ class AuxCapture:
 
 
 @torch.no_grad()
-def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int], right_padded: bool = False):
+def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, physical: list[int]):
     """Run `model` once; return ({physical index: [B, T, H]}, final hidden [B, T, H]).
 
-    right_padded: every row's real tokens come first (its mask is 1s, then 0s), as the stages pad.
-    The causal target then runs without the mask: no real token attends to the padding after it,
-    so their states are the same, and transformers takes its mask-free causal attention instead of
-    building a [B, 1, T, T] mask and attending through it. The padding's own states differ, and
-    every caller drops them. (transformers still reads one flag on the host per forward: its check
-    of the position ids for packed sequences.)"""
+    attention_mask: 1 on real tokens; None where every row's padding comes after its real tokens,
+    as the stages pad. A causal target needs no mask then: no real token attends to the padding
+    after it, so their states are the same, and transformers takes its mask-free causal attention
+    instead of building a [B, 1, T, T] mask and attending through it. The padding's own states
+    differ, and every caller drops them. (transformers still reads one flag on the host per
+    forward: its check of the position ids for packed sequences.)"""
     base, layers, _ = decoder_layers(model)
     L = len(layers)
     with AuxCapture(model, sorted(set(physical) | {L})) as cap:
         # The base model (no lm_head): logits over the vocab would cost B*T*V memory for nothing.
-        base(input_ids=input_ids, attention_mask=None if right_padded else attention_mask, use_cache=False)
+        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return {i: cap.got[i] for i in physical}, cap.got[L]
 
 
@@ -228,7 +228,7 @@ def extract_shard(model, rows: list[tuple[list[int], list[bool]]], physical: lis
             ids[j, : len(r)] = torch.tensor(r)
             att[j, : len(r)] = 1
         if isinstance(model, torch.nn.Module):
-            aux, final = capture(model, ids.to(device), att.to(device), physical, right_padded=True)
+            aux, final = capture(model, ids.to(device), None, physical)  # padded at the end: no mask needed (capture)
         else:  # a capture engine (draftlab.features.engines): the same contract
             aux, final = model.capture(ids.to(device), att.to(device), physical)
         handle = (b, copier.start([aux[i] for i in physical] + [final], dtype))

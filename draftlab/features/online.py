@@ -41,7 +41,7 @@ class OnlineTarget:
     def capture(self, ids: torch.Tensor, attention_mask: torch.Tensor, physical: list[int], device):
         """extract.capture's contract, from the chosen engine."""
         if getattr(self.extract_params, "engine", "transformers") == "transformers":
-            return capture(self.model(device), ids, attention_mask, physical, right_padded=True)  # OnlineFeatures pads at the end
+            return capture(self.model(device), ids, None, physical)  # OnlineFeatures pads at the end: no mask needed (capture)
         if self._engine is None:
             from draftlab.features.engines import open_engine
 

@@ -102,6 +102,12 @@ def summary(startups: list[dict | None]) -> str:
     return f"{head}; {'the slowest' if len(known) > 1 else 'its start-up'}: {parts}"
 
 
+def announce(who: str, startups) -> None:
+    """Print `summary` of `startups` (an iterable of start-ups or None) as "{who}: ...", when any is known."""
+    if line := summary(list(startups)):
+        print(f"{who}: {line}")
+
+
 def _span(sorted_seconds: list[float]) -> str:
     lo, hi = sorted_seconds[0], sorted_seconds[-1]
     return f"{lo:.0f}-{hi:.0f}" if round(lo) != round(hi) else f"{hi:.0f}"
