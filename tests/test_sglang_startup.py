@@ -139,3 +139,18 @@ def test_servers_started_beside_work_of_this_process_record_when_it_began_to_pol
         assert srv.launched + 5.0 <= srv.polled_from <= srv.healthy_at
         assert g["ready_s"] <= 4.0 and g["total_s"] >= 5.0  # ready after its 2.5 s sleep, healthy to us after ours
         assert g["phases_s"]["this_process_busy"] >= 0.5
+
+
+def test_the_phases_sum_to_the_total_to_the_tenth_whatever_the_fractions():
+    """Each boundary is rounded from the launch, so the phases telescope to total_s (phases rounded
+    one by one could miss it by 0.1 s)."""
+    import random
+
+    rng = random.Random(0)
+    t0 = float(int(time.time()))
+    for _ in range(300):
+        offs = sorted(rng.uniform(0, 5) for _ in range(3))
+        text = "\n".join(f"[{stamp(t0 + o)}.{int(o % 1 * 1000):03d}] {msg}"
+                         for o, msg in zip(offs, ["Load weight begin", "Load weight end. elapsed=1.00 s", "The server is fired up"]))
+        got = startup.phases(text, t0 + rng.random(), healthy_at=t0 + 6 + rng.random(), polled_from=t0 + 5.5 + rng.random())
+        assert round(sum(got["phases_s"].values()), 1) == got["total_s"]

@@ -50,6 +50,11 @@ def phases(log_text: str, launched: float, healthy_at: float, polled_from: float
     lines = stamped_lines(log_text)
     captures = [(i, float(m.group(1))) for i, (_, msg) in enumerate(lines) if (m := CAPTURE_END.match(msg))]
     out, at, seen = {}, launched, 0  # at: when the last phase found ended; seen: the index of its line
+
+    def span(a: float, b: float) -> float:
+        """b - a to 0.1 s, each end rounded from the launch first: the phases then sum to total_s exactly."""
+        return round(round(b - launched, 1) - round(a - launched, 1), 1)
+
     for name, ends in PHASES:
         if ends is None:
             j = 0 if lines else None
@@ -59,12 +64,12 @@ def phases(log_text: str, launched: float, healthy_at: float, polled_from: float
             j = next((k for k in range(seen, len(lines)) if lines[k][1].startswith(ends)), None)
         if j is not None:  # else this phase's time is counted in the next one found
             t = min(max(lines[j][0], at), healthy_at)
-            out[name], at, seen = round(t - at, 1), t, j
+            out[name], at, seen = span(at, t), t, j
     ready = at if "warmup" in out else None
     if polled_from is not None and polled_from > at:
         t = min(polled_from, healthy_at)
-        out["this_process_busy"], at = round(t - at, 1), t
-    out["health"] = round(healthy_at - at, 1)
+        out["this_process_busy"], at = span(at, t), t
+    out["health"] = span(at, healthy_at)
     return {"total_s": round(healthy_at - launched, 1), "ready_s": round(ready - launched, 1) if ready is not None else None,
             "phases_s": out,
             "cuda_graph_capture_s": round(sum(s for _, s in captures), 1) if captures else None}
