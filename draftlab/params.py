@@ -347,6 +347,8 @@ class BenchParams:
     request_timeout_s: Annotated[Float, Field(gt=0.0)]  # seconds one /generate request may take
     backend: Literal["reference", "sglang", "url"]
     dtype: Literal["auto", "bfloat16", "float16", "float32"]  # SGLang --dtype
+    # processes decoding the offline run at once (draftlab.bench.offline_workers)
+    offline_workers: Annotated[Annotated[Int, Field(ge=1)] | Literal["auto"], FIRST_FIT] = "auto"
 
     @field_validator("sweep")
     @classmethod
@@ -442,7 +444,7 @@ def _type_name(tp) -> str:
         return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
     if origin is list:
         return f"list of {_type_name(args[0])}"
-    return "str" if origin is Literal else tp.__name__
+    return " or ".join(repr(a) for a in args) if origin is Literal else tp.__name__
 
 
 BOUND_ERRORS = ("finite_number", "too_short", "greater_than", "greater_than_equal", "less_than", "less_than_equal")
@@ -452,6 +454,9 @@ def _problem(key: str, field: FieldInfo, value, errors: list[dict]) -> str:
     """What is wrong with `key`, from pydantic's errors about it, in the words of the message. A
     wrong type anywhere in the value is named before a value out of range ([0, None]: None)."""
     error = next((e for e in errors if e["type"] not in BOUND_ERRORS), errors[0])
+    if error["type"] == "literal_error" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # a number out of range of "N or 'auto'": the range, not the word, is what to fix
+        error = next((e for e in errors if e["type"] in BOUND_ERRORS), error)
     kind = error["type"]
     if kind == "value_error":  # a field's own rule (capture.layers)
         return str(error["ctx"]["error"])

@@ -382,7 +382,7 @@ def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_whi
 
     root = make_project(tmp_path, sweep=["1-1-2"], concurrency=[1])
     names = ["2-1-3", "1-1-2"]
-    layout = memory.Layout(4096, 0.95, [names], "0", 80 * memory.GIB, dict.fromkeys([memory.BASELINE, *names], 1), True)
+    layout = memory.Layout(4096, 0.95, [names], "0", 80 * memory.GIB, dict.fromkeys([memory.BASELINE, *names], 1), 8 * memory.GIB)
     events, sent = [], []
     decode, timing, healthy, prepare_plan = bench_run.decode_offline, bench_run.time_offline, lifecycle.wait_all_healthy, bench_run.prepare
     launch, generate = lifecycle._launch, Client.generate

@@ -7,7 +7,7 @@ has an explicit KV pool (draftlab.sglang.fleet says why SGLang needs one for tha
     layout = draftlab.bench.memory.plan_layout(bench_params, target_params, info, draft, configurations, choices, lengths)
     layout.args    # every server's memory flags: ["--mem-fraction-static", "0.95", "--max-total-tokens", "61440"]
     layout.waves   # [["3-1-4", "7-1-8", "ngram", "advised"]]: the configurations started together, wave by wave
-    layout.offline_beside  # True: the in-process offline run decodes while the first wave starts
+    layout.offline_beside  # True: the in-process offline run decodes while the first wave starts (layout.offline_room: bytes for its copies)
 
 The pool (`pool_tokens`) holds, whole (prompt, bench.max_new_tokens and the draft slots SGLang
 reserves), as many requests as the bench keeps in flight, and every request the bench sends a
@@ -22,10 +22,11 @@ not in a folder) there is no layout: SGLang sizes each pool itself, and each con
 beside the baseline in turn, one after another, as SGLang needs then.
 
 The bench's in-process offline run (the target and the draft in the bench's own process) needs the
-GPU too. Where its copy fits beside the first wave (IN_PROCESS_OVERHEAD more than both models'
+GPU too. Where one copy fits beside the first wave (IN_PROCESS_OVERHEAD more than both models'
 weights), it decodes while those servers start (SGLang's start-up, ~60 s, is mostly imports and
 graph capture) and the round costs are timed once they are up and idle; else it runs, and frees
-its copy, before any server starts.
+its copy, before any server starts. `offline_room` bounds how many processes decode it at once,
+one copy each (bench.offline_workers, draftlab.bench.offline_workers).
 
 A --mem-fraction-static in bench.extra_server_args keeps SGLang's meaning, the share of the GPU for
 one server's weights and KV pool: the bench checks every server fits it and passes its own fraction
@@ -65,7 +66,12 @@ class Layout:
     gpu: str
     free: int  # bytes free on the GPU when planned
     sizes: dict[str, int]  # bytes each server holds (weights and pool), by configuration name and BASELINE
-    offline_beside: bool = False  # the in-process offline run fits beside the first wave: it runs while they start
+    offline_room: int = 0  # bytes left beside the first wave for the offline run's copies of both models (in_process_bytes each)
+
+    @property
+    def offline_beside(self) -> bool:
+        """The in-process offline run fits beside the first wave: it decodes while they start."""
+        return self.offline_room > 0
 
     @property
     def args(self) -> list[str]:
@@ -115,9 +121,14 @@ def plan_layout(bench_params, target_params, info: dict, draft, configurations: 
               f"with pools of {tokens} tokens, more than GPU {gpu} has free ({free / GIB:.1f} GiB): the servers start one "
               f"after another, each sizing its own pool")
         return None
-    in_process = fleet.weight_bytes(model_path(target_params.model)) + fleet.weight_bytes(draft.path) + IN_PROCESS_OVERHEAD
-    beside = first_wave_bytes(sizes, waves[0]) + in_process <= USABLE * free
-    return Layout(tokens, fleet.profile_fraction(USABLE), waves, gpu, free, sizes, beside)
+    room = int(USABLE * free) - first_wave_bytes(sizes, waves[0])
+    room = room if room >= in_process_bytes(target_params, draft) else 0
+    return Layout(tokens, fleet.profile_fraction(USABLE), waves, gpu, free, sizes, room)
+
+
+def in_process_bytes(target_params, draft) -> int:
+    """Bytes one copy of the offline run's models takes on the GPU: both models' weights and IN_PROCESS_OVERHEAD."""
+    return fleet.weight_bytes(model_path(target_params.model)) + fleet.weight_bytes(draft.path) + IN_PROCESS_OVERHEAD
 
 
 def first_wave_bytes(sizes: dict[str, int], names: list[str]) -> int:

@@ -22,6 +22,7 @@ import time
 import torch
 
 from draftlab.engine import ngram, speculative
+from draftlab.bench import offline_workers
 from draftlab.bench.advice import CHAINS, TREES
 from draftlab.data.loops import POSITION_BANDS, band_names, band_of, loop_flags
 from draftlab.train.draft import KVCache
@@ -45,11 +46,10 @@ def decode_each(target, draft, prompts: list[list[int]], flags, physical: list[i
     (the turns of a conversation) and `summarize` them together. done(): called after each prompt."""
     results, baselines = [], []
     for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
-        results.append(speculative.generate(target, draft, p, num_steps=flags.num_steps, topk=flags.topk,
-                                            num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
-                                            eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical))
-        if with_baseline:
-            baselines.append(speculative.baseline_generate(target, p, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos))
+        got, base = offline_workers.decode_one(target, draft, p, flags, physical, max_new_tokens, eos, ignore_eos, with_baseline)
+        results.append(got)
+        if base is not None:
+            baselines.append(base)
         if done:
             done()
     return results, baselines

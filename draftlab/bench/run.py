@@ -38,19 +38,19 @@ import torch
 
 from draftlab import jsonl, progress
 from draftlab.bench import advice, servers, prompts as bench_prompts, report as bench_report, sweep as bench_sweep, offline as cost_timing, ngram_advice, fits
-from draftlab.bench import memory, passes
+from draftlab.bench import memory, offline_workers, passes
 from draftlab.bench.memory import BASELINE
 from draftlab.engine import speculative as spec_engine
 from draftlab.errors import UserError
 from draftlab.params import HELDOUT, BenchParams, SpecParams, TargetParams
 from draftlab.sglang import startup
-from draftlab.sglang.checkpoint import ExportedDraft, load_exported
+from draftlab.sglang.checkpoint import ExportedDraft
 from draftlab.sglang.client import Client
 from draftlab.sglang.flags import Resolution, SpecFlags, requested_from_params, resolve
 from draftlab.sglang.launch import free_port as sglang_free_port
 from draftlab.sglang.launch import read_log
 from draftlab.parallel import resolve_device
-from draftlab.target.load import load_config, load_target, load_tokenizer, target_info
+from draftlab.target.load import load_config, load_tokenizer, target_info
 
 TARGET_KEYS = ("model", "revision", "architecture", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings")
 
@@ -509,6 +509,7 @@ class OfflineDecode:
     physical: list[int]  # the target's layers fed to the draft, as SGLang would feed them
     prompts: list[list[int]]  # the prompts decoded, in order
     offline: dict  # draftlab.bench.offline.summarize's figures
+    workers: int = 1  # processes that decoded at once (bench.offline_workers): above 1, its seconds are not one decode's
 
 
 def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]]:
@@ -518,20 +519,41 @@ def measure_offline(plan: BenchPlan) -> tuple[dict, dict, list[int], list[float]
     return time_offline(plan, decode_offline(plan))
 
 
+def offline_worker_count(plan: BenchPlan, beside: bool) -> int:
+    """bench.offline_workers for this run: the copies of the target and the draft that fit beside the
+    first wave's servers (beside), else in the device's free memory now."""
+    copy = memory.in_process_bytes(plan.target_params, plan.draft)
+    if beside:
+        room = plan.layout.offline_room
+    elif torch.device(plan.device).type == "cuda":
+        room = int(memory.USABLE * torch.cuda.mem_get_info(torch.device(plan.device))[0])
+    else:
+        room = None
+    return offline_workers.worker_count(plan.bench_params.offline_workers, plan.device, len(plan.sets[0].requests), copy, room)
+
+
 def decode_offline(plan: BenchPlan, beside: str = "") -> OfflineDecode:
-    """The offline run's decode: the exported draft loaded in-process as served and the first prompt
-    set decoded by the project's engine. beside: what runs meanwhile, for the progress line."""
+    """The offline run's decode: the exported draft loaded as served and the first prompt set decoded
+    by the project's engine, in this process or in bench.offline_workers processes at once. beside:
+    what runs meanwhile, for the progress line."""
     info = plan.target
-    target, _ = load_target(plan.target_params, plan.device)
-    embed = target.get_input_embeddings().weight
-    draft, _ = load_exported(plan.draft.path, embed=embed, dtype=embed.dtype, as_sglang=True)  # as served, faults included
-    draft.to(plan.device)
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
-    eos = {target.generation_config.eos_token_id, plan.tokenizer.eos_token_id} - {None}
-    print("bench: offline run (in-process, no server)" + (f", {beside}" if beside else ""))
     reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (draftlab.bench.fits.round_scale)
-    prompts, offline = offline_decode(plan, target, draft, physical, eos, with_baseline=reference)
-    return OfflineDecode(target, draft, physical, prompts, offline)
+    workers = offline_worker_count(plan, bool(beside))
+    where = f"{workers} processes" if workers > 1 else "in-process"
+    print(f"bench: offline run ({where}, no server)" + (f", {beside}" if beside else ""))
+    tok_eos = plan.tokenizer.eos_token_id
+    if workers > 1:
+        with offline_workers.DecodePool(plan.target_params, plan.draft.path, plan.device, workers) as pool:
+            prompts, offline = offline_decode(plan, lambda ids, **kw: pool.decode(ids, plan.flags, physical, tokenizer_eos=tok_eos, **kw),
+                                              with_baseline=reference)
+        target, draft = offline_workers.load_models(plan.target_params, plan.draft.path, plan.device)  # the workers' copies are freed
+    else:
+        target, draft = offline_workers.load_models(plan.target_params, plan.draft.path, plan.device)
+        eos = offline_workers.stop_ids(target, tok_eos)
+        prompts, offline = offline_decode(plan, lambda ids, **kw: cost_timing.decode_each(target, draft, ids, plan.flags, physical,
+                                                                                           eos=eos, **kw), with_baseline=reference)
+    return OfflineDecode(target, draft, physical, prompts, offline, workers)
 
 
 def time_offline(plan: BenchPlan, decoded: OfflineDecode) -> tuple[dict, dict, list[int], list[float]]:
@@ -557,7 +579,14 @@ def time_offline(plan: BenchPlan, decoded: OfflineDecode) -> tuple[dict, dict, l
     # The loop: what the offline run's rounds (seconds each) took beyond the fitted parts, at the
     # configuration that ran. It may be negative: where the lines through every configuration's
     # timings overshoot this configuration's measured round, the measured round is the better figure.
-    round_s = (offline["decode_s"] - offline["requests"] * costs["draft_prefill_s"]) / max(1, offline["verify_ct"])
+    timed = offline
+    if decoded.workers > 1:  # the decode's seconds were shared with the other processes: its first prompt again, alone
+        reference = plan.bench_params.backend == "reference"
+        eos = offline_workers.stop_ids(target, plan.tokenizer.eos_token_id)
+        timed = cost_timing.summarize(prompts[:1], *cost_timing.decode_each(
+            target, draft, prompts[:1], flags, physical, plan.bench_params.max_new_tokens, eos, plan.bench_params.ignore_eos, reference))
+        offline["tokens_per_s"], offline["baseline_step_s"] = timed["tokens_per_s"], timed["baseline_step_s"]
+    round_s = (timed["decode_s"] - timed["requests"] * costs["draft_prefill_s"]) / max(1, timed["verify_ct"])
     parts = advice.round_cost(costs, *ran, offline["tau"])
     costs["offline_round_s"] = round_s
     costs["loop_s"] = round_s - parts["round"]
@@ -570,9 +599,10 @@ def time_offline(plan: BenchPlan, decoded: OfflineDecode) -> tuple[dict, dict, l
     return offline, costs, physical, ranks
 
 
-def offline_decode(plan: BenchPlan, target, draft, physical: list[int], eos: set[int], with_baseline: bool) -> tuple[list, dict]:
-    """(the prompts decoded, draftlab.bench.offline.summarize's figures): the first prompt set in-process, each
-    later turn after the engine's own answer to the turn before (greedy: the target's own answer)."""
+def offline_decode(plan: BenchPlan, decode_each, with_baseline: bool) -> tuple[list, dict]:
+    """(the prompts decoded, draftlab.bench.offline.summarize's figures): the first prompt set, each
+    later turn after the engine's own answer to the turn before (greedy: the target's own answer).
+    decode_each(ids, max_new_tokens=, ignore_eos=, with_baseline=, done=) -> (results, baselines)."""
     bp = plan.bench_params
     bset = dataclasses.replace(plan.sets[0], answers={})  # its own answers, not the baseline server's
     prompts, results, baselines = [], [], []
@@ -581,8 +611,8 @@ def offline_decode(plan: BenchPlan, target, draft, physical: list[int], eos: set
         for turn in range(1, bset.turns + 1):
             keys = [i for i, t in bset.requests if t == turn]
             ids = bset.render(plan.tokenizer, turn=turn)
-            got, base = cost_timing.decode_each(target, draft, ids, plan.flags, physical, bp.max_new_tokens, eos, bp.ignore_eos,
-                                                with_baseline, done=bar.update)
+            got, base = decode_each(ids, max_new_tokens=bp.max_new_tokens, ignore_eos=bp.ignore_eos, with_baseline=with_baseline,
+                                    done=bar.update)
             for i, r in zip(keys, got):
                 bset.answers[(i, turn)] = plan.tokenizer.decode(r.output_ids, skip_special_tokens=True)
             prompts, results, baselines = prompts + ids, results + got, baselines + base

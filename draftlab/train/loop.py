@@ -576,6 +576,9 @@ def fit(
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, global_loss.item(), time.perf_counter() - t0)
+            if rank == 0 and step == 1:  # its one-off costs: torch.compile, the first kernels' tuning, the target's first forward
+                tqdm.write(f"train: the first step took {time.perf_counter() - t0:.1f} s"
+                           + (" (torch.compile of the draft's layer and loss included)" if tp.compile else ""))
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{global_loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             if tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0:
@@ -583,15 +586,18 @@ def fit(
             if stop_after_steps is not None and step >= stop_after_steps:
                 bar.close()
                 return history
+        t_eval = time.perf_counter()
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
+        t_eval = time.perf_counter() - t_eval
         share = packed_padding_share(batches, lengths, world) if packed else padding_share(batches, lengths, world)
         history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
                         "train_padding_share": share,
                         **{f"eval_{k}": v for k, v in metrics.items()}})
         running = [0.0, 0]
         if rank == 0:
-            tqdm.write(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f}, accept {[round(a, 3) for a in metrics['accept']]}, tau_pred {metrics['tau_pred']:.3f}")
+            tqdm.write(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f}, accept {[round(a, 3) for a in metrics['accept']]}, tau_pred {metrics['tau_pred']:.3f} "
+                       f"({t_eval:.1f} s)")
         save(epoch + 1, 0)
     bar.close()
     return history
