@@ -192,6 +192,7 @@ def live(args) -> dict:
     """Start the stage's servers, answer, trace every server mid-run: the summary plus the run's rate."""
     from draftlab.data import synth
     from draftlab.params import load_params
+    from draftlab.errors import UserError
     from stages.synthesize import make_backend, own_servers
 
     params = load_params(["target", "synth"])
@@ -216,10 +217,19 @@ def live(args) -> dict:
         else:
             done["tokens"] += ans.completion_tokens
 
+    stopping = threading.Event()  # set once the servers are stopped on purpose (--stop-after-traces)
+
+    def answer(backend):
+        try:
+            backend.answer(rows, finished)
+        except UserError:  # the servers went away under the client: expected only when stopped on purpose
+            if not stopping.is_set():
+                raise
+
     with own_servers(target_params, synth_params, logs) as urls:
         backend = make_backend(target_params, synth_params, urls)
         t0 = time.perf_counter()
-        worker = threading.Thread(target=backend.answer, args=(rows, finished), daemon=True)
+        worker = threading.Thread(target=answer, args=(backend,), daemon=True)
         worker.start()
         time.sleep(args.warmup_s)
         if not worker.is_alive():
@@ -235,6 +245,7 @@ def live(args) -> dict:
         if not args.stop_after_traces:
             worker.join()
         seconds = time.perf_counter() - t0  # with --stop-after-traces, the conversations finished so far
+        stopping.set()
     summary = summarize(traces, args.top)
     summary.update(completion_tokens=done["tokens"], answer_s=round(seconds, 2), tokens_per_s=done["tokens"] / seconds,
                    conversations=done["rows"], errors=done["errors"], servers_started=len(urls),
