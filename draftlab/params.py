@@ -256,6 +256,10 @@ class ExtractParams:
     # own ModelRunner in this process (draftlab.features.engines), the kernels that will serve the draft.
     engine: Literal["transformers", "sglang"] = "transformers"
     tp_size: Annotated[Int, Field(ge=1)] = 1  # tensor-parallel ranks per engine (sglang only)
+    # A data curve from one synthesis: the train split's conversations sampled by id (each smaller sample inside every
+    # larger one), and each cut after its first answers the target wrote; None = all. The eval split is kept whole.
+    train_conversations: Annotated[Int, Field(ge=1)] | None = None
+    train_turns: Annotated[Int, Field(ge=1)] | None = None
 
     def problem(self) -> str | None:
         if self.tp_size > 1 and self.engine != "sglang":

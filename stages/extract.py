@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draftlab import jsonl
-from draftlab.data.answers import finish_reasons
+from draftlab.data.answers import answers_kept, finish_reasons, sample_conversations
 from draftlab.data.loops import answer_loop_flags
 from draftlab.features import extract
 from draftlab.features.engines import open_engine
@@ -99,6 +99,24 @@ def fitted(tok, row: dict, limit: int, path: Path) -> tuple[list[int], list[bool
         raise UserError(f"{path}: row {row['id']}{what} {len(ids)} tokens, more than extract.max_length/context {limit}; "
                         "raise extract.max_length or shorten synth.max_new_tokens")
     return ids, mask, left_out
+
+
+def train_subset(rows: list[dict], conversations: int | None, turns: int | None, say: bool) -> tuple[list[dict], dict]:
+    """(rows, counts) of the train split as extract.train_conversations and extract.train_turns cut it:
+    a sample of its conversations (draftlab.data.answers.sample_conversations), each cut after its
+    first answers (answers_kept); counts: what was left out, {} when nothing is cut."""
+    if conversations is None and turns is None:
+        return rows, {}
+    in_synth, answers = len(rows), sum(r.get("turns", 1) for r in rows)
+    rows = [answers_kept(r, turns) for r in sample_conversations(rows, conversations)]
+    counts = {"conversations_in_synth": in_synth, "answers_left_out": answers - sum(r.get("turns", 1) for r in rows)}
+    if say:
+        what = (f"{len(rows)} of {in_synth} conversations (extract.train_conversations)" if conversations is not None
+                else f"all {in_synth} conversations")
+        if turns is not None:
+            what += f", each cut after its first {'answer' if turns == 1 else f'{turns} answers'} (extract.train_turns)"
+        print(f"extract: train split: {what}; {counts['answers_left_out']} of its {answers} answers left out")
+    return rows, counts
 
 
 # Rendering is the chat template and the tokenizer, row by row: ~5 ms for a conversation of four turns
@@ -205,6 +223,9 @@ def main(synth: Path, out: Path) -> None:
     t0, tokens_done, bytes_written, counts = time.time(), 0, 0, {}
     for split in ("train", "eval"):
         rows = read_rows(synth / f"{split}.jsonl")
+        subset = {}
+        if split == "train":
+            rows, subset = train_subset(rows, extract_params.train_conversations, extract_params.train_turns, layout.writes)
         rendered, dropped = [], []  # dropped: later turns left out of each conversation cut to fit
         loop_tokens = answer_tokens = 0
         for ids, mask, left_out, looped in render_rows(tok, rows, limit, synth / f"{split}.jsonl", desc=f"render {split}",
@@ -233,7 +254,7 @@ def main(synth: Path, out: Path) -> None:
                 if int(old.stem.split("-")[1]) >= len(plan):
                     old.unlink()
         counts[split] = {"rows": len(rows), "shards": len(plan), "tokens": sum(lengths), "answer_tokens": answer_tokens,
-                         "loop_tokens": loop_tokens, "loop_share": round(loop_tokens / max(1, answer_tokens), 4)}
+                         "loop_tokens": loop_tokens, "loop_share": round(loop_tokens / max(1, answer_tokens), 4), **subset}
         if split == "train" and extract_params.loop_tokens == "skip":
             counts[split]["loop_tokens_learned"] = 0  # extract.loop_tokens skip: off the loss
         if any(dropped):  # conversations longer than extract.max_length: their first turns kept
