@@ -115,7 +115,8 @@ def test_a_sweep_runs_every_point_upstream_keys_slowest_keeps_each_and_resumes(t
         assert json.loads((kept / "data/prompts/manifest.json").read_text())["params"]["prompts"]["num_prompts"] == n
         assert json.loads((kept / "point.json").read_text())["finished"] is True
     grid = (root / "runs" / "grid.csv").read_text().splitlines()
-    assert grid[0].startswith("point,prompts.num_prompts,standardize.draft_vocab_size,tau_pred,served_tau") and len(grid) == 5
+    assert grid[0].startswith("point,prompts.num_prompts,standardize.draft_vocab_size,tau_pred,decoded_tau_first_turns,served_tau")
+    assert len(grid) == 5
     assert all("9.9" not in row for row in grid[1:])  # the bench did not run for these points: no served figure
 
     rc, out = run(root, *sweep)  # every point done: nothing runs
@@ -144,3 +145,24 @@ def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_p
         names = {m.name for m in tar.getmembers() if m.isfile()}
     assert names == set(files) - {"data/synth/train.jsonl", "models/draft/model.safetensors"}
     assert not (tmp_path / "results.tar.gz.tmp").exists()
+
+
+def test_a_grid_row_carries_the_decoded_tau_at_the_points_served_depth_so_a_train_only_grid_ranks_its_points(tmp_path):
+    """grid.csv's decoded_tau_first_turns: the train metrics' greedy chains over the eval split's first
+    answers at the point's own spec.num_steps; none where train did not run for the point."""
+    from draftlab.experiments.grid import summary_row
+
+    def point(name, steps, stages):
+        folder = tmp_path / name
+        (folder / "reports/train").mkdir(parents=True)
+        (folder / "point.json").write_text(json.dumps({"swept": [f"spec.num_steps={steps}"], "stages": [{"stage": s} for s in stages],
+                                                       "seconds": 12.5}))
+        (folder / "params.yaml").write_text(yaml.safe_dump({"spec": {"num_steps": steps}}))
+        (folder / "reports/train/metrics.json").write_text(json.dumps(
+            {"tau_pred": 2.6, "tau_decoded_first_turns_by_steps": {f"steps_{n}": 1.0 + 0.25 * n for n in range(1, 8)}}))
+        return folder
+
+    row = summary_row(point("01-num_steps=3", 3, ["train"]), ["spec.num_steps"])
+    assert row["decoded_tau_first_turns"] == 1.75 and row["tau_pred"] == 2.6 and row["spec.num_steps"] == "3"
+    assert summary_row(point("02-num_steps=5", 5, ["train"]), ["spec.num_steps"])["decoded_tau_first_turns"] == 2.25
+    assert summary_row(point("03-num_steps=5", 5, ["extract"]), ["spec.num_steps"])["decoded_tau_first_turns"] is None

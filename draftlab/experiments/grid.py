@@ -137,8 +137,21 @@ def summary_row(folder: Path, swept_keys: list[str]) -> dict:
     train, bench = (json.loads(p.read_text()) if stage in ran and p.exists() else {} for stage, p in
                     (("train", folder / "reports/train/metrics.json"), ("bench", folder / "reports/bench.json")))
     return {"point": folder.name, **{k: values.get(k) for k in swept_keys},
-            "tau_pred": train.get("tau_pred"), "served_tau": bench.get("tau"), "speedup": bench.get("speedup"),
+            "tau_pred": train.get("tau_pred"), "decoded_tau_first_turns": decoded_first_turns(folder, train),
+            "served_tau": bench.get("tau"), "speedup": bench.get("speedup"),
             "train_tokens_per_s": train.get("tokens_per_s"), "seconds": record.get("seconds")}
+
+
+def decoded_first_turns(folder: Path, train_metrics: dict) -> float | None:
+    """Greedy chains of the point's spec.num_steps replayed over the eval split's first answers
+    (train metrics tau_decoded_first_turns_by_steps): the training-side figure closest to what a bench
+    of first turns serves, so a grid run --until train can rank its points without serving them."""
+    by_steps = train_metrics.get("tau_decoded_first_turns_by_steps") or {}
+    try:
+        steps = yaml.safe_load((folder / "params.yaml").read_text())["spec"]["num_steps"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return by_steps.get(f"steps_{steps}") if steps else None
 
 
 def run_grid(profiles: list[str], sets: list[str], until: str | None, force: list[str], params_file, dvc_file,
