@@ -10,6 +10,7 @@ import yaml
 
 from draftlab.bench import offline_workers
 from draftlab.bench import run as bench_run
+from draftlab.errors import UserError
 from draftlab.params import ParamsError, load_params
 from tests.test_bench_sweep import make_project, prepare
 
@@ -58,3 +59,18 @@ def test_two_processes_decode_the_offline_run_to_the_figures_of_one(tmp_path, ca
     # the seconds come from the first prompt decoded again alone: a round as one process runs it
     assert b["tokens_per_s"] > 0 and b_costs["offline_round_s"] > 0
     assert b_costs["baseline_run_step_s"] > 0  # the reference backend's baseline step, from that same lone decode
+
+
+def _die(*_args):
+    import os
+
+    os._exit(9)  # as a process killed for memory ends: no exception, no result
+
+
+def test_a_worker_that_dies_names_the_setting_that_runs_without_it(tmp_path, monkeypatch):
+    root = make_project(tmp_path)
+    plan = prepare(root, tmp_path, offline_workers=2)
+    pool = offline_workers.DecodePool(plan.target_params, plan.draft.path, plan.device, 2)
+    monkeypatch.setattr(offline_workers, "_decode", _die)  # what the workers run, pickled by name: this module's _die
+    with pool, pytest.raises(UserError, match=r"set bench.offline_workers to fewer than 2 \(1 decodes in the bench's own process\)"):
+        pool.decode([[1, 2, 3]], plan.flags, [1, 3, 5], 4, None, False, False)

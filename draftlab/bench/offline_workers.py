@@ -17,10 +17,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
 from draftlab.engine import speculative
+from draftlab.errors import UserError
 
 AUTO_MAX = 4  # processes `auto` starts at most: past ~4 the GPU's time slices, not the host, bound a 135M target
 CORES_PER_WORKER = 4  # host cores `auto` leaves each process (the servers starting beside it need theirs)
@@ -114,5 +116,10 @@ class DecodePool:
         if done:
             for f in futures:
                 f.add_done_callback(lambda _: done())
-        pairs = [f.result() for f in futures]
+        try:
+            pairs = [f.result() for f in futures]
+        except BrokenProcessPool as e:  # a worker killed (out of memory, a signal): say which setting runs without them
+            raise UserError(f"a process of the bench's offline run died before its prompts were decoded ({e}); it holds its "
+                            f"own copy of the target and the draft: set bench.offline_workers to fewer than {self.workers} "
+                            "(1 decodes in the bench's own process)") from e
         return [got for got, _ in pairs], [base for _, base in pairs if base is not None]
