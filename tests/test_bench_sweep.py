@@ -374,13 +374,15 @@ def test_a_configuration_the_gpu_cannot_hold_with_the_first_ones_starts_once_the
     assert set(waves[0]["server_startup"]) == {"baseline", "2-1-3", "2-2-4"}
 
 
-def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_while_the_servers_start(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_while_the_servers_start(tmp_path, workers, capsys):
     """A stand-in layout (on the reference server) whose one wave leaves room for the offline run's
-    copy: it decodes between the servers' launch and their health, its rounds are timed once they are
-    up, before any request; its figures are those of the same run made before any server starts."""
+    copies: it decodes between the servers' launch and their health (in this process, or in two at
+    once), its rounds are timed once they are up, before any request; its figures are those of the
+    same run made before any server starts."""
     from draftlab.bench import memory, run as bench_run
 
-    root = make_project(tmp_path, sweep=["1-1-2"], concurrency=[1])
+    root = make_project(tmp_path, sweep=["1-1-2"], concurrency=[1], offline_workers=workers)
     names = ["2-1-3", "1-1-2"]
     layout = memory.Layout(4096, 0.95, [names], "0", 80 * memory.GIB, dict.fromkeys([memory.BASELINE, *names], 1), 8 * memory.GIB)
     events, sent = [], []
@@ -412,6 +414,7 @@ def test_where_the_gpu_holds_the_in_process_copy_too_the_offline_run_decodes_whi
     assert events.index("decode_offline done") < first < events.index("time_offline")  # decoded while they started
     assert min(sent) > events.index("time_offline done")  # no request before the rounds were timed
     assert list(report["phases_s"])[:2] == ["servers started, the offline run decoding meanwhile", "round costs"]
+    assert f"offline run ({'2 processes' if workers == 2 else 'in-process'}, no server), while the servers start" in capsys.readouterr().out
 
     (tmp_path / "again").mkdir()
     alone = bench_run.measure_offline(prepare(root, tmp_path / "again"))[0]  # the same run, no server beside it
