@@ -123,3 +123,17 @@ def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_gro
     assert "| loop tokens | 10 | 0.500 | 7 | 0.900 |" in md and "| positions 64-127 | 10 | 0.500 | 17 | 0.500 |" in md
     assert "| turn 1 | 10 | 0.500 |  |  |" in md  # the bench sends no turn groups
     assert "offline" not in "\n".join(rwr.step1_md(train, {"offline": {"tau": 2.0}}))  # an older bench: training's alone
+
+
+def test_the_first_steps_seconds_and_each_evals_come_from_the_train_manifests_throughput(tmp_path):
+    run = tmp_path / "run"
+    plots = run / "reports/train/plots"
+    plots.mkdir(parents=True)
+    (plots / "loss.tsv").write_text("epoch\ttrain_loss\teval_loss\n1\t20.0\t15.0\n2\t12.0\t10.0\n")
+    (plots / "accept.tsv").write_text("epoch\taccept_1\ttau_pred\n1\t0.47\t1.98\n2\t0.65\t3.03\n")
+    md = "\n".join(rwr.learning_curve_md(run, {"1": 21.1, "2": 2.2}))
+    assert "| epoch | train loss | eval loss | a_1 | predicted tau | eval (s) |" in md
+    assert "| 1 | 20.000 | 15.000 | 0.470 | 1.980 | 21.100 |" in md and "| 2 | 12.000 | 10.000 | 0.650 | 3.030 | 2.200 |" in md
+    assert "eval (s)" not in "\n".join(rwr.learning_curve_md(run, None))  # an older run's manifest: no column
+    assert rwr.first_step({"first_step_s": 47.61}) == "; the first step 47.61 s (compiling and first uses included)"
+    assert rwr.first_step({}) == ""

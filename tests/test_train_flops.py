@@ -52,3 +52,17 @@ def test_peak_is_none_on_a_cpu_unless_set(monkeypatch):
     assert peak_flops("cpu") is None
     monkeypatch.setenv("DRAFTLAB_PEAK_FLOPS", "1.5e14")
     assert peak_flops("cpu") == 1.5e14
+
+
+def test_meter_keeps_the_first_steps_seconds_and_each_evaluations_apart_from_the_rates():
+    """The first step pays torch.compile and every first use; evaluations are not steps: both are
+    reported as they were, and neither moves the steps' rate."""
+    m = Meter(TARGET, DRAFT, online=True)
+    m.step([3], [3.0], 40.0)
+    m.step([3], [3.0], 0.5)
+    m.evaluated(1, 21.14)
+    m.evaluated(2, 2.2)
+    s = m.summary(None)
+    assert s["first_step_s"] == 40.0 and s["eval_s"] == {"1": 21.14, "2": 2.2}
+    assert s["tokens_per_s"] == round(6 / 40.5, 1)
+    assert Meter(TARGET, DRAFT, online=True).summary(None)["first_step_s"] is None

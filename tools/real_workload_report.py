@@ -69,16 +69,19 @@ def read(run: Path, rel: str):
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def learning_curve_md(run: Path) -> list[str]:
-    """Per epoch: train and eval loss and the eval split's predicted tau (the train stage's plot files)."""
+def learning_curve_md(run: Path, eval_s: dict | None = None) -> list[str]:
+    """Per epoch: train and eval loss and the eval split's predicted tau (the train stage's plot files),
+    and the seconds each evaluation took where the train manifest has them (throughput.eval_s)."""
     accept, loss = run / "reports/train/plots/accept.tsv", run / "reports/train/plots/loss.tsv"
     if not (accept.exists() and loss.exists()):
         return []
     curve = pd.read_csv(loss, sep="\t").merge(pd.read_csv(accept, sep="\t"), on="epoch")
+    eval_s = {int(k): v for k, v in (eval_s or {}).items()}
+    timed = bool(eval_s)
     return ["## Learning curve (eval split, teacher-forced, after each epoch)", "",
-            table(["epoch", "train loss", "eval loss", "a_1", "predicted tau"],
+            table(["epoch", "train loss", "eval loss", "a_1", "predicted tau"] + (["eval (s)"] if timed else []),
                   [[int(r.epoch), round(r.train_loss, 4), round(r.eval_loss, 4), round(r.accept_1, 3), round(r.tau_pred, 3)]
-                   for r in curve.itertuples()]), ""]
+                   + ([eval_s.get(int(r.epoch))] if timed else []) for r in curve.itertuples()]), ""]
 
 
 def step1_md(train: dict, bench: dict | None = None) -> list[str]:
@@ -208,6 +211,12 @@ def by_group_md(bench: dict) -> list[str]:
     return out
 
 
+def first_step(throughput: dict) -> str:
+    """The first optimizer step's seconds (torch.compile and every first use), where the train manifest has them."""
+    seconds = throughput.get("first_step_s")
+    return "" if seconds is None else f"; the first step {seconds} s (compiling and first uses included)"
+
+
 def cache_rates(by_states: dict | None) -> str:
     """With train.state_cache: the rates of the steps whose states the target computed and of those read back."""
     if not by_states:
@@ -248,9 +257,9 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
-           f"{cache_rates(by_states)}.", "",
+           f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench),
-           *learning_curve_md(run),
+           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s")),
            *step1_md(train, bench),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",

@@ -99,11 +99,15 @@ class Meter:
         self.tokens = self.slots = self.steps = 0
         self.target = self.draft = self.seconds = 0.0
         self.by_states = {"computed": [0, 0, 0.0], "cached": [0, 0, 0.0]}  # steps, tokens, seconds: the target ran or not
+        self.first_step_s = None  # the first timed step's seconds: torch.compile and every first use are paid there
+        self.eval_s = {}  # epoch -> seconds its evaluation took (the first compiles for evaluation)
 
     def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None,
              target_ran: bool = True) -> None:
         """target_ran: False for an online step whose states came from the state cache (no target forward)."""
         self.steps += 1
+        if self.first_step_s is None:
+            self.first_step_s = seconds
         self.tokens += sum(lengths)
         if slots is None:
             slots = sum(len(lengths[r::world]) * max(lengths[r::world], default=0) for r in range(world))
@@ -114,6 +118,10 @@ class Meter:
         self.seconds += seconds
         got = self.by_states["computed" if target_ran else "cached"]
         got[0], got[1], got[2] = got[0] + 1, got[1] + sum(lengths), got[2] + seconds
+
+    def evaluated(self, epoch: int, seconds: float) -> None:
+        """The evaluation after `epoch` took `seconds` (not counted in the steps' rates)."""
+        self.eval_s[str(epoch)] = round(seconds, 2)
 
     def summary(self, peak: float | None) -> dict:
         """Rates over the timed steps; MFU None without a peak (CPU)."""
@@ -133,6 +141,8 @@ class Meter:
             "target_flop_share": round(self.target / flops, 4) if flops else None,
             "peak_flops": peak,
             "mfu": round(flops / s / peak, 4) if flops and peak and self.seconds else None,
+            "first_step_s": round(self.first_step_s, 2) if self.first_step_s is not None else None,
+            "eval_s": dict(self.eval_s),
             # online with train.state_cache: the steps whose states the target computed (the first epoch) apart
             # from those read back from the cache, each with its own rate; None where no step was cached
             "by_states": {k: {"steps": n, "tokens_per_s": round(t / sec, 1) if sec else None}

@@ -590,6 +590,8 @@ def fit(
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
         t_eval = time.perf_counter() - t_eval
+        if meter is not None:
+            meter.evaluated(epoch + 1, t_eval)
         share = packed_padding_share(batches, lengths, world) if packed else padding_share(batches, lengths, world)
         history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
                         "train_padding_share": share,
