@@ -63,6 +63,6 @@ def test_meter_keeps_the_first_steps_seconds_and_each_evaluations_apart_from_the
     m.evaluated(1, 21.14)
     m.evaluated(2, 2.2)
     s = m.summary(None)
-    assert s["first_step_s"] == 40.0 and s["eval_s"] == {"1": 21.14, "2": 2.2}
+    assert s["first_step_s"] == 40.0 and s["eval_s_by_epoch"] == {"1": 21.14, "2": 2.2}
     assert s["tokens_per_s"] == round(6 / 40.5, 1)
     assert Meter(TARGET, DRAFT, online=True).summary(None)["first_step_s"] is None

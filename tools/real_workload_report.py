@@ -71,7 +71,7 @@ def read(run: Path, rel: str):
 
 def learning_curve_md(run: Path, eval_s: dict | None = None) -> list[str]:
     """Per epoch: train and eval loss and the eval split's predicted tau (the train stage's plot files),
-    and the seconds each evaluation took where the train manifest has them (throughput.eval_s)."""
+    and the seconds each evaluation took where the train manifest has them (throughput.eval_s_by_epoch)."""
     accept, loss = run / "reports/train/plots/accept.tsv", run / "reports/train/plots/loss.tsv"
     if not (accept.exists() and loss.exists()):
         return []
@@ -259,7 +259,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench),
-           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s")),
+           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch")),
            *step1_md(train, bench),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",

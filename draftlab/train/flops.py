@@ -142,7 +142,7 @@ class Meter:
             "peak_flops": peak,
             "mfu": round(flops / s / peak, 4) if flops and peak and self.seconds else None,
             "first_step_s": round(self.first_step_s, 2) if self.first_step_s is not None else None,
-            "eval_s": dict(self.eval_s),
+            "eval_s_by_epoch": dict(self.eval_s),
             # online with train.state_cache: the steps whose states the target computed (the first epoch) apart
             # from those read back from the cache, each with its own rate; None where no step was cached
             "by_states": {k: {"steps": n, "tokens_per_s": round(t / sec, 1) if sec else None}
