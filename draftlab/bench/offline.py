@@ -22,7 +22,6 @@ import time
 import torch
 
 from draftlab.engine import ngram, speculative
-from draftlab.bench import offline_workers
 from draftlab.bench.advice import CHAINS, TREES
 from draftlab.data.loops import POSITION_BANDS, band_names, band_of, loop_flags
 from draftlab.train.draft import KVCache
@@ -46,13 +45,25 @@ def decode_each(target, draft, prompts: list[list[int]], flags, physical: list[i
     (the turns of a conversation) and `summarize` them together. done(): called after each prompt."""
     results, baselines = [], []
     for p in prompts:  # each prompt decoded both ways, one after the other: a drift in load hits both
-        got, base = offline_workers.decode_one(target, draft, p, flags, physical, max_new_tokens, eos, ignore_eos, with_baseline)
+        got, base = decode_one(target, draft, p, flags, physical, max_new_tokens, eos, ignore_eos, with_baseline)
         results.append(got)
         if base is not None:
             baselines.append(base)
         if done:
             done()
     return results, baselines
+
+
+def decode_one(target, draft, prompt: list[int], flags, physical: list[int], max_new_tokens: int, eos: set[int],
+               ignore_eos: bool, with_baseline: bool):
+    """(spec_engine result, baseline result or None) of one prompt: the engine with the served flags,
+    then (with_baseline) the same prompt without speculation, one right after the other so that a
+    drift in load hits both."""
+    got = speculative.generate(target, draft, prompt, num_steps=flags.num_steps, topk=flags.topk,
+                               num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical)
+    base = speculative.baseline_generate(target, prompt, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos) if with_baseline else None
+    return got, base
 
 
 def summarize(prompts: list[list[int]], results: list, baselines: list) -> dict:

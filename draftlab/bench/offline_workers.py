@@ -22,7 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from draftlab.engine import speculative
+from draftlab.bench.offline import decode_one
 from draftlab.errors import UserError
 
 AUTO_MAX = 4  # processes `auto` starts at most (the count measured: 2.7x one process for SmolLM2 on an H100)
@@ -61,18 +61,6 @@ def load_models(target_params, draft_path, device: str):
 def stop_ids(target, tokenizer_eos: int | None) -> set[int]:
     """The tokens that end an answer: the target's generation config's and the tokenizer's."""
     return {target.generation_config.eos_token_id, tokenizer_eos} - {None}
-
-
-def decode_one(target, draft, prompt: list[int], flags, physical: list[int], max_new_tokens: int, eos: set[int],
-               ignore_eos: bool, with_baseline: bool):
-    """(spec_engine result, baseline result or None) of one prompt: the engine with the served flags,
-    then (with_baseline) the same prompt without speculation, one right after the other so that a
-    drift in load hits both."""
-    got = speculative.generate(target, draft, prompt, num_steps=flags.num_steps, topk=flags.topk,
-                               num_draft_tokens=flags.num_draft_tokens, max_new_tokens=max_new_tokens,
-                               eos_token_id=eos, ignore_eos=ignore_eos, physical_layers=physical)
-    base = speculative.baseline_generate(target, prompt, max_new_tokens, eos_token_id=eos, ignore_eos=ignore_eos) if with_baseline else None
-    return got, base
 
 
 _MODELS = None  # a worker's (target, draft), loaded once by _start

@@ -103,6 +103,13 @@ class BenchPlan:
                                   Path(bset.source).parent, Path(bset.source))
 
     @property
+    def offline_baselines(self) -> bool:
+        """Whether the offline run also decodes each prompt without speculation: for the reference backend,
+        whose step is the in-process engine's; another engine's server is scaled on its own rounds
+        instead (draftlab.bench.fits.round_scale)."""
+        return self.bench_params.backend == "reference"
+
+    @property
     def flags(self) -> SpecFlags:
         """The flags the speculative server runs."""
         return self.resolution.effective
@@ -538,7 +545,6 @@ def decode_offline(plan: BenchPlan, beside: str = "") -> OfflineDecode:
     what runs meanwhile, for the progress line."""
     info = plan.target
     physical = plan.draft.served_physical(info["architecture"], info["num_layers"], plan.sglang_version)
-    reference = plan.bench_params.backend == "reference"  # else scaled on the served rounds (draftlab.bench.fits.round_scale)
     workers = offline_worker_count(plan, bool(beside))
     where = f"{workers} processes" if workers > 1 else "in-process"
     print(f"bench: offline run ({where}, no server)" + (f", {beside}" if beside else ""))
@@ -546,13 +552,13 @@ def decode_offline(plan: BenchPlan, beside: str = "") -> OfflineDecode:
     if workers > 1:
         with offline_workers.DecodePool(plan.target_params, plan.draft.path, plan.device, workers) as pool:
             prompts, offline = offline_decode(plan, lambda ids, **kw: pool.decode(ids, plan.flags, physical, tokenizer_eos=tok_eos, **kw),
-                                              with_baseline=reference)
+                                              with_baseline=plan.offline_baselines)
         target, draft = offline_workers.load_models(plan.target_params, plan.draft.path, plan.device)  # the workers' copies are freed
     else:
         target, draft = offline_workers.load_models(plan.target_params, plan.draft.path, plan.device)
         eos = offline_workers.stop_ids(target, tok_eos)
         prompts, offline = offline_decode(plan, lambda ids, **kw: cost_timing.decode_each(target, draft, ids, plan.flags, physical,
-                                                                                           eos=eos, **kw), with_baseline=reference)
+                                                                                           eos=eos, **kw), with_baseline=plan.offline_baselines)
     return OfflineDecode(target, draft, physical, prompts, offline, workers)
 
 
@@ -581,10 +587,10 @@ def time_offline(plan: BenchPlan, decoded: OfflineDecode) -> tuple[dict, dict, l
     # timings overshoot this configuration's measured round, the measured round is the better figure.
     timed = offline
     if decoded.workers > 1:  # the decode's seconds were shared with the other processes: its first prompt again, alone
-        reference = plan.bench_params.backend == "reference"
         eos = offline_workers.stop_ids(target, plan.tokenizer.eos_token_id)
         timed = cost_timing.summarize(prompts[:1], *cost_timing.decode_each(
-            target, draft, prompts[:1], flags, physical, plan.bench_params.max_new_tokens, eos, plan.bench_params.ignore_eos, reference))
+            target, draft, prompts[:1], flags, physical, plan.bench_params.max_new_tokens, eos, plan.bench_params.ignore_eos,
+            plan.offline_baselines))
         offline["tokens_per_s"], offline["baseline_step_s"] = timed["tokens_per_s"], timed["baseline_step_s"]
     round_s = (timed["decode_s"] - timed["requests"] * costs["draft_prefill_s"]) / max(1, timed["verify_ct"])
     parts = advice.round_cost(costs, *ran, offline["tau"])

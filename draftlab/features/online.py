@@ -136,7 +136,10 @@ class OnlineFeatures(Sequences):
         else:  # the target runs on the sequences not seen before (their own padded batch); then all are read back
             if todo:
                 n = [len(seqs[j][0]) for j in todo]
-                aux, final = self._states(to_device(ids[todo, : max(n)], device), to_device(real[todo, : max(n)], device), device)
+                if len(todo) == len(indices):  # every row new (the first epoch, mostly): the copies already made
+                    aux, final = self._states(*on_device, device)
+                else:
+                    aux, final = self._states(to_device(ids[todo, : max(n)], device), to_device(real[todo, : max(n)], device), device)
                 for k, j in enumerate(todo):
                     cache.put(indices[j], aux[k, : n[k]], final[k, : n[k]])
             aux, final = cache.read(indices, T)

@@ -586,12 +586,12 @@ def fit(
             if stop_after_steps is not None and step >= stop_after_steps:
                 bar.close()
                 return history
-        t_eval = time.perf_counter()
+        eval_started = time.perf_counter()
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))
-        t_eval = time.perf_counter() - t_eval
+        eval_s = time.perf_counter() - eval_started
         if meter is not None:
-            meter.evaluated(epoch + 1, t_eval)
+            meter.evaluated(epoch + 1, eval_s)
         share = packed_padding_share(batches, lengths, world) if packed else padding_share(batches, lengths, world)
         history.append({"epoch": epoch + 1, "step": step, "train_loss": running[0] / max(1, running[1]),
                         "train_padding_share": share,
@@ -599,7 +599,7 @@ def fit(
         running = [0.0, 0]
         if rank == 0:
             tqdm.write(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f}, accept {[round(a, 3) for a in metrics['accept']]}, tau_pred {metrics['tau_pred']:.3f} "
-                       f"({t_eval:.1f} s)")
+                       f"({eval_s:.1f} s)")
         save(epoch + 1, 0)
     bar.close()
     return history
