@@ -40,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from draftlab.tracing import union_us  # noqa: E402
+
 BUSY_IS_GPU_BOUND = 0.85  # a GPU with kernels running this share of the window is the limit
 
 # Kernel groups by name, first match wins (SGLang's triton attention kernels are _fwd_kernel*,
@@ -79,17 +81,6 @@ def trace_events(trace: dict) -> tuple[list[tuple[float, float, str]], int]:
         elif e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch":
             graphs += 1
     return sorted(kernels), graphs
-
-
-def union_us(intervals, lo: float, hi: float) -> float:
-    """Microseconds of [lo, hi] covered by at least one interval."""
-    covered, end = 0.0, lo
-    for start, stop, *_ in sorted(intervals):
-        start, stop = max(start, end), min(stop, hi)
-        if stop > start:
-            covered += stop - start
-            end = stop
-    return covered
 
 
 def summarize(traces: list[Path], top: int = 12) -> dict:

@@ -69,7 +69,7 @@ from draftlab.train import loop  # noqa: E402
 from draftlab.train.batches import packed_batches  # noqa: E402
 from draftlab.train.draft import DraftConfig, TTTCache  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
-from synth_profile import union_us  # noqa: E402 - benchmarks/ is this script's own folder
+from draftlab.tracing import gpu_busy_share  # noqa: E402
 
 
 def quiet_progress_bars() -> None:
@@ -150,16 +150,6 @@ def read_split(split: Path, t: dict, max_length: int) -> tuple[list[int], list[i
         raise SystemExit(f"--split {split}: token id {top} is outside the shape's vocabulary of {t['vocab_size']}; "
                          f"pick the --shape of the target that wrote it")
     return [ds.length(i) for i in range(len(ds))], physical
-
-
-def gpu_busy_share(events) -> float | None:
-    """The share of the traced window (first to last event, host or GPU) in which a GPU kernel ran."""
-    spans = [(e.time_range.start, e.time_range.end) for e in events]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA"]
-    if not kernels:
-        return None
-    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    return union_us(kernels, lo, hi) / max(hi - lo, 1e-9)
 
 
 class Timed(Meter):

@@ -9,6 +9,9 @@ process loads the target once on its training device and computes each batch's s
 Resumable: a checkpoint is written every train.checkpoint_every steps under --resume-dir; a re-run
 with the same configuration continues from it and ends with the same weights as an
 uninterrupted run. It is deleted once the stage completes.
+DRAFTLAB_TRAIN_PROFILE=N[:COUNT] traces steps N.. of this run (draftlab.train.profile) into
+<reports>/step-profile.json: where a step's time goes, on the host and on the GPU (it is no
+param: `dvc repro --force train` with it set).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from draftlab.train import loop as train
 from draftlab.cli import run_stage_cli
 from draftlab.train.draft import DraftConfig
 from draftlab.train.flops import Meter, peak_flops
+from draftlab.train.profile import StepProfile, requested as profile_requested
 from draftlab.errors import UserError
 from draftlab.features.dataset import FeatureDataset, check_manifest_target, load_draft_vocab
 from draftlab.fsutil import atomic_replace_dir, atomic_write_json, atomic_write_text
@@ -121,6 +125,7 @@ def step1_line(kinds: dict, bands: dict, turns: dict | None = None) -> str:
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
     target_params, train_params = params.target, params.train
+    profiled = profile_requested()  # a malformed DRAFTLAB_TRAIN_PROFILE stops the stage before any work
     features_manifest = read_verified(features)  # every shard standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target")
     if not isinstance(target, dict) or not target:
@@ -151,8 +156,17 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
     t0, step_seconds = time.time(), []
     meter = Meter(target, cfg, train_params.features == "online")
+    traced = StepProfile(*profiled, device) if profiled and rank == 0 else None
+    if traced:
+        traced.step(0)
+
+    def on_step(step, _loss, sec):
+        step_seconds.append(sec)
+        if traced:
+            traced.step(step)
+
     history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
-                        device, rank, world, on_step=lambda _step, _loss, sec: step_seconds.append(sec), meter=meter)
+                        device, rank, world, on_step=on_step, meter=meter)
     seconds = time.time() - t0
     rate = meter.summary(peak_flops(device))  # this process's timed steps (a resumed run: the steps it ran)
     # Training rate: real tokens of every process's batches over this process's optimizer-step
@@ -232,6 +246,11 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if by := rate.get("by_states"):
             print(f"train: steps whose states the target computed: {by['computed']['steps']} at {by['computed']['tokens_per_s']} "
                   f"tokens/s; read from the state cache: {by['cached']['steps']} at {by['cached']['tokens_per_s']} tokens/s")
+        if traced and traced.close(reports / "step-profile.json"):
+            print(traced.line())
+        elif traced:
+            print(f"train: {traced.first} is past this run's last step ({history[-1]['step']}): nothing traced "
+                  "(DRAFTLAB_TRAIN_PROFILE counts steps from 1 over all epochs)")
         if (mem := manifest["info"]["cuda_memory"]) and mem["alloc_retries"]:
             print(f"train: warning: the CUDA allocator ran short {mem['alloc_retries']} time(s) (peak {mem['peak_reserved_gib']} GiB "
                   "reserved): each time it freed its cache and synchronized the GPU, which slows the steps; train.state_cache off "

@@ -166,3 +166,41 @@ def test_a_grid_row_carries_the_decoded_tau_at_the_points_served_depth_so_a_trai
     assert row["decoded_tau_first_turns"] == 1.75 and row["tau_pred"] == 2.6 and row["spec.num_steps"] == "3"
     assert summary_row(point("02-num_steps=5", 5, ["train"]), ["spec.num_steps"])["decoded_tau_first_turns"] == 2.25
     assert summary_row(point("03-num_steps=5", 5, ["extract"]), ["spec.num_steps"])["decoded_tau_first_turns"] is None
+
+
+def write_wheel(folder, name: str, version: str):
+    """A pure-Python wheel of one module `name` whose VERSION is `version` (no build tool needed)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{p},,\n" for p in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_a_gpu_node_installs_the_wheels_once_and_again_only_when_they_change(tmp_path):
+    """tools/offline_gpu_run.sh on a resume: the same wheels are not installed again (minutes on a
+    GPU node); other wheels are, replacing the old versions."""
+    root = reduced_project(tmp_path / "p")
+    wheels, results = tmp_path / "wheels", tmp_path / "results"
+    write_wheel(wheels, "nodepkg", "0.1")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+
+    def node_run():
+        r = subprocess.run(["bash", str(ROOT / "tools/offline_gpu_run.sh"), str(wheels), str(results), "--help"], cwd=root,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout + r.stderr
+
+    assert "already installed" not in node_run()
+    assert "VERSION = '0.1'" in (results / "site/nodepkg/__init__.py").read_text()
+    assert "the same 1 already installed" in node_run()
+    (wheels / "nodepkg-0.1-py3-none-any.whl").unlink()
+    write_wheel(wheels, "nodepkg", "0.2")
+    assert "already installed" not in node_run()
+    assert "VERSION = '0.2'" in (results / "site/nodepkg/__init__.py").read_text()

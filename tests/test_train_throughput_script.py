@@ -79,21 +79,6 @@ def test_a_split_of_another_target_is_refused_naming_what_does_not_fit(tmp_path)
     assert vocab.returncode != 0 and "outside the shape's vocabulary of 512" in vocab.stderr
 
 
-def test_the_gpu_busy_share_is_the_union_of_kernels_over_the_traced_window():
-    import types
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import train_throughput
-
-    def event(kind, a, b):
-        return types.SimpleNamespace(device_type=types.SimpleNamespace(name=kind), time_range=types.SimpleNamespace(start=a, end=b))
-
-    # host events span 0-100 us; kernels 10-30 and 20-40 overlap (30 us), 60-70 adds 10: 40% busy
-    events = [event("CPU", 0, 100), event("CUDA", 10, 30), event("CUDA", 20, 40), event("CUDA", 60, 70)]
-    assert abs(train_throughput.gpu_busy_share(events) - 0.4) < 1e-9
-    assert train_throughput.gpu_busy_share([event("CPU", 0, 5)]) is None
-
-
 def test_compare_target_compiles_every_layer_with_one_graph_and_gives_the_eager_states_back():
     """--compare-target's target: the captured states equal the eager ones up to rounding, the layers
     share one graph per masking (padded batches and unpadded ones), and the next mode gets the eager

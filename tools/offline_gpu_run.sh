@@ -8,7 +8,8 @@
 # pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
 # `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
 # (and the stage manifests, the run-stages record, the draft's config and a grid's runs/) is packed into
-# RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped.
+# RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped, and
+# the wheels are not installed again while their file names are the same.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
 mkdir -p "$results"
@@ -16,7 +17,14 @@ for first in "$wheels"/*.whl.part-aa; do
   [ -e "$first" ] || continue
   whole=${first%.part-aa}; [ -e "$whole" ] || cat "${whole}".part-* > "$whole"
 done
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$results/site" "$wheels"/*.whl || exit 1
+# Installed once per set of wheels: a re-run with the same wheels (a resume) reuses RESULTS/site.
+want=$(cd "$wheels" && ls -1 *.whl | sort)
+if [ -d "$results/site" ] && [ "$want" = "$(cat "$results/site/.wheels" 2>/dev/null)" ]; then
+  echo "wheels: the same $(echo "$want" | wc -l) already installed in $results/site"
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$results/site" "$wheels"/*.whl || exit 1
+  echo "$want" > "$results/site/.wheels"
+fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
 pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED)
   python3 -c 'import sys; from draftlab.experiments.grid import pack; pack(sys.argv[1])' "$results/results.tar.gz" \
