@@ -19,7 +19,7 @@ PACKAGE = ROOT / "draftlab"
 WINGS = ["target", "data", "features", "train", "sglang", "engine", "bench", "check", "experiments"]
 # What every wing may use: the params, manifests, metrics, errors and file helpers.
 BASICS = {"errors", "fsutil", "dtypes", "params", "manifest", "metrics", "jsonl", "cli", "parallel", "lifecycle",
-          "progress", "yamlfile"}
+          "progress", "tracing", "yamlfile"}
 # Entry points above everything: the draftlab command and the short names of python -m.
 TOP = {"__init__", "__main__", "main", "server"}
 
