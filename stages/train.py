@@ -156,7 +156,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
     t0, step_seconds = time.time(), []
     meter = Meter(target, cfg, train_params.features == "online")
-    traced = StepProfile(*profiled, device) if profiled and rank == 0 else None
+    traced = StepProfile(*profiled, device, reports / "step-profile.json") if profiled and rank == 0 else None
     if traced:
         traced.step(0)
 

@@ -107,6 +107,7 @@ class StaticDecode:
 
 def decode_graph(P, model) -> None:
     from draftlab.engine import speculative
+    from draftlab.target.attention import attention_kernels
 
     dev, S = P["device"], "decode_graph"
     floor = copy_rate(P) / decode_bytes(model)
@@ -115,7 +116,7 @@ def decode_graph(P, model) -> None:
     new = P["graph_new"]
     ref = speculative.baseline_generate(model, prompt, new + 1, ignore_eos=True)
     sd = StaticDecode(model, -(-(len(prompt) + new + 8) // 64) * 64)  # slots in whole 64s: aligned for the attention kernels
-    with speculative.attention_kernels(dev), torch.inference_mode():
+    with attention_kernels(dev), torch.inference_mode():
         # The same computation as the engine: logits of the static step against the engine's own
         # forward, fed the same tokens, for a few steps.
         x = sd.prefill(prompt)

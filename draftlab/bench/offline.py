@@ -27,6 +27,7 @@ from draftlab.data.loops import POSITION_BANDS, band_names, band_of, loop_flags
 from draftlab.train.draft import KVCache
 from draftlab.features.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
+from draftlab.target.attention import attention_kernels
 
 
 def offline_run(target, draft, prompts: list[list[int]], flags, physical: list[int], max_new_tokens: int,
@@ -173,7 +174,7 @@ def measure_costs(target, draft, prompt: list[int], physical: list[int], configs
     n = len(prompt)
     speculative.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
 
-    with AuxCapture(target, physical) as aux, speculative.attention_kernels(device):
+    with AuxCapture(target, physical) as aux, attention_kernels(device):
         def prefilled(tokens):  # (ids, target cache, first token, draft cache, root state, seconds, draft seconds)
             ids = torch.tensor([tokens], device=device)
             cache = speculative.new_cache(target)
@@ -320,7 +321,7 @@ def measure_ngram_costs(target, prompt: list[int], prompt_len: int, configs, his
     for seq in history:
         cache.start(seq)
     speculative.baseline_generate(target, prompt, 2, ignore_eos=True)  # warm-up
-    with speculative.attention_kernels(device):
+    with attention_kernels(device):
         ids = torch.tensor([prompt], device=device)
         kv = speculative.new_cache(target)
         x = int(speculative.target_forward(target, ids, kv, logits_to_keep=1)[0, -1].argmax())

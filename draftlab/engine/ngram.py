@@ -38,6 +38,7 @@ import torch
 
 from draftlab.engine import speculative
 from draftlab.engine.attention import use_shared_kv
+from draftlab.target.attention import attention_kernels
 
 SEP = -1  # between requests in the cache: no match and no continuation crosses it
 RECENT = 64  # occurrences of the matched suffix read for continuations, most recent first
@@ -181,7 +182,7 @@ def generate(target, cache: NgramCache, prompt_ids, *, num_draft_tokens: int, ma
     if max_new_tokens <= 0:
         return speculative.SpecResult([], finish, 0, hist, proposed, accepted, 0.0, 0.0, 0.0, time.perf_counter() - t_start)
     cache.start(prompt_ids)
-    with speculative.attention_kernels(device):
+    with attention_kernels(device):
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).view(1, -1)
         n = prompt.shape[1]
         kv = speculative.new_cache(target)

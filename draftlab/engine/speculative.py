@@ -43,7 +43,6 @@ keep_kv) and the sampler they share are read together, top to bottom, like gpt-f
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
@@ -60,6 +59,7 @@ from draftlab.errors import UserError
 from draftlab.features.extract import AuxCapture
 from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang.flags import tree_candidates
+from draftlab.target.attention import attention_kernels
 
 GREEDY_BELOW = 1e-5  # SGLang treats a temperature below this as greedy
 
@@ -476,24 +476,6 @@ def target_forward(target, input_ids, cache, **kw) -> torch.Tensor:
     """Logits of one cached target forward."""
     with attention_kernels(target.device):
         return target(input_ids=input_ids, use_cache=True, **{_cache_arg(type(target)): cache}, **kw).logits
-
-
-AVOID_CUDNN_ATTENTION = True  # benchmarks/paths_vs_ceilings.py turns it off to measure the difference
-
-
-def attention_kernels(device):
-    """SDPA without its cuDNN backend on CUDA (a no-op elsewhere).
-
-    Decoding changes the KV length at every step, and cuDNN builds a plan per shape. On an H200
-    (torch 2.11) an 8B target's decode took 81 ms per token with SDPA free to pick cuDNN on new
-    lengths, 25 ms on lengths seen before, and 24 ms without cuDNN (reports/perf/). Flash and
-    memory-efficient attention have no such per-shape cost.
-    """
-    if not AVOID_CUDNN_ATTENTION or torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import UserError
+from draftlab.target.attention import attention_kernels
 
 
 def decoder_layers(model):
@@ -71,7 +72,8 @@ def capture(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     forward: its check of the position ids for packed sequences.)"""
     base, layers, _ = decoder_layers(model)
     L = len(layers)
-    with AuxCapture(model, sorted(set(physical) | {L})) as cap:
+    with AuxCapture(model, sorted(set(physical) | {L})) as cap, attention_kernels(input_ids.device):
+        # attention_kernels: every batch has its own padded length, and cuDNN would plan for each one.
         # The base model (no lm_head): logits over the vocab would cost B*T*V memory for nothing.
         base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return {i: cap.got[i] for i in physical}, cap.got[L]

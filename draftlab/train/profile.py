@@ -51,8 +51,9 @@ class StepProfile:
     """Call step(0) before training and step(n) after optimizer step n (fit's on_step): traces steps
     first..first+count-1."""
 
-    def __init__(self, first: int, count: int, device: torch.device, top: int = 12):
-        self.first, self.count, self.device, self.top = first, count, torch.device(device), top
+    def __init__(self, first: int, count: int, device: torch.device, out: Path | None = None, top: int = 12):
+        """out: where the summary is written as soon as the traced steps end (a run that fails later keeps it)."""
+        self.first, self.count, self.device, self.out, self.top = first, count, torch.device(device), out, top
         self.prof = None
         self.started = self.wall = None
         self.seen = 0  # traced steps that have ended
@@ -71,6 +72,14 @@ class StepProfile:
             self.wall = time.perf_counter() - self.started
             self.prof.stop()
             self.result = self._summary()
+            if self.out is not None:
+                self._write(self.out)
+
+    def _write(self, out: Path) -> None:
+        from draftlab.fsutil import atomic_write_json
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, self.result)
 
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -107,12 +116,10 @@ class StepProfile:
     def close(self, out: Path) -> dict | None:
         """Write the summary to `out` (JSON); a trace still running (the run ended first) is stopped and
         summarized over the steps it saw."""
-        from draftlab.fsutil import atomic_write_json
-
         if self.result is None and self.prof is not None and self.seen:
             self.wall = time.perf_counter() - self.started
             self.prof.stop()
             self.result = self._summary()
         if self.result is not None:
-            atomic_write_json(out, self.result)
+            self._write(out)
         return self.result
