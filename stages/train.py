@@ -249,8 +249,9 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if traced and traced.close(reports / "step-profile.json"):
             print(traced.line())
         elif traced:
-            print(f"train: {traced.first} is past this run's last step ({history[-1]['step']}): nothing traced "
-                  "(DRAFTLAB_TRAIN_PROFILE counts steps from 1 over all epochs)")
+            print(f"train: nothing traced: step {traced.first} is not among the steps this process ran (the run ends at step "
+                  f"{history[-1]['step']}; a resumed run starts after its checkpoint). DRAFTLAB_TRAIN_PROFILE counts steps "
+                  "from 1 over all epochs")
         if (mem := manifest["info"]["cuda_memory"]) and mem["alloc_retries"]:
             print(f"train: warning: the CUDA allocator ran short {mem['alloc_retries']} time(s) (peak {mem['peak_reserved_gib']} GiB "
                   "reserved): each time it freed its cache and synchronized the GPU, which slows the steps; train.state_cache off "

@@ -567,7 +567,7 @@ def fit(
             global_loss = loss.detach() / world  # each process holds its share of the global loss
             if world > 1:
                 dist.all_reduce(global_loss)
-            loss_value = global_loss.item()  # the step's one wait on the GPU: every use below reads this copy
+            loss_value = global_loss.item()  # read from the GPU once: every use below shares this copy
             running = [running[0] + loss_value, running[1] + 1]
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
                 seqs = [i for row in batches[b] for i in row] if packed else batches[b]
