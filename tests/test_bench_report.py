@@ -1,5 +1,6 @@
 """"Does training pay?": the verdict, the best of each kind per concurrency, where the reports put
 the table; and the NGRAM advice's algebra on noiseless synthetic pairings."""
+import json
 import re
 import statistics
 import sys
@@ -163,3 +164,15 @@ def test_without_an_ngram_pairing_there_is_no_ngram_advice():
     got = ngram_advice.advise("sglang", [], COSTS, DRAFT)
     assert got == {"report": None, "by_key": {}, "by_concurrency_key": {}}
     assert ngram_advice.advice_text({"advice": "num_steps=5 (predicted 1.8x)"}, got) == "num_steps=5 (predicted 1.8x)"
+
+
+def test_the_real_workload_report_names_where_the_traced_training_steps_spent_their_time(tmp_path):
+    (tmp_path / "reports/train").mkdir(parents=True)
+    assert rwr.step_profile_md(tmp_path) == []  # a run that traced no steps: no line
+    (tmp_path / "reports/train/step-profile.json").write_text(json.dumps({
+        "steps": [150, 152], "wall_s_per_step": 0.4114, "gpu_busy_share": 0.6461,
+        "host_self_time": [{"name": "aten::_cudnn_attention_forward", "ms_per_step": 109.11, "calls_per_step": 80.0}],
+        "gpu_kernel_time": [{"name": "aten::mm", "ms_per_step": 46.37, "calls_per_step": 738.0}]}))
+    md = "\n".join(rwr.step_profile_md(tmp_path))
+    assert "steps 150-152 traced" in md and "411 ms a step, the GPU busy 64.6% of it" in md
+    assert "`aten::_cudnn_attention_forward` 109.11 ms (80.0 calls)" in md and "`aten::mm` 46.37 ms" in md

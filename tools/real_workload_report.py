@@ -4,8 +4,9 @@
 
 RUN is a project root after `draftlab exp run configs/real-gpu.yaml` (or `draftlab run-stages ...`),
 or the unpacked results.tar.gz of tools/offline_gpu_run.sh. OUT gets the run's measured files
-(bench.json, the bench CSVs and plots, the train metrics and curves, check.md, the stage manifests'
-counts, the stage times) and results.md: first "does training pay?" (the baseline, the best n-gram
+(bench.json, the bench CSVs and plots, the train metrics and curves, the train stage's traced steps
+where DRAFTLAB_TRAIN_PROFILE was set, check.md, the stage manifests' counts, the stage times) and
+results.md: first "does training pay?" (the baseline, the best n-gram
 lookup and the best trained draft at every concurrency, per prompt set of bench.prompts, and the
 held-out set against an earlier measurement of the same prompts), then the tau triangle with
 acceptance by draft position, every configuration at every concurrency, the advice against the
@@ -55,7 +56,7 @@ COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json report
           "reports/train/plots/loss.png reports/train/plots/accept.tsv reports/train/plots/loss.tsv reports/bench/configurations.csv reports/bench/concurrency.csv "
           "reports/bench/acceptance.csv reports/bench/configurations.png reports/bench/bench.png "
           "reports/bench/requests.jsonl reports/bench/report.md reports/bench/categories.png reports/bench/categories.csv "
-          "params.yaml").split()
+          "reports/train/step-profile.json params.yaml").split()
 
 
 def kind(row: dict) -> str:
@@ -225,6 +226,18 @@ def cache_rates(by_states: dict | None) -> str:
             f"from the cache {by_states['cached']['tokens_per_s']} tok/s")
 
 
+def step_profile_md(run: Path) -> list[str]:
+    """The train stage's traced steps (DRAFTLAB_TRAIN_PROFILE, draftlab.train.profile), where the run traced any."""
+    p = read(run, "reports/train/step-profile.json")
+    if not p:
+        return []
+    busy = "no GPU kernels traced" if p["gpu_busy_share"] is None else f"the GPU busy {p['gpu_busy_share']:.1%} of it"
+    host = ", ".join(f"`{e['name']}` {e['ms_per_step']} ms ({e['calls_per_step']} calls)" for e in p["host_self_time"][:5])
+    gpu = ", ".join(f"`{e['name'][:60]}` {e['ms_per_step']} ms" for e in p["gpu_kernel_time"][:5])
+    return [f"Training steps {p['steps'][0]}-{p['steps'][1]} traced (`step-profile.json`): {p['wall_s_per_step'] * 1e3:.0f} ms a "
+            f"step, {busy}. Most host time of its own, per step: {host}." + (f" Most GPU time: {gpu}." if gpu else ""), ""]
+
+
 def startups_md(synth: dict, bench: dict) -> list[str]:
     """The servers' start-ups, launch to a healthy /health, by phase (draftlab.sglang.startup): the
     synthesize stage's and the bench's, where their manifests recorded them."""
@@ -259,6 +272,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench),
+           *step_profile_md(run),
            *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch")),
            *step1_md(train, bench),
            *training_pays_md(bench),
