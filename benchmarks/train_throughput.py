@@ -39,9 +39,10 @@ trains on a split the pipeline wrote instead (data/features/train: its tokens re
 sequence lengths, loss masks and token ids; the target keeps the shape's random weights, so the
 split must be of a target of that shape): what the train stage's own data costs, against the shape's
 synthetic lengths. `--profile` runs --warmup + 3 more packed-mode steps under torch.profiler, traces
-the 3 after the warm-up and prints the top operators by self time (GPU kernel time on CUDA) and the
-GPU's busy share: the union of its kernels over the traced steps' wall time (below ~90%, the host
-side, not the kernels, bounds the step). `--eval DIR` times the stage's evaluation of that split
+the 3 after the warm-up with the train stage's own tracer (draftlab.train.profile, as
+DRAFTLAB_TRAIN_PROFILE does) and prints the operators with the most host time and the kernels with the
+most GPU time per step, and the GPU's busy share: the union of its kernels over the traced steps' wall
+time (below ~90%, the host side, not the kernels, bounds the step). `--eval DIR` times the stage's evaluation of that split
 (data/features/eval) twice after each mode's timed steps: the first call includes what
 compiling for evaluation costs.
 """
@@ -69,7 +70,7 @@ from draftlab.train import loop  # noqa: E402
 from draftlab.train.batches import packed_batches  # noqa: E402
 from draftlab.train.draft import DraftConfig, TTTCache  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
-from draftlab.tracing import gpu_busy_share  # noqa: E402
+from draftlab.train.profile import StepProfile  # noqa: E402
 
 
 def quiet_progress_bars() -> None:
@@ -247,19 +248,16 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
                                              stop_after_steps=args.warmup + steps, meter=meter, on_step=on_step)
         if not profile:
             call()
-        else:
-            from torch.profiler import ProfilerActivity, profile as prof, schedule
-
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            # the warm-up steps (compile included) run untraced; the next `steps` are traced
-            with prof(activities=acts, schedule=schedule(wait=args.warmup, warmup=0, active=steps, repeat=1)) as p:
-                call(on_step=lambda *_: p.step())
-            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-            print(p.key_averages().table(sort_by=key, row_limit=args.top), flush=True)
-            busy = gpu_busy_share(p.events())
-            if busy is not None:
-                print(f"GPU busy {busy:.1%} of the {steps} traced steps' wall time (the union of its kernels)", flush=True)
-            return {"mode": name, "gpu_busy_share": busy}
+        else:  # the warm-up steps (compile included) run untraced; the next `steps` are traced as the stage traces its own
+            traced = StepProfile(args.warmup + 1, steps, device, Path(tmp) / "step-profile.json", top=args.top)
+            traced.step(0)
+            call(on_step=lambda step, *_: traced.step(step))
+            got = traced.close()
+            print(traced.line(), flush=True)
+            for group in ("host_self_time", "gpu_kernel_time"):
+                for e in got[group]:
+                    print(f"  {group}: {e['ms_per_step']:9.2f} ms a step  {e['calls_per_step']:7.1f} calls  {e['name'][:90]}", flush=True)
+            return {"mode": name, **got}
         evals = []
         for _ in range(2 if args.eval else 0):  # the stage's evaluation of the eval split, as after an epoch
             t0 = time.perf_counter()

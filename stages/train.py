@@ -246,7 +246,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if by := rate.get("by_states"):
             print(f"train: steps whose states the target computed: {by['computed']['steps']} at {by['computed']['tokens_per_s']} "
                   f"tokens/s; read from the state cache: {by['cached']['steps']} at {by['cached']['tokens_per_s']} tokens/s")
-        if traced and traced.close(reports / "step-profile.json"):
+        if traced and traced.close():
             print(traced.line())
         elif traced:
             print(f"train: nothing traced: step {traced.first} is not among the steps this process ran (the run ends at step "

@@ -568,20 +568,21 @@ def fit(
             if world > 1:
                 dist.all_reduce(global_loss)
             loss_value = global_loss.item()  # read from the GPU once: every use below shares this copy
+            seconds = time.perf_counter() - t0  # the step's wall time, the loss waited for: one figure for every record below
             running = [running[0] + loss_value, running[1] + 1]
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
                 seqs = [i for row in batches[b] for i in row] if packed else batches[b]
                 slots = packed_slots(batches[b], lengths, world) if packed else None
-                meter.step([lengths[i] for i in seqs], counts.tolist(), time.perf_counter() - t0, world, slots,
+                meter.step([lengths[i] for i in seqs], counts.tolist(), seconds, world, slots,
                            target_ran=getattr(train_ds, "target_ran", True))
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
-                on_step(step, loss_value, time.perf_counter() - t0)
+                on_step(step, loss_value, seconds)
             if rank == 0 and step == 1:  # its one-off costs: torch.compile, the first kernels' tuning, the target's first forward
-                tqdm.write(f"train: the first step took {time.perf_counter() - t0:.1f} s"
+                tqdm.write(f"train: the first step took {seconds:.1f} s"
                            + (" (torch.compile of the draft's layer and loss included)" if tp.compile else ""))
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_value:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_value:.3f}", tok_s=f"{tokens / seconds:.0f}")
             if tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0:
                 save(epoch, b + 1)
             if stop_after_steps is not None and step >= stop_after_steps:

@@ -49,11 +49,11 @@ def requested(value: str | None = None) -> tuple[int, int] | None:
 
 class StepProfile:
     """Call step(0) before training and step(n) after optimizer step n (fit's on_step): traces steps
-    first..first+count-1."""
+    first..first+count-1 and writes their summary to `out` as soon as they end (a run that fails later
+    keeps it)."""
 
-    def __init__(self, first: int, count: int, device: torch.device, out: Path | None = None, top: int = 12):
-        """out: where the summary is written as soon as the traced steps end (a run that fails later keeps it)."""
-        self.first, self.count, self.device, self.out, self.top = first, count, torch.device(device), out, top
+    def __init__(self, first: int, count: int, device: torch.device, out: Path, top: int = 12):
+        self.first, self.count, self.device, self.out, self.top = first, count, torch.device(device), Path(out), top
         self.prof = None
         self.started = self.wall = None
         self.seen = 0  # traced steps that have ended
@@ -62,24 +62,25 @@ class StepProfile:
     def step(self, n: int) -> None:
         if self.result is not None:
             return
-        if self.prof is None and n == self.first - 1:
-            self._start()
-        elif self.prof is not None:
-            self.seen = n - self.first + 1
-        if self.prof is not None and n == self.first + self.count - 1:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.wall = time.perf_counter() - self.started
-            self.prof.stop()
-            self.result = self._summary()
-            if self.out is not None:
-                self._write(self.out)
+        if self.prof is None:
+            if n == self.first - 1:
+                self._start()
+            return
+        self.seen = n - self.first + 1
+        if self.seen == self.count:
+            self._finish()
 
-    def _write(self, out: Path) -> None:
+    def _finish(self) -> None:
+        """Stop tracing, summarize the steps seen and write the summary."""
         from draftlab.fsutil import atomic_write_json
 
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, self.result)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.wall = time.perf_counter() - self.started
+        self.prof.stop()
+        self.result = self._summary()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.out, self.result)
 
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -113,13 +114,13 @@ class StepProfile:
         return (f"train: steps {r['steps'][0]}-{r['steps'][1]} traced ({ENV}): {r['wall_s_per_step'] * 1e3:.0f} ms a step, {busy}; "
                 f"most host time (ms a step): {host}")
 
-    def close(self, out: Path) -> dict | None:
-        """Write the summary to `out` (JSON); a trace still running (the run ended first) is stopped and
-        summarized over the steps it saw."""
-        if self.result is None and self.prof is not None and self.seen:
-            self.wall = time.perf_counter() - self.started
-            self.prof.stop()
-            self.result = self._summary()
-        if self.result is not None:
-            self._write(out)
+    def close(self) -> dict | None:
+        """The summary, or None where no traced step ran; a trace still running (the run ended first) is
+        stopped, summarized over the steps it saw and written."""
+        if self.result is None and self.prof is not None:
+            if self.seen:
+                self._finish()
+            else:  # started after the run's last step: nothing to summarize
+                self.prof.stop()
+                self.prof = None
         return self.result
