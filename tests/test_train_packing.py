@@ -13,7 +13,7 @@ from draftlab.features.extract import TOKENS_FILE, tokens_record
 from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import TrainParams
 from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share
-from draftlab.train.loop import TTT, epoch_plans, fit, init_draft, step_token_counts, target_labels
+from draftlab.train.loop import TTT, epoch_plans, eval_batches, fit, init_draft, step_token_counts, target_labels
 from tiny_features import training_kit
 
 STEPS = 3
@@ -128,9 +128,37 @@ def test_every_sequence_once_per_epoch_in_rows_within_the_width_and_the_budget(w
         steps = packed_batches(lengths, width, rows, seed=5, epoch=epoch, min_rows=world)
         assert sorted(i for s in steps for row in s for i in row) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in row) <= width for s in steps for row in s)
-        assert all(len(s) == rows for s in steps[:-1]) and world <= len(steps[-1]) < rows + world
+        assert all(len(s) == rows for s in steps[:-2]) and rows - 2 * world < len(steps[-2]) <= rows
+        assert world <= len(steps[-1]) < rows + world
         assert steps == packed_batches(lengths, width, rows, seed=5, epoch=epoch, min_rows=world)  # resumable
     assert packed_batches(lengths, width, rows, 5, 0) != packed_batches(lengths, width, rows, 5, 1)
+
+
+@pytest.mark.parametrize("world, sequences", [(1, 4 * 5 + 1), (2, 8 * 5 + 2), (2, 8 * 5 + 3)])
+def test_the_last_step_gives_each_process_two_rows_so_that_compiled_steps_are_not_compiled_again(world, sequences):
+    """torch.compile(dynamic=True) specializes a size of 1: a last step of one row per process
+    would compile the draft's layer once more (19 s on one H100). Rows move to it from the step
+    before; every sequence still comes once, and every other step keeps its rows."""
+    rows = 4 * world
+    steps = packed_batches([10] * sequences, 10, rows, seed=3, epoch=0, min_rows=world)  # one sequence fills a row
+    assert sorted(i for s in steps for row in s for i in row) == list(range(sequences))
+    assert all(len(s) == rows for s in steps[:-2])
+    assert len(steps[-1]) >= 2 * world and len(steps[-2]) >= 2 * world
+    assert len(steps[-2]) + len(steps[-1]) == rows + sequences % rows
+    for s in steps:  # each process's share of every step: at least two rows
+        assert all(len(s[r::world]) >= 2 for r in range(world))
+
+
+def test_a_last_step_is_left_alone_where_steps_hold_too_few_rows_to_share():
+    steps = packed_batches([10] * 7, 10, 3, seed=3, epoch=0)  # 3 rows a step: the last keeps its one row
+    assert [len(s) for s in steps] == [3, 3, 1]
+
+
+def test_eval_batches_give_a_lone_longest_row_a_companion_where_two_fit_the_budget():
+    rows, lengths = list(range(7)), [10, 10, 10, 10, 10, 10, 30]
+    assert eval_batches(rows, lengths, 4, 60) == [[0, 1, 2, 3, 4], [5, 6]]  # the 30-token row alone would be a batch of one
+    assert eval_batches(rows, lengths[:6] + [40], 4, 70) == [[0, 1, 2, 3, 4, 5], [6]]  # two rows of 40 exceed 70: left alone
+    assert eval_batches(rows, lengths, 4, None) == [[0, 1, 2, 3], [4, 5, 6]]
 
 
 def test_steps_follow_the_random_order_of_padded_batches_and_pad_little():

@@ -359,7 +359,10 @@ def evaluate(ttt: TTT, dataset: FeatureDataset, head: torch.Tensor, batch_size: 
 
 
 def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
-    """`rows` (sorted by length) cut into runs of `batch_size`, or of at most `batch_tokens` padded tokens."""
+    """`rows` (sorted by length) cut into runs of `batch_size`, or of at most `batch_tokens` padded tokens.
+    With batch_tokens, a last run of one row beside runs of several takes the longest row of the run
+    before it where the two fit the budget: a batch of one row would make torch.compile (train.compile)
+    build the no-grad graphs once more (it specializes a size of 1; draftlab.train.batches.at_least_two_rows)."""
     if batch_tokens is None:
         return [rows[a : a + batch_size] for a in range(0, len(rows), batch_size)]
     out, cur = [], []
@@ -368,7 +371,10 @@ def eval_batches(rows: list[int], lengths: list[int], batch_size: int, batch_tok
             out.append(cur)
             cur = []
         cur.append(i)
-    return out + ([cur] if cur else [])
+    out += [cur] if cur else []
+    if len(out) > 1 and len(out[-1]) == 1 and len(out[-2]) >= 3 and 2 * lengths[-1] <= batch_tokens:
+        out[-1].insert(0, out[-2].pop())
+    return out
 
 
 def epoch_plans(train_ds, tp, world: int) -> list[list[list[int]]]:
