@@ -10,7 +10,8 @@ DIR/results.json is rewritten after every figure:
   decode_profile  one decode step, host vs GPU; the cuDNN A/B; soft labels fp32 vs bf16 (perf/decode.py, cudnn.py)
   decode_graph    decode over a static KV cache, eager and as a CUDA graph          (perf/graph.py)
   spec            draftlab.engine.speculative: baseline decode vs the bandwidth floor; oracle / null drafts (perf/spec.py)
-  training        one draftlab.train.loop.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py)
+  training        one draftlab.train.loop.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py);
+                  --train-modes eager,stage also times the train stage's GPU setup (FlexAttention, compiled)
   embedded        models/tiny-target with models/draft: tau and speedup on held-out prompts (perf/embedded.py)
 DIR/notes.md states the method and the FLOP / byte formulas (tools/templates/perf_notes.md filled in).
 """
@@ -45,9 +46,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few iterations")
     ap.add_argument("--sections", default="ceilings,extraction,decode_profile,spec,decode_graph,training,embedded")
+    ap.add_argument("--train-modes", default="eager", help="training section: eager (the TTT attention written out, nothing "
+                    "compiled), stage (what the train stage runs on a GPU: FlexAttention, the layer and loss compiled), or both: eager,stage")
     args = ap.parse_args(argv)
     out = Path(args.out)
     P = plan(args.quick)
+    P["train_modes"] = args.train_modes.split(",")
     if P["device"] == "cuda" and not torch.cuda.is_available():
         log("no CUDA device: use --quick on the CPU")
         return 2

@@ -45,3 +45,20 @@ def test_quick_run_writes_every_section_with_numbers(tmp_path):
         assert not (ROOT / "models/draft/config.json").exists()
     else:
         assert emb["tau"] >= 1.0 and emb["speedup"] > 0 and emb["outputs_equal_baseline"] == emb["prompts"]
+
+
+def test_the_training_section_times_the_stage_setup_beside_eager_and_refuses_an_unknown_mode(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def run(modes, out):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks/paths_vs_ceilings.py"), "--quick", "--out", str(out),
+                            "--sections", "training", "--train-modes", modes], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads((out / "results.json").read_text())["training"]
+
+    got = run("eager,stage", tmp_path / "both")
+    assert "error" not in got, got.get("error")
+    for prefix in ("", "stage_"):  # both modes timed, each under its own keys
+        assert got[f"{prefix}B1_tokens_per_s"] > 0 and got[f"{prefix}B1_warmup_s"] > 0 and math.isfinite(got[f"{prefix}B1_mfu"])
+    assert "unknown" in run("eager,unknown", tmp_path / "bad")["error"]

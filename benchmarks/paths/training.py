@@ -46,12 +46,27 @@ def train_flops(cfg, B: int, T: int, steps: int, scored: list[int], V: int) -> d
             "params": {"fc": p_fc, "attn": p_attn, "mlp": p_mlp, "lm_head": p_head}}
 
 
+MODES = ("eager", "stage")  # eager: the TTT attention written out, nothing compiled (the committed 8B figures);
+# stage: what the train stage runs on a GPU (train.attention auto: FlexAttention; train.compile: the layer and loss compiled)
+
+
 def training(P) -> None:
+    """Every mode of P["train_modes"] on a draft of its own; keys B<batch>_* for eager, stage_B<batch>_* for stage."""
+    modes = P.get("train_modes", ["eager"])
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"train mode {unknown[0]!r}: one of {', '.join(MODES)}")
+    for mode in modes:
+        training_mode(P, mode)
+
+
+def training_mode(P, mode: str) -> None:
     from draftlab.train.draft import DraftConfig
-    from draftlab.train.loop import TTT, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
+    from draftlab.train.loop import TTT, attention_kernel, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
 
     dev, S = P["device"], "training"
     device = torch.device(dev)
+    prefix = "" if mode == "eager" else f"{mode}_"
     t = P["target"]
     facts = {**t, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "head_dim": t["hidden_size"] // t["num_attention_heads"]}
     facts["vocab_size"] = P["train_vocab"]
@@ -69,7 +84,12 @@ def training(P) -> None:
     draft.to(device).train()
     autocast = device.type == "cuda"
     steps = P["ttt_steps"]
-    ttt = TTT(draft, steps, 0.8)
+    if mode == "stage":  # as train.fit sets it up with train.compile on a GPU
+        if device.type == "cuda":
+            draft.midlayer.compile(dynamic=True)
+        ttt = TTT(draft, steps, 0.8, attention_kernel("auto", device), device.type == "cuda", compile_loss=device.type == "cuda")
+    else:
+        ttt = TTT(draft, steps, 0.8)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = new_optimizer(params, 1e-4, 0.0, device)  # what train.fit uses (fused AdamW on CUDA)
     record(S, "draft_params", sum(p.numel() for p in params))
@@ -77,7 +97,7 @@ def training(P) -> None:
     record(S, "autocast_bf16", autocast)
     for B in P["train_batches"]:
         T = P["train_seq"]
-        p = f"B{B}"
+        p = f"{prefix}B{B}"
         try:
             ids = torch.randint(0, V, (B, T), device=dev)
             loss_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -108,8 +128,10 @@ def training(P) -> None:
                     split["opt"] += t3 - t2
 
             reset_peak(dev)
+            t_warm = time.perf_counter()
             one(False)
             one(False)
+            record(S, f"{p}_warmup_s", time.perf_counter() - t_warm, "s (2 steps; compiling included in stage mode)")
             iters = P["train_iters"]
             t0 = time.perf_counter()
             for _ in range(iters):
