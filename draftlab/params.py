@@ -178,6 +178,7 @@ class PromptsParams:
     eval_fraction: Annotated[Float, Field(gt=0.0, lt=1.0)]  # share of prompts (by content hash) held out for eval/bench
     on_bad_row: Literal["error", "skip"]
     turns: Literal["first", "all"] = "first"  # ShareGPT: the first human turn of each conversation, or all of them in order
+    leading_assistant: Literal["skip", "drop"] = "skip"  # ShareGPT: a conversation opening with the assistant: skipped, or opened at its first human turn
 
     def problem(self) -> str | None:
         """What no single key's range can say: keys that contradict each other."""

@@ -40,7 +40,7 @@ def main(out: Path, metrics: Path) -> None:
         inputs = {"source": "builtin"}
     else:
         path = prompts.resolve_source(pp.source)
-        ps = prompts.read_prompt_file(path, pp.turns)
+        ps = prompts.read_prompt_file(path, pp.turns, pp.leading_assistant)
         inputs = {"source": pp.source, "source_sha256": dir_hash(path)}
         if ps.truncated and ps.truncated["dropped_bytes"]:
             print(f"warning: {path.name} ends inside a record: read its {ps.truncated['records']:,} complete records, "
@@ -57,6 +57,9 @@ def main(out: Path, metrics: Path) -> None:
     if ps.skipped:
         print("prompts: left out by the ShareGPT rule: " + ", ".join(f"{n} {why}" for why, n in sorted(ps.skipped.items())),
               file=sys.stderr)
+    if ps.opened_after_assistant:
+        print(f"prompts: {ps.opened_after_assistant} conversations opened at their first human turn, their leading assistant "
+              "turns dropped (prompts.leading_assistant drop)", file=sys.stderr)
     if not ps.rows:
         raise UserError(f"prompts.source {pp.source}: no valid prompts")
     rows, dropped, long_turns = ps.rows, {"too_short": 0, "too_long": 0}, None

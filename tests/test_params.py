@@ -157,7 +157,8 @@ def test_the_default_run_hashes_the_same_configuration():
 @pytest.mark.parametrize("section,key,default", [("train", "features", "offline"), ("train", "batch_tokens", None),
                                                       ("train", "compile", False), ("train", "attention", "auto"), ("train", "state_cache", "off"),
                                                       ("extract", "online_sample_sequences", 64), ("bench", "offline_workers", "auto"),
-                                                      ("extract", "train_conversations", None), ("extract", "train_turns", None)])
+                                                      ("extract", "train_conversations", None), ("extract", "train_turns", None),
+                                                      ("prompts", "leading_assistant", "skip")])
 def test_a_key_with_a_default_for_code_is_still_required_in_the_file(tmp_path, base, section, key, default):
     built = SECTIONS[section](**{k: v for k, v in base[section].items() if k != key})  # code may leave it out
     assert getattr(built, key) == default

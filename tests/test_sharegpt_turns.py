@@ -105,3 +105,41 @@ def test_the_stage_writes_conversations_and_counts_their_turns(tmp_path):
     assert metrics["cut_at_long_turn"] == 15 and metrics["cut_at_empty_turn"] == 1
     assert all(len(t.encode()) <= 30 for side in rows.values() for x in side for t in x.get("next_turns", []))
     assert "user turns)" in r.stdout
+
+
+def test_leading_assistant_drop_opens_a_conversation_at_its_first_human_turn(tmp_path):
+    """skip (the default) leaves out a conversation that opens with the assistant; drop opens it at
+    its first human turn, with its later turns, and counts it. One with no human turn is skipped either way."""
+    records = multi_turn_records() + [
+        conv(6, ("system", "s"), ("gpt", "Hi"), ("bard", "more"), ("human", "Now a question"), ("gpt", "x"), ("human", "And a second")),
+        conv(7, ("gpt", "only the assistant")),
+    ]
+    path = write(tmp_path / "sg.json", records)
+    skipped = prompts.read_prompt_file(path, "all")
+    dropped = prompts.read_prompt_file(path, "all", "drop")
+    assert skipped.skipped == {"no opening human turn": 3} and "opened_after_assistant" not in skipped.counts()
+    assert dropped.skipped == {"no opening human turn": 1}  # record 7: no human turn to open at
+    assert dropped.counts()["opened_after_assistant"] == dropped.opened_after_assistant == 2
+    by_sg = {r["sharegpt_id"]: r for r in dropped.rows}
+    assert by_sg["c5"]["messages"] == [{"role": "user", "content": "answers a message the prompt would not show"}]
+    assert by_sg["c6"]["messages"] == [{"role": "user", "content": "Now a question"}] and by_sg["c6"]["next_turns"] == ["And a second"]
+    # the others first, as skip gives them (so eval.jsonl and the bench's prompts open alike), the opened ones last
+    assert dropped.rows[: len(skipped.rows)] == skipped.rows and [r["sharegpt_id"] for r in dropped.rows[len(skipped.rows):]] == ["c5", "c6"]
+    first = {r["sharegpt_id"]: r for r in prompts.read_prompt_file(path, "first", "drop").rows}
+    assert "next_turns" not in first["c6"] and first["c6"]["messages"] == by_sg["c6"]["messages"]
+
+
+def test_the_stage_takes_prompts_leading_assistant_and_records_the_conversations_it_opened(tmp_path):
+    save_micro_model(tmp_path / "target")
+    write(tmp_path / "sg.json", multi_turn_records() * 3 + [conv(10 + i, ("gpt", "hello"), ("human", f"question {i}"),
+                                                                 ("gpt", "a"), ("human", f"follow-up {i}")) for i in range(20)])
+    r = run_stage(tmp_path, {"source": "sg.json", "turns": "all", "leading_assistant": "drop", "eval_fraction": 0.3,
+                             "num_prompts": None})
+    assert r.returncode == 0, r.stderr
+    assert "23 conversations opened at their first human turn" in r.stderr  # the 20 and record 5, three times (counted as read)
+    info = json.loads((tmp_path / "out" / "manifest.json").read_text())["info"]
+    assert info["opened_after_assistant"] == 23 and info["skipped_by_rule"] == {}
+    rows = [row for name in ("train", "eval") for _, row in jsonl.read(tmp_path / "out" / f"{name}.jsonl", "")]
+    assert sum(row["messages"][0]["content"].startswith("question") for row in rows) == 20
+    r = run_stage(tmp_path, {"source": "sg.json", "leading_assistant": "keep"})
+    assert r.returncode != 0 and "prompts.leading_assistant" in r.stderr

@@ -54,6 +54,7 @@ class PromptSet:
     roles: Counter = field(default_factory=Counter)  # ShareGPT `from` values seen
     truncated: dict | None = None  # a ShareGPT .json file cut inside a record: what was read and dropped
     cut: Counter = field(default_factory=Counter)  # prompts.turns all: conversations ended before a later turn, by reason
+    opened_after_assistant: int = 0  # prompts.leading_assistant drop: ShareGPT conversations opened at their first human turn
 
     def counts(self) -> dict:
         """What the manifest records of the reading."""
@@ -61,6 +62,8 @@ class PromptSet:
                "truncated": self.truncated}
         if self.cut:
             out["cut_by_rule"] = dict(sorted(self.cut.items()))
+        if self.opened_after_assistant:
+            out["opened_after_assistant"] = self.opened_after_assistant
         return out
 
 
@@ -150,8 +153,10 @@ def _read_records(path: Path):
                 yield i, None, "JSON nested too deeply"
 
 
-def read_prompt_file(path: str | Path, turns: str = "first") -> PromptSet:
-    """The prompts of a file; turns "all" keeps every human turn of a ShareGPT conversation (next_turns)."""
+def read_prompt_file(path: str | Path, turns: str = "first", leading_assistant: str = "skip") -> PromptSet:
+    """The prompts of a file; turns "all" keeps every human turn of a ShareGPT conversation (next_turns);
+    leading_assistant "drop" opens a ShareGPT conversation that starts with the assistant at its first
+    human turn instead of skipping it (draftlab.data.sharegpt)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"prompts.source: file {path} not found (use 'builtin' or a .jsonl/.parquet path)")
@@ -186,10 +191,10 @@ def read_prompt_file(path: str | Path, turns: str = "first") -> PromptSet:
                 out.bad.append(BadRow(str(path), line, reason))
             else:
                 add(line, msgs)
-    read = sharegpt.first_turns(records, every=turns == "all")
+    read = sharegpt.first_turns(records, every=turns == "all", leading_assistant=leading_assistant)
     out.bad += [BadRow(str(path), n, ("record " if path.suffix == ".json" else "") + reason) for n, reason in read.bad]
     out.bad.sort(key=lambda b: b.line)
-    out.skipped, out.roles, out.cut = read.skipped, read.roles, read.cut
+    out.skipped, out.roles, out.cut, out.opened_after_assistant = read.skipped, read.roles, read.cut, read.opened_after_assistant
     for n, msgs, rid, later in read.rows:
         add(n, msgs, {"sharegpt_id": rid} if rid else None, later)
     return out
