@@ -311,7 +311,7 @@ def test_every_split_is_answered_by_one_pool_and_lands_in_its_own_file(tmp_path)
     for split, rows in splits.items():
         out = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in out] == [r["id"] for r in rows]
-        assert stats["counts"][split] == {"input": len(rows), "resumed": 0, "ok": len(rows), "errors": 0}
+        assert stats["counts"][split] == {"input": len(rows), "resumed": 0, "reused": 0, "ok": len(rows), "errors": 0}
 
 
 FAKE_OPENAI = textwrap.dedent('''
@@ -503,3 +503,44 @@ def test_conversations_of_more_turns_are_sent_first_and_written_in_input_order(t
     for split, rows in splits.items():
         out = [json.loads(x) for x in (tmp_path / f"{split}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in out] == [r["id"] for r in rows]
+
+
+def test_a_grown_prompt_set_reuses_the_last_runs_answers_and_answers_only_its_new_conversations(tmp_path):
+    """The answers key (target, weights, settings; not the prompts) lets the next run take the last
+    finished run's rows for the very same conversations, in either split; the rest is answered."""
+    first_splits = {"train": [row("q0"), row("q1"), row("q2")], "eval": [row("e0")]}
+    synth.synthesize(first_splits, ListBackend(), tmp_path, "prompts-1", answer_row, answers="A")
+    before = {r["id"]: r for s in synth.SPLITS for r in map(json.loads, (tmp_path / f"{s}.jsonl").read_text().splitlines())}
+    changed = {**row("q2"), "messages": [{"role": "user", "content": "other text"}]}  # an id whose answer follows other text
+    grown = {"train": [row("q0"), row("new0"), changed], "eval": [row("e0"), row("q1"), row("new1")]}  # q1 moved to eval
+    backend = ListBackend()
+    stats = synth.synthesize(grown, backend, tmp_path, "prompts-2", answer_row, answers="A")
+    assert sorted(backend.seen) == sorted(r["id"] for r in (row("new0"), changed, row("new1")))
+    out = {s: [json.loads(x) for x in (tmp_path / f"{s}.jsonl").read_text().splitlines()] for s in synth.SPLITS}
+    assert [r["id"] for r in out["train"]] == [r["id"] for r in grown["train"]]  # input order, as ever
+    assert out["train"][0] == before[row("q0")["id"]] and out["eval"][1] == before[row("q1")["id"]]
+    assert synth.follows(out["train"][2], changed) and not synth.follows(before[row("q2")["id"]], changed)  # answered anew
+    assert stats["reused"] == 3 and stats["counts"]["train"]["reused"] == 1 and stats["counts"]["eval"]["reused"] == 2
+    assert stats["counts"]["train"]["resumed"] == 0
+
+    # Another answers key reuses nothing, and a run of it cut short leaves no marker behind:
+    # the files it may have rewritten are never taken for key A's answers.
+    with pytest.raises(KeyboardInterrupt):
+        synth.synthesize(grown, ListBackend(stop_after=1), tmp_path, "prompts-3", answer_row, answers="B")
+    assert not (tmp_path / synth.ANSWERS_FILE).exists()
+    again = ListBackend()
+    synth.synthesize(grown, again, tmp_path, "prompts-2", answer_row, answers="A")
+    assert len(again.seen) == 6
+
+
+def test_the_stage_reuses_answers_when_only_the_prompt_set_changed_and_says_so(tmp_path, monkeypatch, target, capsys):
+    out = tmp_path / "synth"
+    run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p1", ["What is 2+2?", "Name a color."], ["Say hi."]), out, target)
+    rows, manifest = run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p2", ["What is 2+2?", "Name a color.", "Count to 3."],
+                                                                   ["Say hi."]), out, target)
+    assert manifest["info"]["reused"] == 3 and manifest["info"]["counts"]["train"]["reused"] == 2
+    assert "4 answered, 3 of them reused from the last run" in capsys.readouterr().out
+    assert [r["messages"][0]["content"] for r in rows["train"]] == ["What is 2+2?", "Name a color.", "Count to 3."]
+    _, manifest = run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p3", ["Count to 3."], ["Say hi."]), out, target,
+                            max_new_tokens=12)  # a setting that changes answers: nothing reused
+    assert manifest["info"]["reused"] == 0

@@ -40,6 +40,14 @@ with the same resume key (`resume_key`) keeps those rows, discards a torn last l
 their ids and generates only the rest; the final `<split>.jsonl` is written in input order, so
 it does not depend on completion order, concurrency or interruptions.
 
+Reuse: the finished outputs of the last run answer the next one's prompts where they can. Its
+`answers_key` (the resume key without the prompts: the target, its weights and the synthesis
+settings that change an answer) is kept in `.answers.json` once every output is written; a run
+with the same answers key takes a row of the earlier `<split>.jsonl` files (either split) for any
+prompt row it follows exactly (same id, same user turns), and answers only the rest. So a prompt
+set that grows (prompts.leading_assistant drop, more prompts) costs only its new conversations.
+A run with another answers key removes the marker before it writes anything.
+
 Length: over 400 lines because both backends, the reasoning layout and resume share the row
 and answer types here; each is a short class or function.
 """
@@ -66,6 +74,7 @@ from draftlab.data.tasks import END_THINK, THINK
 
 SPLITS = ("train", "eval")
 RESUME_FILE = ".resume.json"  # the resume key of the partial files next to it
+ANSWERS_FILE = ".answers.json"  # the answers key of the finished <split>.jsonl files next to it (reuse)
 MAX_BACKOFF_S = 60.0  # cap of one retry delay (also for a server's Retry-After)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}  # transient: overloaded, restarting, timed out
 # Consecutive connection failures (refused, unreachable; any row) after which the server is taken
@@ -512,6 +521,39 @@ def resume_key(target: dict, synth: dict, inputs: dict) -> str:
     return hashlib.sha256(canonical_json({"target": target, "synth": content, "inputs": inputs}).encode()).hexdigest()
 
 
+def answers_key(target: dict, synth: dict, inputs: dict) -> str:
+    """resume_key without the prompts: what must match for a finished answer row to answer the same
+    conversation in another prompt set (the row itself must follow that prompt row exactly)."""
+    return resume_key(target, synth, {k: v for k, v in inputs.items() if k != "prompts"})
+
+
+def earlier_answers(out: Path, key: str | None) -> dict[str, dict]:
+    """The finished rows of the last run in `out` by id, if its answers key is `key`; else none, and
+    the marker is removed so that files this run rewrites are never vouched for by another key.
+    Lines that are not answer rows are passed over: these files are a source to reuse, not state."""
+    marker = out / ANSWERS_FILE
+    try:
+        same = key is not None and json.loads(marker.read_text())["key"] == key
+    except (OSError, ValueError, KeyError, TypeError):
+        same = False
+    if not same:
+        marker.unlink(missing_ok=True)
+        return {}
+    rows: dict[str, dict] = {}
+    for split in SPLITS:
+        path = out / f"{split}.jsonl"
+        if not path.is_file():
+            continue
+        for line in path.read_bytes().splitlines():
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(row, dict) and row_problem(row) is None:
+                rows.setdefault(row["id"], row)
+    return rows
+
+
 def row_problem(row) -> str | None:
     """Why a line of a partial file is not an answer row as synthesize writes it (make_row), or None."""
     if not isinstance(row, dict):
@@ -619,8 +661,10 @@ def longest_first(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -len(r.get("next_turns") or ()))
 
 
-def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None) -> dict:
-    """Answer every row of every split into `out`; returns counts and token figures.
+def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None,
+               answers: str | None = None) -> dict:
+    """Answer every row of every split into `out`; returns counts and token figures. `answers`: the
+    answers key (`answers_key`): rows of the last finished run under it are reused (module docstring).
 
     Every split's rows go to the backend at once, one pool of workers: a split answered after
     another would run its own ramp and tail (the 482 eval conversations of the real workload
@@ -630,8 +674,10 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
     import time
 
     resumed = prepare_resume(out, key)
+    earlier = earlier_answers(out, answers)
     stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
              "answer_finish_reasons": {}, "turns": 0, "stopped": {}}
+    reused = {split: 0 for split in splits}
     errors: list[dict] = []
     done_rows: dict[str, dict[str, dict]] = {}
     todo: list[dict] = []
@@ -647,7 +693,10 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
                                 f"{split}.jsonl of the prompts; delete that line, or delete {partial} to answer this split over")
         done_rows[split] = done
         for r in rows:
-            if r["id"] not in done:
+            if r["id"] not in done and r["id"] in earlier and follows(earlier[r["id"]], r):
+                done[r["id"]] = earlier[r["id"]]  # the last run's answer to this very conversation
+                reused[split] += 1
+            elif r["id"] not in done:
                 todo.append(r)
                 split_of[id(r)] = split
     todo = longest_first(todo)
@@ -682,8 +731,8 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
             os.fsync(f.fileno())
     for split, rows in splits.items():
         kept_before = sum(1 for r in rows if id(r) not in split_of)
-        stats["counts"][split] = {"input": len(rows), "resumed": kept_before, "ok": len(done_rows[split]),
-                                  "errors": sum(e["split"] == split for e in errors)}
+        stats["counts"][split] = {"input": len(rows), "resumed": kept_before - reused[split], "reused": reused[split],
+                                  "ok": len(done_rows[split]), "errors": sum(e["split"] == split for e in errors)}
     # Only now, with every split generated, do the partial files become outputs.
     for split, rows in splits.items():
         done = done_rows[split]
@@ -694,5 +743,8 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
     for split in splits:
         (out / f"{split}.jsonl.partial").unlink(missing_ok=True)
     (out / RESUME_FILE).unlink(missing_ok=True)
+    if answers is not None:  # every output written: they answer under this key
+        atomic_write_json(out / ANSWERS_FILE, {"key": answers})
     stats["errors"] = errors
+    stats["reused"] = sum(reused.values())
     return stats
