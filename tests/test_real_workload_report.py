@@ -105,6 +105,7 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
     rwr.main([str(run), str(out), "--prompts", str(REPORT / "bench-prompts.jsonl")])
     md = (out / "results.md").read_text()
     assert "| synthesize | 180.000 |" in md and "| train | 301.200 |" in md and "Not recorded: target, extract" in md
+    assert "In all 892.7 s (`stage-times.png`)." in md and (out / "stage-times.png").stat().st_size > 0
     assert ("states kept after the first epoch (3.0 GiB): steps with the target 72000.0 tok/s, from the cache 187000.0 tok/s."
             in md)  # train.state_cache, from the train manifest
     # the synthesize manifest's server start-ups: the slowest one's phases

@@ -5,7 +5,8 @@
 RUN is a project root after `draftlab exp run configs/real-gpu.yaml` (or `draftlab run-stages ...`),
 or the unpacked results.tar.gz of tools/offline_gpu_run.sh. OUT gets the run's measured files
 (bench.json, the bench CSVs and plots, the train metrics and curves, the train stage's traced steps
-where DRAFTLAB_TRAIN_PROFILE was set, check.md, the stage manifests' counts, the stage times) and
+where DRAFTLAB_TRAIN_PROFILE was set, check.md, the stage manifests' counts, the stage times and their
+plot, stage-times.png) and
 results.md: first "does training pay?" (the baseline, the best n-gram
 lookup and the best trained draft at every concurrency, per prompt set of bench.prompts, and the
 held-out set against an earlier measurement of the same prompts), then the tau triangle with
@@ -177,6 +178,26 @@ def plot_triangle(out: Path, trained: list[float], offline: list[float], served:
     plt.close(fig)
 
 
+def plot_stage_times(out: Path, times: dict) -> None:
+    """stage-times.png: where the run's wall time went, one bar per stage in the DAG's order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, secs = list(times), [float(v) for v in times.values()]
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
+    ax.barh(names, secs, color="tab:blue")
+    for y, v in enumerate(secs):
+        ax.text(v, y, f" {v:.0f} s", va="center", fontsize=8)
+    ax.invert_yaxis()  # the first stage on top
+    ax.set(xlabel="wall time (s)", title=f"stage wall times: {sum(secs):.0f} s ({sum(secs) / 60:.1f} min) in all",
+           xlim=(0, max(secs) * 1.2 if secs else 1))
+    fig.tight_layout()
+    fig.savefig(out / "stage-times.png", dpi=120)
+    plt.close(fig)
+
+
 def table(header: list[str], rows: list[list]) -> str:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
@@ -261,6 +282,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     offline = bench["offline"]["acceptance"]
     plot_triangle(out_dir, trained, offline, served)
     times = stage_times(run)
+    if times:
+        plot_stage_times(out_dir, times)
     measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
@@ -294,7 +317,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
            table(["configuration", "kind", "prompts", "served tau"],
                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
-           "## Stage wall times (s)", "", table(["stage", "seconds"], [[s, t] for s, t in times.items()])
+           "## Stage wall times (s)", "", (f"In all {sum(times.values()):.1f} s (`stage-times.png`).\n\n" if times else "")
+           + table(["stage", "seconds"], [[s, t] for s, t in times.items()])
            if times else "Not recorded: no stage manifest of this run holds info.wall_s (a run made before they did).", ""]
     missing = [s for s in STAGES if s not in times]
     if times and missing:
