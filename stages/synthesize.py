@@ -155,9 +155,8 @@ def run(params, splits, inputs, out: Path, backend, server_startup: list | None 
     def progress(split, total, initial):  # its estimate holds from the first it shows (draftlab/progress.py)
         return bar(total, f"synthesize {split}", "row", initial)
 
-    tp, sp = dataclasses.asdict(target_params), dataclasses.asdict(synth_params)
-    key, answers = synth.resume_key(tp, sp, inputs), synth.answers_key(tp, sp, inputs)
-    stats = synth.synthesize(splits, backend, out, key, make_row, progress, answers)
+    key = synth.resume_key(dataclasses.asdict(target_params), dataclasses.asdict(synth_params), {"target": inputs["target"]})
+    stats = synth.synthesize(splits, backend, out, key, make_row, progress, reuse=True)
     counts = stats["counts"]
     n_in = sum(c["input"] for c in counts.values())
     n_ok = sum(c["ok"] for c in counts.values())
@@ -174,7 +173,7 @@ def run(params, splits, inputs, out: Path, backend, server_startup: list | None 
         "errors": n_err,
         "counts": counts,
         "resumed": stats["resumed"],
-        "reused": stats["reused"],  # conversations answered by the last finished run (same answers key), not generated again
+        "reused": stats["reused"],  # conversations answered by the last finished run (same resume key), not generated again
         "finish_reasons": stats["finish_reasons"],  # of each row's last answer
         "answer_finish_reasons": stats["answer_finish_reasons"],  # of every answer, every turn of every row
         "turns_answered": stats["turns"],  # answers in the outputs, every turn of every row

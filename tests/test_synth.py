@@ -506,15 +506,15 @@ def test_conversations_of_more_turns_are_sent_first_and_written_in_input_order(t
 
 
 def test_a_grown_prompt_set_reuses_the_last_runs_answers_and_answers_only_its_new_conversations(tmp_path):
-    """The answers key (target, weights, settings; not the prompts) lets the next run take the last
+    """The resume key (target, weights, settings; not the prompts) lets the next run take the last
     finished run's rows for the very same conversations, in either split; the rest is answered."""
     first_splits = {"train": [row("q0"), row("q1"), row("q2")], "eval": [row("e0")]}
-    synth.synthesize(first_splits, ListBackend(), tmp_path, "prompts-1", answer_row, answers="A")
+    synth.synthesize(first_splits, ListBackend(), tmp_path, "A", answer_row, reuse=True)
     before = {r["id"]: r for s in synth.SPLITS for r in map(json.loads, (tmp_path / f"{s}.jsonl").read_text().splitlines())}
     changed = {**row("q2"), "messages": [{"role": "user", "content": "other text"}]}  # an id whose answer follows other text
     grown = {"train": [row("q0"), row("new0"), changed], "eval": [row("e0"), row("q1"), row("new1")]}  # q1 moved to eval
     backend = ListBackend()
-    stats = synth.synthesize(grown, backend, tmp_path, "prompts-2", answer_row, answers="A")
+    stats = synth.synthesize(grown, backend, tmp_path, "A", answer_row, reuse=True)
     assert sorted(backend.seen) == sorted(r["id"] for r in (row("new0"), changed, row("new1")))
     out = {s: [json.loads(x) for x in (tmp_path / f"{s}.jsonl").read_text().splitlines()] for s in synth.SPLITS}
     assert [r["id"] for r in out["train"]] == [r["id"] for r in grown["train"]]  # input order, as ever
@@ -523,13 +523,13 @@ def test_a_grown_prompt_set_reuses_the_last_runs_answers_and_answers_only_its_ne
     assert stats["reused"] == 3 and stats["counts"]["train"]["reused"] == 1 and stats["counts"]["eval"]["reused"] == 2
     assert stats["counts"]["train"]["resumed"] == 0
 
-    # Another answers key reuses nothing, and a run of it cut short leaves no marker behind:
+    # Another key reuses nothing, and a run of it cut short leaves no marker behind:
     # the files it may have rewritten are never taken for key A's answers.
     with pytest.raises(KeyboardInterrupt):
-        synth.synthesize(grown, ListBackend(stop_after=1), tmp_path, "prompts-3", answer_row, answers="B")
+        synth.synthesize(grown, ListBackend(stop_after=1), tmp_path, "B", answer_row, reuse=True)
     assert not (tmp_path / synth.ANSWERS_FILE).exists()
     again = ListBackend()
-    synth.synthesize(grown, again, tmp_path, "prompts-2", answer_row, answers="A")
+    synth.synthesize(grown, again, tmp_path, "A", answer_row, reuse=True)
     assert len(again.seen) == 6
 
 

@@ -161,12 +161,18 @@ def tau_by_kind(run: Path, rows: list[dict], bench_params: dict) -> dict:
     return out
 
 
-def plot_triangle(out: Path, trained: list[float], offline: list[float], served: list[float]) -> None:
+def pyplot():
+    """matplotlib's pyplot drawing to files (no display), imported only when a plot is made."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_triangle(out: Path, trained: list[float], offline: list[float], served: list[float]) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     pos = range(1, len(served) + 1)
     for name, a, m in (("train-predicted", trained, "o"), ("offline", offline, "s"), ("served", served, "^")):
@@ -180,11 +186,7 @@ def plot_triangle(out: Path, trained: list[float], offline: list[float], served:
 
 def plot_stage_times(out: Path, times: dict) -> None:
     """stage-times.png: where the run's wall time went, one bar per stage in the DAG's order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names, secs = list(times), [float(v) for v in times.values()]
     fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1.2))
     ax.barh(names, secs, color="tab:blue")

@@ -41,12 +41,11 @@ their ids and generates only the rest; the final `<split>.jsonl` is written in i
 it does not depend on completion order, concurrency or interruptions.
 
 Reuse: the finished outputs of the last run answer the next one's prompts where they can. Its
-`answers_key` (the resume key without the prompts: the target, its weights and the synthesis
-settings that change an answer) is kept in `.answers.json` once every output is written; a run
-with the same answers key takes a row of the earlier `<split>.jsonl` files (either split) for any
-prompt row it follows exactly (same id, same user turns), and answers only the rest. So a prompt
-set that grows (prompts.leading_assistant drop, more prompts) costs only its new conversations.
-A run with another answers key removes the marker before it writes anything.
+resume key is kept in `.answers.json` once every output is written; a run with the same key
+takes a row of the earlier `<split>.jsonl` files (either split) for any prompt row it follows
+exactly (same id, same user turns), and answers only the rest. So a prompt set that grows
+(prompts.leading_assistant drop, more prompts) costs only its new conversations. A run with
+another key removes that marker before it writes anything.
 
 Length: over 400 lines because both backends, the reasoning layout and resume share the row
 and answer types here; each is a short class or function.
@@ -74,7 +73,7 @@ from draftlab.data.tasks import END_THINK, THINK
 
 SPLITS = ("train", "eval")
 RESUME_FILE = ".resume.json"  # the resume key of the partial files next to it
-ANSWERS_FILE = ".answers.json"  # the answers key of the finished <split>.jsonl files next to it (reuse)
+ANSWERS_FILE = ".answers.json"  # the resume key of the finished <split>.jsonl files next to it (reuse)
 MAX_BACKOFF_S = 60.0  # cap of one retry delay (also for a server's Retry-After)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}  # transient: overloaded, restarting, timed out
 # Consecutive connection failures (refused, unreachable; any row) after which the server is taken
@@ -511,24 +510,21 @@ def _backoff(base_s: float, attempt: int, retry_after: str | None) -> float:
 
 
 def resume_key(target: dict, synth: dict, inputs: dict) -> str:
-    """What must match for partial rows to be reused: settings that change an answer.
+    """What must match for rows of a partial or finished file to be reused: the target, its weights
+    (`inputs`) and the settings that change an answer.
 
     Transport settings (base_url, api key name, batch size, concurrency, timeout, retries) may
-    change between an interrupted run and its resume.
+    change between an interrupted run and its resume. The prompts are not part of it: a row is
+    reused only for a prompt row of its id (the hash of the conversation's user turns) that it
+    follows exactly.
     """
     content = {k: synth[k] for k in ("backend", "model_name", "max_new_tokens", "temperature", "top_p", "seed", "reasoning",
                                      "after_cut")}
     return hashlib.sha256(canonical_json({"target": target, "synth": content, "inputs": inputs}).encode()).hexdigest()
 
 
-def answers_key(target: dict, synth: dict, inputs: dict) -> str:
-    """resume_key without the prompts: what must match for a finished answer row to answer the same
-    conversation in another prompt set (the row itself must follow that prompt row exactly)."""
-    return resume_key(target, synth, {k: v for k, v in inputs.items() if k != "prompts"})
-
-
 def earlier_answers(out: Path, key: str | None) -> dict[str, dict]:
-    """The finished rows of the last run in `out` by id, if its answers key is `key`; else none, and
+    """The finished rows of the last run in `out` by id, if it ran under resume key `key`; else none, and
     the marker is removed so that files this run rewrites are never vouched for by another key.
     Lines that are not answer rows are passed over: these files are a source to reuse, not state."""
     marker = out / ANSWERS_FILE
@@ -544,12 +540,12 @@ def earlier_answers(out: Path, key: str | None) -> dict[str, dict]:
         path = out / f"{split}.jsonl"
         if not path.is_file():
             continue
-        for line in path.read_bytes().splitlines():
+        for n, raw in jsonl.lines(path):
             try:
-                row = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                row = jsonl.loads_line(path, n, raw, "")
+            except UserError:  # not JSON: not a row to reuse
                 continue
-            if isinstance(row, dict) and row_problem(row) is None:
+            if row_problem(row) is None:
                 rows.setdefault(row["id"], row)
     return rows
 
@@ -662,9 +658,10 @@ def longest_first(rows: list[dict]) -> list[dict]:
 
 
 def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None,
-               answers: str | None = None) -> dict:
-    """Answer every row of every split into `out`; returns counts and token figures. `answers`: the
-    answers key (`answers_key`): rows of the last finished run under it are reused (module docstring).
+               reuse: bool = False) -> dict:
+    """Answer every row of every split into `out` under resume key `key`; returns counts and token
+    figures. `reuse`: rows of the last finished run under the same key answer this run's prompts too
+    (module docstring).
 
     Every split's rows go to the backend at once, one pool of workers: a split answered after
     another would run its own ramp and tail (the 482 eval conversations of the real workload
@@ -674,7 +671,7 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
     import time
 
     resumed = prepare_resume(out, key)
-    earlier = earlier_answers(out, answers)
+    earlier = earlier_answers(out, key if reuse else None)
     stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
              "answer_finish_reasons": {}, "turns": 0, "stopped": {}}
     reused = {split: 0 for split in splits}
@@ -743,8 +740,8 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
     for split in splits:
         (out / f"{split}.jsonl.partial").unlink(missing_ok=True)
     (out / RESUME_FILE).unlink(missing_ok=True)
-    if answers is not None:  # every output written: they answer under this key
-        atomic_write_json(out / ANSWERS_FILE, {"key": answers})
+    if reuse:  # every output written: they answer under this key
+        atomic_write_json(out / ANSWERS_FILE, {"key": key})
     stats["errors"] = errors
     stats["reused"] = sum(reused.values())
     return stats
