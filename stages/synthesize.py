@@ -180,7 +180,9 @@ def run(params, splits, inputs, out: Path, backend, server_startup: list | None 
         "conversations_stopped": stats["stopped"],  # rows ended before their last user turn, by reason
         "completion_tokens": stats["completion_tokens"],  # generated in this run (not the resumed rows)
         "generation_s": round(stats["generation_s"], 3),
-        "tokens_per_s": round(stats["completion_tokens"] / stats["generation_s"], 1) if stats["generation_s"] > 0 else None,
+        # None when nothing was generated (every row resumed or reused)
+        "tokens_per_s": round(stats["completion_tokens"] / stats["generation_s"], 1)
+        if stats["generation_s"] > 0 and stats["completion_tokens"] else None,
         "tokenizer_hash": tokenizer_hash(tok),
         "chat_template_hash": chat_template_hash(tok),
         "files": output_files(out),  # per file rows + sha256: extract names the one cut or changed
@@ -199,7 +201,7 @@ def run(params, splits, inputs, out: Path, backend, server_startup: list | None 
         stopped += f", {stats['stopped']['length']} conversations ended at a cut answer (synth.after_cut stop)"
     reused = f", {stats['reused']} of them reused from the last run" if stats["reused"] else ""
     print(f"synthesize: {n_ok} answered{turns}{reused}, {failed}, {length} answers cut at synth.max_new_tokens{stopped}, "
-          f"{info['tokens_per_s']} tokens/s -> {out}")
+          + (f"{info['tokens_per_s']} tokens/s" if info["tokens_per_s"] else "nothing generated") + f" -> {out}")
 
 
 if __name__ == "__main__":

@@ -544,3 +544,9 @@ def test_the_stage_reuses_answers_when_only_the_prompt_set_changed_and_says_so(t
     _, manifest = run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p3", ["Count to 3."], ["Say hi."]), out, target,
                             max_new_tokens=12)  # a setting that changes answers: nothing reused
     assert manifest["info"]["reused"] == 0
+    capsys.readouterr()
+    _, manifest = run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p4", ["Count to 3."], ["Say hi."]), out, target,
+                            max_new_tokens=12)  # the same answers again: every row reused, no rate made up
+    assert manifest["info"]["reused"] == 2 and manifest["info"]["tokens_per_s"] is None
+    said = capsys.readouterr().out
+    assert "2 answered, 2 of them reused from the last run" in said and "nothing generated" in said
