@@ -289,7 +289,9 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
-           f"{synth.get('completion_tokens')} answer tokens synthesized at {synth.get('tokens_per_s')} tok/s "
+           f"{synth.get('completion_tokens')} answer tokens synthesized"
+           + (f" at {synth['tokens_per_s']} tok/s" if synth.get("tokens_per_s") else "")
+           + (f", {synth['reused']} conversations reused from the run before" if synth.get("reused") else "") + " "
            f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
            "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
