@@ -81,6 +81,12 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     head = "epoch\t" + "\t".join(f"accept_{i + 1}" for i in range(K)) + "\ttau_pred"
     rows = [f"{h['epoch']}\t" + "\t".join(f"{a:.6f}" for a in h["eval_accept"]) + f"\t{h['eval_tau_pred']:.6f}" for h in history]
     atomic_write_text(plots / "accept.tsv", "\n".join([head] + rows) + "\n")
+    # Greedy chains replayed over the eval answers after each epoch, by depth: the first turns are what a
+    # bench of first turns serves (the figure a grid ranks by), every turn what training predicts over
+    head = "epoch\t" + "\t".join(f"{which}_{n + 1}" for which in ("first_turns", "every_turn") for n in range(K))
+    rows = [f"{h['epoch']}\t" + "\t".join(f"{t:.6f}" for t in h["eval_tau_decoded_first_turns_by_steps"] + h["eval_tau_decoded_by_steps"])
+            for h in history]
+    atomic_write_text(plots / "decoded.tsv", "\n".join([head] + rows) + "\n")
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(epochs, [h["train_loss"] for h in history], label="train")
@@ -96,6 +102,13 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(plots / "accept.png", dpi=100)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for n in range(K):
+        ax.plot(epochs, [h["eval_tau_decoded_first_turns_by_steps"][n] for h in history], label=f"chain of {n + 1}")
+    ax.set(xlabel="epoch", ylabel="tau (tokens per round)", title="greedy chains replayed over the eval first turns")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(plots / "decoded.png", dpi=100)
     plt.close("all")
 
 

@@ -274,6 +274,11 @@ def test_two_process_data_parallel_run_matches_one_process(feats):
     assert metrics["config_hash"] == manifest["config_hash"] and manifest["info"]["processes"] == 2
     assert metrics["settings"]["physical_layers"] == [1, 2, 3] and metrics["settings"]["ttt_steps"] == 3
     assert (root / "reports/two/plots/accept.tsv").read_text().startswith("epoch\taccept_1\taccept_2\taccept_3\ttau_pred")
+    decoded = (root / "reports/two/plots/decoded.tsv").read_text().splitlines()
+    assert decoded[0] == "epoch\tfirst_turns_1\tfirst_turns_2\tfirst_turns_3\tevery_turn_1\tevery_turn_2\tevery_turn_3"
+    last = dict(zip(decoded[0].split("\t"), map(float, decoded[-1].split("\t"))))  # the last epoch's row is the metrics'
+    assert last["first_turns_3"] == pytest.approx(metrics["tau_decoded_first_turns_by_steps"]["steps_3"], abs=1e-6)
+    assert last["every_turn_2"] == pytest.approx(metrics["tau_decoded_by_steps"]["steps_2"], abs=1e-6)
     assert not (root / "resume-two/last.pt").exists()  # removed once the stage completed
 
 
