@@ -136,5 +136,10 @@ def test_the_first_steps_seconds_and_each_evals_come_from_the_train_manifests_th
     assert "| epoch | train loss | eval loss | a_1 | predicted tau | eval (s) |" in md
     assert "| 1 | 20.000 | 15.000 | 0.470 | 1.980 | 21.100 |" in md and "| 2 | 12.000 | 10.000 | 0.650 | 3.030 | 2.200 |" in md
     assert "eval (s)" not in "\n".join(rwr.learning_curve_md(run, None))  # an older run's manifest: no column
+    (plots / "decoded.tsv").write_text("epoch\tfirst_turns_1\tfirst_turns_2\tevery_turn_1\tevery_turn_2\n1\t1.4\t1.6\t1.5\t1.7\n2\t1.5\t1.8\t1.6\t1.9\n")
+    md = "\n".join(rwr.learning_curve_md(run, None, depth=2))  # the bench's chain: first turns at its depth
+    assert "| epoch | train loss | eval loss | a_1 | predicted tau | decoded tau, first turns, chain of 2 |" in md
+    assert "| 2 | 12.000 | 10.000 | 0.650 | 3.030 | 1.800 |" in md
+    assert "decoded" not in "\n".join(rwr.learning_curve_md(run, None, depth=5))  # deeper than trained: no column
     assert rwr.first_step({"first_step_s": 47.61}) == "; the first step 47.61 s (compiling and first uses included)"
     assert rwr.first_step({}) == ""

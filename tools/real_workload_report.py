@@ -54,7 +54,7 @@ FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its S
 # its 2 warm-up prompts, 256 new tokens, greedy, bs=1: (served tau, speedup).
 EARLIER = {"ngram": (2.06, 0.84), "ngram-4-1": (1.77, 0.74), "3-1-4": (1.83, 0.66), "7-1-8": (1.91, 0.72)}
 COPIED = ("reports/bench.json reports/check.md reports/train/metrics.json reports/train/plots/accept.png "
-          "reports/train/plots/loss.png reports/train/plots/accept.tsv reports/train/plots/loss.tsv reports/bench/configurations.csv reports/bench/concurrency.csv "
+          "reports/train/plots/loss.png reports/train/plots/accept.tsv reports/train/plots/loss.tsv reports/train/plots/decoded.tsv reports/train/plots/decoded.png reports/bench/configurations.csv reports/bench/concurrency.csv "
           "reports/bench/acceptance.csv reports/bench/configurations.png reports/bench/bench.png "
           "reports/bench/requests.jsonl reports/bench/report.md reports/bench/categories.png reports/bench/categories.csv "
           "reports/train/step-profile.json params.yaml").split()
@@ -71,18 +71,26 @@ def read(run: Path, rel: str):
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def learning_curve_md(run: Path, eval_s: dict | None = None) -> list[str]:
+def learning_curve_md(run: Path, eval_s: dict | None = None, depth: int | None = None) -> list[str]:
     """Per epoch: train and eval loss and the eval split's predicted tau (the train stage's plot files),
+    the decoded tau over the eval first turns at `depth` draft tokens where the run wrote decoded.tsv,
     and the seconds each evaluation took where the train manifest has them (throughput.eval_s_by_epoch)."""
-    accept, loss = run / "reports/train/plots/accept.tsv", run / "reports/train/plots/loss.tsv"
+    plots = run / "reports/train/plots"
+    accept, loss, decoded = plots / "accept.tsv", plots / "loss.tsv", plots / "decoded.tsv"
     if not (accept.exists() and loss.exists()):
         return []
     curve = pd.read_csv(loss, sep="\t").merge(pd.read_csv(accept, sep="\t"), on="epoch")
+    column = f"first_turns_{depth}"
+    if depth and decoded.exists() and column in (chains := pd.read_csv(decoded, sep="\t")):
+        curve = curve.merge(chains[["epoch", column]], on="epoch", how="left")
+    chained = column in curve
     eval_s = {int(k): v for k, v in (eval_s or {}).items()}
     timed = bool(eval_s)
     return ["## Learning curve (eval split, teacher-forced, after each epoch)", "",
-            table(["epoch", "train loss", "eval loss", "a_1", "predicted tau"] + (["eval (s)"] if timed else []),
+            table(["epoch", "train loss", "eval loss", "a_1", "predicted tau"]
+                  + ([f"decoded tau, first turns, chain of {depth}"] if chained else []) + (["eval (s)"] if timed else []),
                   [[int(r.epoch), round(r.train_loss, 4), round(r.eval_loss, 4), round(r.accept_1, 3), round(r.tau_pred, 3)]
+                   + ([round(getattr(r, column), 3)] if chained else [])
                    + ([eval_s.get(int(r.epoch))] if timed else []) for r in curve.itertuples()]), ""]
 
 
@@ -300,7 +308,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench),
            *step_profile_md(run),
-           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch")),
+           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch"), steps),
            *step1_md(train, bench),
            *training_pays_md(bench),
            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
