@@ -14,6 +14,7 @@ the same functions.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import subprocess
 import sys
 
@@ -87,6 +88,14 @@ def exp_show_profile(args) -> int:
     return 0
 
 
+def exp_report(args) -> int:
+    from draftlab.experiments.study import report
+
+    rows = report(args.runs, args.out, args.base)
+    print(f"exp report: {len(rows)} runs -> {args.out}/results.md, points.csv, epochs.png, data.png")
+    return 0
+
+
 def run_stages(args) -> int:
     from draftlab.experiments.grid import run_grid, split_sets
     from draftlab.experiments.run_stages import run_stages as run
@@ -118,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("serve", help="the reference server (SGLang's HTTP API, CPU or GPU)")
 
     exp = verbs.add_parser("exp", help="params profiles (configs/*.yaml) as DVC experiments",
-                           description="params profiles as DVC experiments: exp run, exp show-profile")
+                           description="params profiles as DVC experiments: exp run, exp show-profile, exp report")
     exp_verbs = exp.add_subparsers(title="verbs", dest="exp_verb", required=True)
     p = exp_verbs.add_parser("run", help="run profiles as one dvc exp run (one -S per key)",
                              description="merge the profiles over params.yaml, check the result with the params loader, and "
@@ -137,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                              description="merge the profiles over params.yaml, check them, and print each key: old -> new")
     add_profile_arguments(p)
     p.set_defaults(func=exp_show_profile)
+
+    p = exp_verbs.add_parser("report", help="a recipe study's runs side by side (points.csv, curves, results.md)",
+                             description="read runs of one profile that differ in their recipe (project roots after a run, "
+                                         "unpacked offline_gpu_run.sh results, grid points, or a grid's runs/ folder) and write "
+                                         "points.csv, epochs.png, data.png and results.md into --out")
+    p.add_argument("runs", nargs="+", type=pathlib.Path, metavar="RUN")
+    p.add_argument("--out", type=pathlib.Path, required=True, metavar="DIR")
+    p.add_argument("--base", default=None, metavar="NAME", help="the run the others are compared with (default: the first)")
+    p.set_defaults(func=exp_report)
 
     p = verbs.add_parser("run-stages", help="dvc.yaml's stages in order without DVC (a machine with neither git nor DVC)",
                          description="merge the profiles into params.yaml, then run dvc.yaml's stages in dependency order, "

@@ -1,0 +1,270 @@
+"""A recipe study's report: runs of one profile that differ in their recipe, side by side.
+
+    draftlab exp report RUN [RUN ...] --out DIR [--base NAME]
+
+A RUN is a project root after a run (dvc repro, draftlab exp run, draftlab run-stages), the
+unpacked results of tools/offline_gpu_run.sh, one point of a grid (runs/<point>/), or a grid's
+folder (runs/: each point in it). Each is read from the files a grid point keeps (grid.KEPT):
+params.yaml, the train metrics and the train manifest's history (one entry per epoch), the extract
+manifest's counts and, where the run served its draft, reports/bench.json.
+
+DIR gets
+- points.csv: one row per run: its recipe (RECIPE's keys), its training data, the training-side
+  figures (tau teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps,
+  a_1) and, where it was served, served tau, a_1 and speedup of the draft and of the best n-gram
+  lookup per prompt set, at bs=1 and at each concurrency measured;
+- epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
+  schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
+- data.png: the decoded first-turn tau against the training answer tokens;
+- results.md: every run, a table per treatment (the runs that differ from the base run in that key
+  alone, with the tau gained per doubling of it where it is a size), and the base run's step-1
+  acceptance by kind of token and position band, teacher-forced and offline.
+The base (--base, a run's name; by default the first RUN) is the recipe the others are measured
+against.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from draftlab.errors import UserError
+from draftlab.fsutil import atomic_write_text
+
+# The recipe's keys as params.yaml names them; the column is the last part.
+RECIPE = ("prompts.leading_assistant", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
+          "extract.loop_tokens", "standardize.draft_vocab_size", "train.epochs", "train.lr", "train.ttt_steps",
+          "train.ttt_decay", "train.batch_tokens", "train.warmup_ratio", "train.seed")
+# The treatments whose curve has a slope per doubling, and of what: the data's treatments by the answer
+# tokens they train on (null, "all", has no number of its own)
+SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "train_turns": "train answer tokens",
+         "leading_assistant": "train answer tokens", "max_new_tokens": "train answer tokens",
+         "draft_vocab_size": "draft_vocab_size", "ttt_steps": "ttt_steps"}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def runs_in(paths: list[Path]) -> list[Path]:
+    """Each RUN as a folder with params.yaml: a grid's folder stands for its points, in name order."""
+    found = []
+    for path in paths:
+        if (path / "params.yaml").exists():
+            found.append(path)
+        elif points := sorted(p for p in path.glob("*/") if (p / "params.yaml").exists()):
+            found.extend(points)
+        else:
+            raise UserError(f"{path}: neither a run (no params.yaml) nor a grid's folder (no */params.yaml): "
+                            "give a project root after a run, the unpacked results of tools/offline_gpu_run.sh, or runs/")
+    return found
+
+
+def recipe(params: dict) -> dict:
+    def get(key):
+        node = params
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+    # as -S writes them (null for None): one type per column whatever the runs hold, so runs compare as text
+    return {key.split(".")[-1]: "null" if get(key) is None else str(get(key)) for key in RECIPE}
+
+
+def history(run: Path) -> list[dict]:
+    """The train manifest's entry per epoch (models/draft-ckpt/manifest.json info.history)."""
+    return (read_json(run / "models/draft-ckpt/manifest.json").get("info") or {}).get("history") or []
+
+
+def decoded_curve(run: Path, depth: int) -> list[tuple[int, float]]:
+    """(epoch, decoded first-turn tau at `depth`) after each epoch; [] for a run that did not record it."""
+    return [(h["epoch"], h["eval_tau_decoded_first_turns_by_steps"][depth - 1]) for h in history(run)
+            if len(h.get("eval_tau_decoded_first_turns_by_steps") or []) >= depth]
+
+
+def served(bench: dict) -> dict:
+    """{column: value} of the draft at spec.* and the best n-gram lookup, per prompt set and concurrency."""
+    out = {}
+    for prompt_set in bench.get("prompt_sets") or []:
+        name = prompt_set["name"]
+        for c in prompt_set.get("configurations") or []:
+            who = "ngram" if c.get("algorithm") == "NGRAM" else "draft" if c["configuration"] == bench_chain(bench) else None
+            if who is None:
+                continue
+            pooled = c.get("pooled") or {}
+            if who == "ngram" and (out.get(f"{name} ngram tau") or 0) >= (pooled.get("tau") or 0):
+                continue  # the best n-gram configuration by tau at bs=1
+            out[f"{name} {who} tau"] = pooled.get("tau")
+            out[f"{name} {who} speedup"] = pooled.get("speedup")
+            if who == "draft":
+                out[f"{name} draft a_1"] = (pooled.get("acceptance") or [None])[0]
+            for at in c.get("concurrency") or []:
+                out[f"{name} {who} tau at {at['concurrency']}"] = at.get("tau")
+                out[f"{name} {who} speedup at {at['concurrency']}"] = at.get("speedup")
+    return out
+
+
+def bench_chain(bench: dict) -> str:
+    s = bench.get("settings") or {}
+    return f"{s.get('num_steps')}-{s.get('topk')}-{s.get('num_draft_tokens')}"
+
+
+def point(run: Path) -> dict:
+    """One row of points.csv."""
+    params = yaml.safe_load((run / "params.yaml").read_text()) or {}
+    depth = (params.get("spec") or {}).get("num_steps")
+    train = read_json(run / "reports/train/metrics.json")
+    counts = ((read_json(run / "data/features/manifest.json").get("info") or {}).get("counts") or {}).get("train") or {}
+    bench = read_json(run / "reports/bench.json")
+    curve = decoded_curve(run, depth) if depth else []
+    row = {"run": run.name, **recipe(params),
+           "train answers": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
+           "tau_pred": train.get("tau_pred"),
+           "decoded tau first turns": (train.get("tau_decoded_first_turns_by_steps") or {}).get(f"steps_{depth}")
+           or (curve[-1][1] if curve else None),
+           "a_1 teacher-forced": (train.get("accept") or {}).get("step_1"),
+           "train s": train.get("seconds"), "train tok/s": train.get("tokens_per_s")}
+    if bench.get("config_hash"):
+        row |= {"offline tau": bench.get("offline_tau"), **served(bench)}
+    return row
+
+
+def slope_per_doubling(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares tau gained per doubling of x (a straight line in log2 x); None under two distinct x."""
+    pts = [(math.log2(x), y) for x, y in zip(xs, ys) if x and y is not None and x > 0]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
+    """{recipe column: the runs equal to the base run in every other recipe column} where more than one value shows."""
+    columns = [k.split(".")[-1] for k in RECIPE]
+    ref = rows.set_index("run").loc[base]
+    out = {}
+    for col in columns:
+        others = [c for c in columns if c != col]
+        same = rows[(rows[others].astype(str) == ref[others].astype(str)).all(axis=1)]
+        if same[col].astype(str).nunique() > 1:
+            out[col] = same.sort_values(col, key=lambda s: pd.to_numeric(s, errors="coerce").fillna(math.inf))
+    return out
+
+
+def markdown(frame: pd.DataFrame, columns: list[str]) -> str:
+    cols = [c for c in columns if c in frame and frame[c].notna().any()]
+    def cell(v):
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in frame[cols].itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at: dict[str, tuple[int, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, curve in curves.items():
+        line, = ax.plot(*zip(*curve), marker=".", label=name)
+        if name in served_at:
+            ax.plot(*served_at[name], marker="*", markersize=11, color=line.get_color(), linestyle="none")
+    ax.set(xlabel="epoch", ylabel="tau (tokens per round)",
+           title="greedy chains replayed over the eval first turns\n(star: served on the held-out first turns)")
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(out / "epochs.png", dpi=100)
+    plt.close(fig)
+
+
+def plot_data(out: Path, rows: pd.DataFrame) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for epochs, group in rows.dropna(subset=["train answer tokens", "decoded tau first turns"]).groupby("epochs"):
+        group = group.sort_values("train answer tokens")
+        ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=f"{epochs} epochs")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="training answer tokens", ylabel="tau (tokens per round)", title="decoded tau over the eval first turns")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "data.png", dpi=100)
+    plt.close(fig)
+
+
+def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFrame:
+    runs = runs_in(paths)
+    if not runs:
+        raise UserError("no runs given")
+    rows = pd.DataFrame([point(run) for run in runs])
+    if rows["run"].duplicated().any():
+        raise UserError(f"two runs are named {rows['run'][rows['run'].duplicated()].iloc[0]!r}: give each run a folder of its own name")
+    base = base or rows["run"].iloc[0]
+    if base not in set(rows["run"]):
+        raise UserError(f"--base {base}: no run of that name; the runs are {', '.join(rows['run'])}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows.to_csv(out / "points.csv", index=False)
+    depth = {run.name: (yaml.safe_load((run / "params.yaml").read_text()).get("spec") or {}).get("num_steps") for run in runs}
+    curves = {run.name: c for run in runs if depth[run.name] and (c := decoded_curve(run, depth[run.name]))}
+    heldout = rows.set_index("run").get("heldout draft tau")
+    served_at = {name: (int(rows.set_index("run").loc[name, "epochs"]), heldout[name]) for name in curves
+                 if heldout is not None and pd.notna(heldout.get(name))}
+    if curves:
+        plot_epochs(out, curves, served_at)
+    plot_data(out, rows)
+    figures = ["tau_pred", "decoded tau first turns", "a_1 teacher-forced", "heldout draft tau", "heldout draft a_1",
+               "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau",
+               "mt-bench draft speedup", "mt-bench ngram tau", "mt-bench ngram speedup", "heldout draft speedup at 8",
+               "heldout ngram speedup at 8", "train s"]
+    recipe_cols = [k.split(".")[-1] for k in RECIPE]
+    varying = [c for c in recipe_cols if rows[c].astype(str).nunique() > 1]
+    md = ["# A recipe study (written by draftlab exp report)", "",
+          f"{len(rows)} runs; the base is `{base}`. The decoded tau replays greedy chains of each run's spec.num_steps over "
+          "the eval split's first answers: the training-side figure closest to what a bench of first turns serves. "
+          "Served figures are SGLang's, at bs=1 unless a column says otherwise (`at 8`: 8 requests in flight).", "",
+          "## Every run", "", markdown(rows, ["run", *varying, "train answers", "train answer tokens", *figures]), ""]
+    for col, group in treatments(rows, base).items():
+        md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "train answer tokens", *figures]), ""]
+        if x := SIZES.get(col):
+            slope = slope_per_doubling(pd.to_numeric(group[x], errors="coerce").tolist(),
+                                       group["decoded tau first turns"].tolist())
+            if slope is not None:
+                md += [f"Decoded tau gained per doubling of {x} (least squares over these runs): {slope:+.3f}.", ""]
+    for name, curve in curves.items():
+        md += [f"## After each epoch: {name}", "", "| epoch | " + " | ".join(str(e) for e, _ in curve) + " |",
+               "|---|" + "---|" * len(curve), "| decoded tau, first turns | " + " | ".join(f"{t:.3f}" for _, t in curve) + " |", ""]
+    md += step1_md(next(run for run in runs if run.name == base))
+    atomic_write_text(out / "results.md", "\n".join(md))
+    return rows
+
+
+def step1_md(run: Path) -> list[str]:
+    """The run's first draft token's hit rate by kind of token (a loop token closes an 8-gram already in its
+    answer) and position band: teacher-forced over the eval split, and offline at each verify round's first
+    draft over the bench prompts (rounds start where the draft missed before)."""
+    train, offline = read_json(run / "reports/train/metrics.json"), read_json(run / "reports/bench.json").get("offline") or {}
+    lines = []
+    for title, key in (("kind of token", "step1_by_kind"), ("position in the answer", "step1_by_position")):
+        groups, rounds = train.get(key) or {}, offline.get(key) or {}
+        for group in groups:
+            served_cell = rounds.get(group) or {}
+            lines.append(f"| {title}: {group} | {groups[group].get('tokens')} | {fmt(groups[group].get('a_1'))} | "
+                         f"{served_cell.get('rounds', '')} | {fmt(served_cell.get('a_1'))} |")
+    if not lines:
+        return []
+    return [f"## Step-1 acceptance of {run.name}, by kind of token and position", "",
+            "| group | eval tokens | a_1 teacher-forced | offline rounds | a_1 offline |", "|---|---|---|---|---|", *lines, ""]
+
+
+def fmt(v) -> str:
+    return "" if v is None else f"{v:.3f}"

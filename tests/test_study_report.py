@@ -1,0 +1,93 @@
+"""draftlab exp report: a recipe study's runs side by side (draftlab/experiments/study.py)."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from draftlab.errors import UserError
+from draftlab.experiments import study
+from draftlab.main import main
+
+
+def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001):
+    """A run's kept files (grid.KEPT): params, train metrics and manifest history, extract counts, the bench."""
+    folder.mkdir(parents=True)
+    params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3},
+              "extract": {"train_turns": turns, "loop_tokens": "learn"}, "standardize": {"draft_vocab_size": 16384},
+              "synth": {"max_new_tokens": 256}, "prompts": {"leading_assistant": "skip"}}
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    history = [{"epoch": e + 1, "eval_tau_decoded_first_turns_by_steps": [t - 0.4, t - 0.2, t]} for e, t in enumerate(curve)]
+    (folder / "models/draft-ckpt").mkdir(parents=True)
+    (folder / "models/draft-ckpt/manifest.json").write_text(json.dumps({"info": {"history": history}}))
+    (folder / "reports/train").mkdir(parents=True)
+    (folder / "reports/train/metrics.json").write_text(json.dumps({
+        "tau_pred": curve[-1] + 0.5, "accept": {"step_1": 0.7}, "seconds": 100.0, "tokens_per_s": 1e5,
+        "tau_decoded_first_turns_by_steps": {"steps_3": curve[-1]},
+        "step1_by_kind": {"loop": {"tokens": 10, "a_1": 0.8}, "other": {"tokens": 20, "a_1": 0.5}},
+        "step1_by_position": {"0-63": {"tokens": 30, "a_1": 0.6}}}))
+    (folder / "data/features").mkdir(parents=True)
+    (folder / "data/features/manifest.json").write_text(json.dumps(
+        {"info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
+    if bench:
+        (folder / "reports/bench.json").write_text(json.dumps(bench))
+
+
+def bench(draft_tau, ngram_taus=(2.1, 1.8)):
+    def conf(name, algorithm, tau, speedup):
+        return {"configuration": name, "algorithm": algorithm,
+                "pooled": {"tau": tau, "speedup": speedup, "acceptance": [0.6, 0.5, 0.4]},
+                "concurrency": [{"concurrency": 8, "tau": tau - 0.05, "speedup": speedup - 0.1}]}
+    return {"config_hash": "h", "settings": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}, "offline_tau": draft_tau - 0.03,
+            "offline": {"step1_by_kind": {"loop": {"rounds": 5, "a_1": 0.7}}},
+            "prompt_sets": [{"name": "heldout", "configurations": [conf("3-1-4", "EAGLE3", draft_tau, 0.8),
+                                                                    conf("7-1-8", "EAGLE3", draft_tau + 0.3, 0.7),
+                                                                    conf("ngram", "NGRAM", ngram_taus[0], 0.81),
+                                                                    conf("ngram-4-1", "NGRAM", ngram_taus[1], 0.7)]}]}
+
+
+def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp_path):
+    write_run(tmp_path / "base", 3, bench=bench(2.0))
+    write_run(tmp_path / "runs/01-epochs=8", 8, curve=(1.5, 1.8, 2.0, 2.1, 2.2, 2.3, 2.35, 2.4), bench=bench(2.4))
+    write_run(tmp_path / "runs/02-train_turns=1", 3, turns=1, answer_tokens=250, curve=(1.4, 1.6, 1.7))
+    write_run(tmp_path / "runs/03-lr=0.003-epochs=8", 8, lr=0.003)  # two keys away from the base: in no treatment table
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as done:
+        main(["exp", "report", str(tmp_path / "base"), str(tmp_path / "runs"), "--out", str(out)])
+    assert done.value.code == 0
+
+    rows = pd.read_csv(out / "points.csv")
+    assert list(rows["run"]) == ["base", "01-epochs=8", "02-train_turns=1", "03-lr=0.003-epochs=8"]  # a grid's folder: its points
+    first = rows.iloc[0]
+    assert first["decoded tau first turns"] == 2.0 and first["heldout draft tau"] == 2.0
+    assert first["heldout ngram tau"] == 2.1 and first["heldout ngram speedup"] == 0.81  # the best n-gram by tau, not the last
+    assert first["heldout draft tau at 8"] == pytest.approx(1.95)  # the draft at spec.* (3-1-4), not the sweep's 7-1-8
+    assert pd.isna(rows.iloc[2]["heldout draft tau"])  # trained only (--until train): nothing served
+    md = (out / "results.md").read_text()
+    epochs_table = md.split("## Treatment: epochs")[1].split("## ")[0]
+    assert "| base | 3 |" in epochs_table and "| 01-epochs=8 | 8 |" in epochs_table and "03-lr" not in epochs_table
+    turns_table = md.split("## Treatment: train_turns")[1].split("## ")[0]
+    assert "02-train_turns=1" in turns_table and "01-epochs" not in turns_table
+    assert "## Treatment: lr" not in md  # the lr run also changed epochs
+    # the data's treatment by the answer tokens each run trained on: 1.7 at 250 tokens, 2.0 at 1000 (null: every turn)
+    assert f"per doubling of train answer tokens (least squares over these runs): {0.3 / 2:+.3f}" in turns_table
+    # decoded tau 2.0 at 3 epochs, 2.4 at 8: per doubling of epochs, 0.4 / log2(8/3)
+    assert f"per doubling of epochs (least squares over these runs): {0.4 / 1.415:+.3f}" in md
+    assert "| epoch | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |" in md  # the epoch curve of the 8-epoch run
+    assert "| kind of token: loop | 10 | 0.800 | 5 | 0.700 |" in md  # the base's step-1 split beside its offline rounds
+    assert (out / "epochs.png").stat().st_size > 0 and (out / "data.png").stat().st_size > 0
+
+
+def test_bad_runs_and_bases_are_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="empty: neither a run"):
+        study.report([tmp_path / "empty"], tmp_path / "out")
+    write_run(tmp_path / "a", 3)
+    with pytest.raises(UserError, match="--base b: no run of that name; the runs are a"):
+        study.report([tmp_path / "a"], tmp_path / "out", base="b")
+
+
+def test_slope_needs_two_sizes():
+    assert study.slope_per_doubling([4, 4], [2.0, 2.1]) is None
+    assert study.slope_per_doubling([1, 2, 4], [1.0, 1.5, 2.0]) == pytest.approx(0.5)
