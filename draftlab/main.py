@@ -92,7 +92,8 @@ def exp_report(args) -> int:
     from draftlab.experiments.study import report
 
     rows = report(args.runs, args.out, args.base)
-    print(f"exp report: {len(rows)} runs -> {args.out}/results.md, points.csv, epochs.png, data.png")
+    written = [name for name in ("results.md", "points.csv", "epochs.png", "data.png") if (args.out / name).exists()]
+    print(f"exp report: {len(rows)} runs -> {args.out}/: {', '.join(written)}")
     return 0
 
 

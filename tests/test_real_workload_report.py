@@ -99,6 +99,8 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
                                        {"total_s": 90.0, "phases_s": {"health": 90.0}}]} if stage == "synthesize" else {})}
         (run / rel / "manifest.json").write_text(json.dumps({"stage": stage, "config_hash": "x", "info": info}))
     (run / ".run-stages.json").write_text(json.dumps({"check": {"seconds": 9.0}, "train": {"seconds": 305.0}}))
+    (run / "data/hidden").mkdir(parents=True)  # extract's counts, without a wall time: kept for a recipe study
+    (run / "data/hidden/manifest.json").write_text(json.dumps({"info": {"counts": {"train": {"rows": 9, "answer_tokens": 900}}}}))
     assert rwr.stage_times(run) == {"prompts": 12.5, "synthesize": 180.0, "train": 301.2, "bench": 390.0, "check": 9.0}
     assert list(rwr.stage_times(run)) == ["prompts", "synthesize", "train", "bench", "check"]  # the DAG's order
     out = tmp_path / "out"
@@ -110,12 +112,14 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
             in md)  # train.state_cache, from the train manifest
     # the synthesize manifest's server start-ups: the slowest one's phases
     assert "synthesize: 2 servers up in 90-170 s; the slowest: imports 60 s, cuda graphs 100 s, health 10 s" in md
-    assert json.loads((out / "stage-counts.json").read_text())["seconds"]["bench"] == 390.0
+    kept = json.loads((out / "stage-counts.json").read_text())
+    assert kept["seconds"]["bench"] == 390.0 and kept["extract"]["counts"]["train"]["answer_tokens"] == 900
 
 
 def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_groups():
     cell = {"tokens": 10, "a_1": 0.5}
-    train = {"step1_by_kind": {"loop": cell, "other": cell}, "step1_by_position": {"0-63": cell, "64-127": cell},
+    # as metrics.json holds them: sorted as text, 128-255 before 64-127
+    train = {"step1_by_kind": {"loop": cell, "other": cell}, "step1_by_position": {"0-63": cell, "128-255": cell, "64-127": cell},
              "step1_by_turn": {"1": cell}}
     bench = {"offline": {"step1_by_kind": {"loop": {"rounds": 7, "a_1": 0.9}, "other": {"rounds": 30, "a_1": 0.4}},
                          "step1_by_position": {"0-63": {"rounds": 20, "a_1": 0.45}, "64-127": {"rounds": 17, "a_1": 0.5}}}}
@@ -123,6 +127,7 @@ def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_gro
     assert "| group | tokens | a_1 | offline rounds | offline a_1 |" in md
     assert "| loop tokens | 10 | 0.500 | 7 | 0.900 |" in md and "| positions 64-127 | 10 | 0.500 | 17 | 0.500 |" in md
     assert "| turn 1 | 10 | 0.500 |  |  |" in md  # the bench sends no turn groups
+    assert md.index("positions 0-63") < md.index("positions 64-127") < md.index("positions 128-255")  # from the answer's start
     assert "offline" not in "\n".join(rwr.step1_md(train, {"offline": {"tau": 2.0}}))  # an older bench: training's alone
 
 

@@ -27,8 +27,8 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
         "tau_decoded_first_turns_by_steps": {"steps_3": curve[-1]},
         "step1_by_kind": {"loop": {"tokens": 10, "a_1": 0.8}, "other": {"tokens": 20, "a_1": 0.5}},
         "step1_by_position": {"0-63": {"tokens": 30, "a_1": 0.6}}}))
-    (folder / "data/features").mkdir(parents=True)
-    (folder / "data/features/manifest.json").write_text(json.dumps(
+    (folder / "data/hidden").mkdir(parents=True)
+    (folder / "data/hidden/manifest.json").write_text(json.dumps(
         {"info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
     if bench:
         (folder / "reports/bench.json").write_text(json.dumps(bench))
@@ -91,3 +91,30 @@ def test_bad_runs_and_bases_are_named(tmp_path):
 def test_slope_needs_two_sizes():
     assert study.slope_per_doubling([4, 4], [2.0, 2.1]) is None
     assert study.slope_per_doubling([1, 2, 4], [1.0, 1.5, 2.0]) == pytest.approx(0.5)
+
+
+def test_a_committed_real_workload_report_folder_is_read_as_a_run(tmp_path):
+    """tools/real_workload_report.py's folder: metrics.json, bench.json, decoded.tsv and stage-counts.json at its top."""
+    write_run(tmp_path / "run", 3, bench=bench(2.0))
+    folder = tmp_path / "committed"
+    folder.mkdir()
+    (folder / "params.yaml").write_text((tmp_path / "run/params.yaml").read_text())
+    (folder / "metrics.json").write_text((tmp_path / "run/reports/train/metrics.json").read_text())
+    (folder / "bench.json").write_text((tmp_path / "run/reports/bench.json").read_text())
+    (folder / "decoded.tsv").write_text("epoch\tfirst_turns_1\tfirst_turns_2\tfirst_turns_3\n1\t1.1\t1.3\t1.5\n2\t1.2\t1.5\t1.9\n")
+    (folder / "stage-counts.json").write_text(json.dumps({"extract": {"counts": {"train": {"rows": 7, "answer_tokens": 700}}}}))
+    row = study.point(folder)
+    assert row["heldout draft tau"] == 2.0 and row["train answer tokens"] == 700 and row["train conversations"] == 7
+    assert study.markdown(pd.DataFrame([row]).astype({"train answer tokens": "Int64"}), ["train answer tokens"]).endswith("| 700 |")
+    assert study.decoded_curve(folder, 3) == [(1, 1.5), (2, 1.9)]
+    older = tmp_path / "older"  # a report from before decoded.tsv: its last epoch's figure alone
+    older.mkdir()
+    for name in ("params.yaml", "metrics.json", "bench.json"):
+        (older / name).write_text((folder / name).read_text())
+    params = yaml.safe_load((older / "params.yaml").read_text())
+    del params["prompts"]["leading_assistant"]  # from before the key: it did what the key's default does
+    (older / "params.yaml").write_text(yaml.safe_dump(params))
+    assert study.point(older)["leading_assistant"] == "skip"
+    study.report([older, folder], tmp_path / "out")
+    assert not (tmp_path / "out/data.png").exists()  # one data size: no data curve
+    assert "## After each epoch: older\n\n| epoch | 3 |" in (tmp_path / "out/results.md").read_text()

@@ -40,6 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
+from draftlab.data.loops import band_names
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
 
@@ -109,13 +110,18 @@ def step1_md(train: dict, bench: dict | None = None) -> list[str]:
         return [group, c["tokens"], c["a_1"]] + ([by[group]["rounds"], by[group]["a_1"]] if group in by else ["", ""] if by else [])
     return ["## Step-1 acceptance on the eval split, by kind of token and position in the answer (teacher-forced)", "",
             table(["group", "tokens", "a_1", *more], [row(f"{k} tokens", c) for k, c in kinds.items()] +
-                  [row(f"positions {k}", c) for k, c in bands.items()] +
+                  [row(f"positions {k}", bands[k]) for k in in_band_order(bands)] +
                   [row(f"turn {k}", c) for k, c in (train.get("step1_by_turn") or {}).items()]), "",
             "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py); the turn is the answer's "
             "in its conversation."
             + (" The offline columns: the bench's offline run over its prompts, at the first draft of each verify round (what "
                "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if by else ""),
             ""] + first_turns_md(train)
+
+
+def in_band_order(bands: dict) -> list[str]:
+    """The position bands' names from the answer's start on (a JSON file may hold them sorted as text)."""
+    return [k for k in band_names() if k in bands] + [k for k in bands if k not in band_names()]
 
 
 def first_turns_md(train: dict) -> list[str]:
@@ -375,6 +381,7 @@ def main(argv=None) -> None:
         if (args.run / rel).exists():
             shutil.copyfile(args.run / rel, args.out / Path(rel).name)
     counts = {stage: (read(args.run, f"data/{stage}/manifest.json") or {}).get("info") for stage in ("prompts", "synth")}
+    counts["extract"] = {"counts": ((read(args.run, "data/hidden/manifest.json") or {}).get("info") or {}).get("counts")}
     (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run), **counts}, indent=1) + "\n")
     bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
     prompts = args.prompts or args.run / "data/prompts/eval.jsonl"

@@ -31,6 +31,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from draftlab.data.loops import band_names
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 
@@ -67,24 +68,37 @@ def runs_in(paths: list[Path]) -> list[Path]:
 
 
 def recipe(params: dict) -> dict:
+    """The run's RECIPE values; a key its params.yaml lacks (a run from before the key) is the key's default,
+    which is what such a run did."""
+    from draftlab.params import SECTIONS
+
     def get(key):
-        node = params
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
+        section, name = key.split(".")
+        given = params.get(section) if isinstance(params.get(section), dict) else {}
+        if name in given:
+            return given[name]
+        field = SECTIONS[section].__pydantic_fields__.get(name)
+        return None if field is None or field.is_required() else field.default
     # as -S writes them (null for None): one type per column whatever the runs hold, so runs compare as text
     return {key.split(".")[-1]: "null" if get(key) is None else str(get(key)) for key in RECIPE}
 
 
-def history(run: Path) -> list[dict]:
-    """The train manifest's entry per epoch (models/draft-ckpt/manifest.json info.history)."""
-    return (read_json(run / "models/draft-ckpt/manifest.json").get("info") or {}).get("history") or []
+def found(run: Path, *rels: str) -> Path:
+    """The first of `rels` under `run` that exists (a run's own path first, then a real-workload report
+    folder's copy of it, tools/real_workload_report.py), else the first."""
+    return next((run / rel for rel in rels if (run / rel).exists()), run / rels[0])
 
 
 def decoded_curve(run: Path, depth: int) -> list[tuple[int, float]]:
-    """(epoch, decoded first-turn tau at `depth`) after each epoch; [] for a run that did not record it."""
-    return [(h["epoch"], h["eval_tau_decoded_first_turns_by_steps"][depth - 1]) for h in history(run)
-            if len(h.get("eval_tau_decoded_first_turns_by_steps") or []) >= depth]
+    """(epoch, decoded first-turn tau at `depth`) after each epoch, from the train manifest's history or the
+    train stage's decoded.tsv; [] for a run that recorded neither."""
+    history = (read_json(run / "models/draft-ckpt/manifest.json").get("info") or {}).get("history") or []
+    curve = [(h["epoch"], h["eval_tau_decoded_first_turns_by_steps"][depth - 1]) for h in history
+             if len(h.get("eval_tau_decoded_first_turns_by_steps") or []) >= depth]
+    tsv = found(run, "reports/train/plots/decoded.tsv", "decoded.tsv")
+    if not curve and tsv.exists() and f"first_turns_{depth}" in (frame := pd.read_csv(tsv, sep="\t")):
+        curve = list(zip(frame["epoch"].astype(int), frame[f"first_turns_{depth}"]))
+    return curve
 
 
 def served(bench: dict) -> dict:
@@ -118,12 +132,14 @@ def point(run: Path) -> dict:
     """One row of points.csv."""
     params = yaml.safe_load((run / "params.yaml").read_text()) or {}
     depth = (params.get("spec") or {}).get("num_steps")
-    train = read_json(run / "reports/train/metrics.json")
-    counts = ((read_json(run / "data/features/manifest.json").get("info") or {}).get("counts") or {}).get("train") or {}
-    bench = read_json(run / "reports/bench.json")
+    train = read_json(found(run, "reports/train/metrics.json", "metrics.json"))
+    extract = (read_json(run / "data/hidden/manifest.json").get("info") or {}).get("counts") \
+        or (read_json(run / "stage-counts.json").get("extract") or {}).get("counts") or {}
+    counts = extract.get("train") or {}
+    bench = read_json(found(run, "reports/bench.json", "bench.json"))
     curve = decoded_curve(run, depth) if depth else []
     row = {"run": run.name, **recipe(params),
-           "train answers": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
+           "train conversations": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
            "tau_pred": train.get("tau_pred"),
            "decoded tau first turns": (train.get("tau_decoded_first_turns_by_steps") or {}).get(f"steps_{depth}")
            or (curve[-1][1] if curve else None),
@@ -159,7 +175,7 @@ def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
 def markdown(frame: pd.DataFrame, columns: list[str]) -> str:
     cols = [c for c in columns if c in frame and frame[c].notna().any()]
     def cell(v):
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}" if isinstance(v, float) else str(v)
+        return "" if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in frame[cols].itertuples(index=False)]
     return "\n".join(lines)
@@ -185,13 +201,18 @@ def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at
 
 
 def plot_data(out: Path, rows: pd.DataFrame) -> None:
+    """data.png where some epoch count has runs on two or more data sizes (no curve otherwise)."""
+    sized = rows.dropna(subset=["train answer tokens", "decoded tau first turns"])
+    if not (sized.groupby("epochs")["train answer tokens"].nunique() > 1).any():
+        (out / "data.png").unlink(missing_ok=True)  # of an earlier report into this folder
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for epochs, group in rows.dropna(subset=["train answer tokens", "decoded tau first turns"]).groupby("epochs"):
+    for epochs, group in sized.groupby("epochs"):
         group = group.sort_values("train answer tokens")
         ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=f"{epochs} epochs")
     ax.set_xscale("log", base=2)
@@ -207,6 +228,8 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     if not runs:
         raise UserError("no runs given")
     rows = pd.DataFrame([point(run) for run in runs])
+    for count in ("train conversations", "train answer tokens"):  # whole numbers, blank where a run lacks them
+        rows[count] = rows[count].astype("Int64")
     if rows["run"].duplicated().any():
         raise UserError(f"two runs are named {rows['run'][rows['run'].duplicated()].iloc[0]!r}: give each run a folder of its own name")
     base = base or rows["run"].iloc[0]
@@ -216,23 +239,27 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     rows.to_csv(out / "points.csv", index=False)
     depth = {run.name: (yaml.safe_load((run / "params.yaml").read_text()).get("spec") or {}).get("num_steps") for run in runs}
     curves = {run.name: c for run in runs if depth[run.name] and (c := decoded_curve(run, depth[run.name]))}
-    heldout = rows.set_index("run").get("heldout draft tau")
-    served_at = {name: (int(rows.set_index("run").loc[name, "epochs"]), heldout[name]) for name in curves
+    by_run = rows.set_index("run")
+    for name in by_run.index:  # a run with only its last epoch's figure: one point
+        if name not in curves and pd.notna(last := by_run.loc[name, "decoded tau first turns"]):
+            curves[name] = [(int(by_run.loc[name, "epochs"]), last)]
+    heldout = by_run.get("heldout draft tau")
+    served_at = {name: (int(by_run.loc[name, "epochs"]), heldout[name]) for name in curves
                  if heldout is not None and pd.notna(heldout.get(name))}
     if curves:
         plot_epochs(out, curves, served_at)
     plot_data(out, rows)
     figures = ["tau_pred", "decoded tau first turns", "a_1 teacher-forced", "heldout draft tau", "heldout draft a_1",
-               "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau",
+               "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau", "mt-bench draft a_1",
                "mt-bench draft speedup", "mt-bench ngram tau", "mt-bench ngram speedup", "heldout draft speedup at 8",
-               "heldout ngram speedup at 8", "train s"]
+               "heldout ngram speedup at 8", "mt-bench draft speedup at 8", "mt-bench ngram speedup at 8", "train s"]
     recipe_cols = [k.split(".")[-1] for k in RECIPE]
     varying = [c for c in recipe_cols if rows[c].astype(str).nunique() > 1]
     md = ["# A recipe study (written by draftlab exp report)", "",
           f"{len(rows)} runs; the base is `{base}`. The decoded tau replays greedy chains of each run's spec.num_steps over "
           "the eval split's first answers: the training-side figure closest to what a bench of first turns serves. "
           "Served figures are SGLang's, at bs=1 unless a column says otherwise (`at 8`: 8 requests in flight).", "",
-          "## Every run", "", markdown(rows, ["run", *varying, "train answers", "train answer tokens", *figures]), ""]
+          "## Every run", "", markdown(rows, ["run", *varying, "train conversations", "train answer tokens", *figures]), ""]
     for col, group in treatments(rows, base).items():
         md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "train answer tokens", *figures]), ""]
         if x := SIZES.get(col):
@@ -243,7 +270,8 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     for name, curve in curves.items():
         md += [f"## After each epoch: {name}", "", "| epoch | " + " | ".join(str(e) for e, _ in curve) + " |",
                "|---|" + "---|" * len(curve), "| decoded tau, first turns | " + " | ".join(f"{t:.3f}" for _, t in curve) + " |", ""]
-    md += step1_md(next(run for run in runs if run.name == base))
+    for run in runs:
+        md += step1_md(run)
     atomic_write_text(out / "results.md", "\n".join(md))
     return rows
 
@@ -252,11 +280,12 @@ def step1_md(run: Path) -> list[str]:
     """The run's first draft token's hit rate by kind of token (a loop token closes an 8-gram already in its
     answer) and position band: teacher-forced over the eval split, and offline at each verify round's first
     draft over the bench prompts (rounds start where the draft missed before)."""
-    train, offline = read_json(run / "reports/train/metrics.json"), read_json(run / "reports/bench.json").get("offline") or {}
-    lines = []
+    train = read_json(found(run, "reports/train/metrics.json", "metrics.json"))
+    offline = read_json(found(run, "reports/bench.json", "bench.json")).get("offline") or {}
+    lines, order = [], ["loop", "other", *band_names()]  # the bands from the answer's start on, not as text sorts them
     for title, key in (("kind of token", "step1_by_kind"), ("position in the answer", "step1_by_position")):
         groups, rounds = train.get(key) or {}, offline.get(key) or {}
-        for group in groups:
+        for group in sorted(groups, key=lambda g: (order.index(g) if g in order else len(order), g)):
             served_cell = rounds.get(group) or {}
             lines.append(f"| {title}: {group} | {groups[group].get('tokens')} | {fmt(groups[group].get('a_1'))} | "
                          f"{served_cell.get('rounds', '')} | {fmt(served_cell.get('a_1'))} |")
