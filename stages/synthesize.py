@@ -104,10 +104,21 @@ def make_backend(target_params, synth_params, base_urls: list[str] | None = None
         device = resolve_device(target_params.device)
         model, tok = load_target(target_params, device)
         return synth.HFBackend(model, tok, synth_params, device)
-    tok = load_tokenizer(target_params.model, target_params.revision)  # the target's own tokenizer: context check, hashes, think layout
-    cfg = load_config(target_params).get_text_config()
-    context = getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
+    tok, context = tokenizer_and_context(target_params)
     return synth.OpenAIBackend(tok, synth_params, context, api_key=os.environ.get(synth_params.api_key_env) or None, base_urls=base_urls)
+
+
+def tokenizer_and_context(target_params):
+    """The target's own tokenizer (context check, hashes, think layout) and context length, without its weights."""
+    tok = load_tokenizer(target_params.model, target_params.revision)
+    cfg = load_config(target_params).get_text_config()
+    return tok, getattr(cfg, "max_position_embeddings", None) or tok.model_max_length
+
+
+def answers_key(params, inputs: dict) -> str:
+    """The resume key the answers are kept under: the target, its weights and the sampling, not the prompts
+    (a row is reused only for the conversation its id hashes)."""
+    return synth.resume_key(dataclasses.asdict(params.target), dataclasses.asdict(params.synth), {"target": inputs["target"]})
 
 
 def main(prompts_dir: Path, out: Path) -> None:
@@ -120,13 +131,21 @@ def main(prompts_dir: Path, out: Path) -> None:
     from draftlab.sglang.launch import check_extra_args
 
     check_extra_args(synth_params.server_args, "synth.server_args", SERVER_MANAGED)  # before any server starts
+    planned = synth.plan(splits, out, answers_key(params, inputs), reuse=True)
+    if not planned.todo:  # every conversation answered already (resumed or the last run's): no server, no model
+        reused = sum(planned.reused.values())
+        print(f"synthesize: every conversation is answered already ({reused} by the last finished run, "
+              f"{sum(map(len, planned.done_rows.values())) - reused} resumed): no server started, no model loaded")
+        run(params, splits, inputs, out, synth.Answered(*tokenizer_and_context(target_params)), [], planned)
+        return
     startups: list = []
     with own_servers(target_params, synth_params, out, startups) if synth_params.backend == "sglang" else contextlib.nullcontext() as urls:
-        run(params, splits, inputs, out, make_backend(target_params, synth_params, urls), startups)
+        run(params, splits, inputs, out, make_backend(target_params, synth_params, urls), startups, planned)
 
 
-def run(params, splits, inputs, out: Path, backend, server_startup: list | None = None) -> None:
-    """server_startup: where each server's start-up went (own_servers), kept in the manifest."""
+def run(params, splits, inputs, out: Path, backend, server_startup: list | None = None, planned=None) -> None:
+    """server_startup: where each server's start-up went (own_servers), kept in the manifest. planned:
+    synth.plan()'s result, when main() asked it before starting servers."""
     target_params, synth_params = params.target, params.synth
     tok = backend.tokenizer
     synth.check_context(splits, tok, backend.context_length, synth_params.max_new_tokens)
@@ -155,8 +174,7 @@ def run(params, splits, inputs, out: Path, backend, server_startup: list | None 
     def progress(split, total, initial):  # its estimate holds from the first it shows (draftlab/progress.py)
         return bar(total, f"synthesize {split}", "row", initial)
 
-    key = synth.resume_key(dataclasses.asdict(target_params), dataclasses.asdict(synth_params), {"target": inputs["target"]})
-    stats = synth.synthesize(splits, backend, out, key, make_row, progress, reuse=True)
+    stats = synth.synthesize(splits, backend, out, answers_key(params, inputs), make_row, progress, reuse=True, planned=planned)
     counts = stats["counts"]
     n_in = sum(c["input"] for c in counts.values())
     n_ok = sum(c["ok"] for c in counts.values())

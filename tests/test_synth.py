@@ -545,8 +545,13 @@ def test_the_stage_reuses_answers_when_only_the_prompt_set_changed_and_says_so(t
                             max_new_tokens=12)  # a setting that changes answers: nothing reused
     assert manifest["info"]["reused"] == 0
     capsys.readouterr()
+    def not_now(*_a, **_k):
+        raise AssertionError("a model loaded or a server started with every conversation answered")
+    monkeypatch.setattr(stage, "load_target", not_now)  # the hf backend's model
+    monkeypatch.setattr(stage, "own_servers", not_now)  # the sglang backend's servers
     _, manifest = run_stage(tmp_path, monkeypatch, make_prompts(tmp_path / "p4", ["Count to 3."], ["Say hi."]), out, target,
-                            max_new_tokens=12)  # the same answers again: every row reused, no rate made up
-    assert manifest["info"]["reused"] == 2 and manifest["info"]["tokens_per_s"] is None
+                            max_new_tokens=12)  # the same answers again: every row reused, no rate made up, nothing started
+    assert manifest["info"]["reused"] == 2 and manifest["info"]["tokens_per_s"] is None and manifest["info"]["servers"] == 0
     said = capsys.readouterr().out
     assert "2 answered, 2 of them reused from the last run" in said and "nothing generated" in said
+    assert "every conversation is answered already (2 by the last finished run, 0 resumed): no server started" in said

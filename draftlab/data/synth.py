@@ -657,25 +657,23 @@ def longest_first(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -len(r.get("next_turns") or ()))
 
 
-def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None,
-               reuse: bool = False) -> dict:
-    """Answer every row of every split into `out` under resume key `key`; returns counts and token
-    figures. `reuse`: rows of the last finished run under the same key answer this run's prompts too
-    (module docstring).
+@dataclass
+class Plan:
+    """What a run of synthesize has to answer: the rows answered already (kept from a partial file of
+    this resume key, or reused from the last finished run) and the rest, in the order sent."""
+    resumed: bool  # partial files of this key were kept
+    done_rows: dict[str, dict[str, dict]]  # split -> id -> output row
+    reused: dict[str, int]  # split -> rows taken from the last finished run
+    todo: list[dict]  # prompt rows still to answer, longest conversations first
+    split_of: dict[int, str]  # id() of a todo row -> its split
 
-    Every split's rows go to the backend at once, one pool of workers: a split answered after
-    another would run its own ramp and tail (the 482 eval conversations of the real workload
-    took 67 s at a third of the rate, after the train split). `make_row(prompt_row, reply)`
-    builds the output row; `progress(name, total, initial)` returns a tqdm-like bar (or None).
-    """
-    import time
 
+def plan(splits: dict[str, list[dict]], out: Path, key: str, reuse: bool = False) -> Plan:
+    """The rows of `splits` answered already in `out` under resume key `key` and those left (`synthesize`'s
+    first half: a stage asks it before starting servers, and starts none when nothing is left)."""
     resumed = prepare_resume(out, key)
     earlier = earlier_answers(out, key if reuse else None)
-    stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
-             "answer_finish_reasons": {}, "turns": 0, "stopped": {}}
     reused = {split: 0 for split in splits}
-    errors: list[dict] = []
     done_rows: dict[str, dict[str, dict]] = {}
     todo: list[dict] = []
     split_of: dict[int, str] = {}  # id() of a prompt row handed to the backend -> its split
@@ -696,7 +694,41 @@ def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make
             elif r["id"] not in done:
                 todo.append(r)
                 split_of[id(r)] = split
-    todo = longest_first(todo)
+    return Plan(resumed, done_rows, reused, longest_first(todo), split_of)
+
+
+class Answered:
+    """The backend of a run with nothing left to answer: the target's tokenizer and context length for
+    the checks and hashes, and no server or model (none is started or loaded)."""
+
+    def __init__(self, tok, context_length: int):
+        self.tokenizer, self.context_length = tok, context_length
+        self.info = {"served_model": None, "servers": 0}
+
+    def answer(self, rows: list[dict], done) -> None:
+        if rows:
+            raise RuntimeError(f"{len(rows)} rows to answer, but no backend was started: plan() said none were left")
+
+
+def synthesize(splits: dict[str, list[dict]], backend, out: Path, key: str, make_row: Callable, progress=None,
+               reuse: bool = False, planned: Plan | None = None) -> dict:
+    """Answer every row of every split into `out` under resume key `key`; returns counts and token
+    figures. `reuse`: rows of the last finished run under the same key answer this run's prompts too
+    (module docstring). `planned`: `plan()`'s result when the caller asked it first (same key and reuse).
+
+    Every split's rows go to the backend at once, one pool of workers: a split answered after
+    another would run its own ramp and tail (the 482 eval conversations of the real workload
+    took 67 s at a third of the rate, after the train split). `make_row(prompt_row, reply)`
+    builds the output row; `progress(name, total, initial)` returns a tqdm-like bar (or None).
+    """
+    import time
+
+    planned = planned or plan(splits, out, key, reuse)
+    resumed, done_rows, reused, todo, split_of = (planned.resumed, planned.done_rows, planned.reused, planned.todo,
+                                                  planned.split_of)
+    stats = {"resumed": resumed, "counts": {}, "completion_tokens": 0, "generation_s": 0.0, "finish_reasons": {},
+             "answer_finish_reasons": {}, "turns": 0, "stopped": {}}
+    errors: list[dict] = []
     total, kept = sum(map(len, splits.values())), sum(map(len, done_rows.values()))
     bar = progress("+".join(splits), total, kept) if progress else None
     t0 = time.perf_counter()
