@@ -52,6 +52,7 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     write_run(tmp_path / "runs/01-epochs=8", 8, curve=(1.5, 1.8, 2.0, 2.1, 2.2, 2.3, 2.35, 2.4), bench=bench(2.4))
     write_run(tmp_path / "runs/02-train_turns=1", 3, turns=1, answer_tokens=250, curve=(1.4, 1.6, 1.7))
     write_run(tmp_path / "runs/03-lr=0.003-epochs=8", 8, lr=0.003)  # two keys away from the base: in no treatment table
+    write_run(tmp_path / "runs/04-lr=0.01.tmp", 3, lr=0.01)  # a point cut short while it was being kept: not a run
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as done:
         main(["exp", "report", str(tmp_path / "base"), str(tmp_path / "runs"), "--out", str(out)])

@@ -59,7 +59,8 @@ def runs_in(paths: list[Path]) -> list[Path]:
     for path in paths:
         if (path / "params.yaml").exists():
             found.append(path)
-        elif points := sorted(p for p in path.glob("*/") if (p / "params.yaml").exists()):
+        elif points := sorted(p for p in path.glob("*/") if (p / "params.yaml").exists() and not p.name.endswith(".tmp")):
+            # (a point's folder is written as NAME.tmp and renamed once whole: a .tmp one is a point cut short)
             found.extend(points)
         else:
             raise UserError(f"{path}: neither a run (no params.yaml) nor a grid's folder (no */params.yaml): "
