@@ -43,8 +43,8 @@ def bench(draft_tau, ngram_taus=(2.1, 1.8)):
             "offline": {"step1_by_kind": {"loop": {"rounds": 5, "a_1": 0.7}}},
             "prompt_sets": [{"name": "heldout", "configurations": [conf("3-1-4", "EAGLE3", draft_tau, 0.8),
                                                                     conf("7-1-8", "EAGLE3", draft_tau + 0.3, 0.7),
-                                                                    conf("ngram", "NGRAM", ngram_taus[0], 0.81),
-                                                                    conf("ngram-4-1", "NGRAM", ngram_taus[1], 0.7)]}]}
+                                                                    conf("ngram-4-1", "NGRAM", ngram_taus[1], 0.7),
+                                                                    conf("ngram", "NGRAM", ngram_taus[0], 0.81)]}]}
 
 
 def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp_path):
@@ -62,7 +62,8 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     assert list(rows["run"]) == ["base", "01-epochs=8", "02-train_turns=1", "03-lr=0.003-epochs=8"]  # a grid's folder: its points
     first = rows.iloc[0]
     assert first["decoded tau first turns"] == 2.0 and first["heldout draft tau"] == 2.0
-    assert first["heldout ngram tau"] == 2.1 and first["heldout ngram speedup"] == 0.81  # the best n-gram by tau, not the last
+    assert first["heldout ngram tau"] == 2.1 and first["heldout ngram speedup"] == 0.81  # the best n-gram by tau, not the first
+    assert first["heldout ngram speedup at 8"] == pytest.approx(0.71)  # its own figures in flight
     assert first["heldout draft tau at 8"] == pytest.approx(1.95)  # the draft at spec.* (3-1-4), not the sweep's 7-1-8
     assert pd.isna(rows.iloc[2]["heldout draft tau"])  # trained only (--until train): nothing served
     md = (out / "results.md").read_text()

@@ -4,9 +4,10 @@
 
 A RUN is a project root after a run (dvc repro, draftlab exp run, draftlab run-stages), the
 unpacked results of tools/offline_gpu_run.sh, one point of a grid (runs/<point>/), or a grid's
-folder (runs/: each point in it). Each is read from the files a grid point keeps (grid.KEPT):
-params.yaml, the train metrics and the train manifest's history (one entry per epoch), the extract
-manifest's counts and, where the run served its draft, reports/bench.json.
+folder (runs/: each point in it), or a folder of tools/real_workload_report.py. Each is read from the
+files a grid point keeps (grid.KEPT), or that report's copies of them: params.yaml, the train metrics
+and the train manifest's history (one entry per epoch; decoded.tsv in a report), the extract
+manifest's counts (stage-counts.json) and, where the run served its draft, bench.json.
 
 DIR gets
 - points.csv: one row per run: its recipe (RECIPE's keys), its training data, the training-side
@@ -15,10 +16,11 @@ DIR gets
   lookup per prompt set, at bs=1 and at each concurrency measured;
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
-- data.png: the decoded first-turn tau against the training answer tokens;
+- data.png: the decoded first-turn tau against the training answer tokens (once two sizes share an epoch count);
 - results.md: every run, a table per treatment (the runs that differ from the base run in that key
-  alone, with the tau gained per doubling of it where it is a size), and the base run's step-1
-  acceptance by kind of token and position band, teacher-forced and offline.
+  alone, with the tau gained per doubling of it where it is a size), the decoded tau after each
+  epoch, and each run's step-1 acceptance by kind of token and position band, teacher-forced and
+  offline.
 The base (--base, a run's name; by default the first RUN) is the recipe the others are measured
 against.
 """
@@ -103,17 +105,17 @@ def decoded_curve(run: Path, depth: int) -> list[tuple[int, float]]:
 
 
 def served(bench: dict) -> dict:
-    """{column: value} of the draft at spec.* and the best n-gram lookup, per prompt set and concurrency."""
+    """{column: value} of the draft at spec.* and the best n-gram lookup (by tau at bs=1), per prompt set
+    and concurrency."""
     out = {}
     for prompt_set in bench.get("prompt_sets") or []:
-        name = prompt_set["name"]
-        for c in prompt_set.get("configurations") or []:
-            who = "ngram" if c.get("algorithm") == "NGRAM" else "draft" if c["configuration"] == bench_chain(bench) else None
-            if who is None:
+        name, confs = prompt_set["name"], prompt_set.get("configurations") or []
+        draft = [c for c in confs if c.get("algorithm") != "NGRAM" and c["configuration"] == bench_chain(bench)]
+        ngram = sorted((c for c in confs if c.get("algorithm") == "NGRAM"), key=lambda c: -((c.get("pooled") or {}).get("tau") or 0))
+        for who, c in (("draft", draft[0] if draft else None), ("ngram", ngram[0] if ngram else None)):
+            if c is None:
                 continue
             pooled = c.get("pooled") or {}
-            if who == "ngram" and (out.get(f"{name} ngram tau") or 0) >= (pooled.get("tau") or 0):
-                continue  # the best n-gram configuration by tau at bs=1
             out[f"{name} {who} tau"] = pooled.get("tau")
             out[f"{name} {who} speedup"] = pooled.get("speedup")
             if who == "draft":
@@ -287,9 +289,9 @@ def step1_md(run: Path) -> list[str]:
     for title, key in (("kind of token", "step1_by_kind"), ("position in the answer", "step1_by_position")):
         groups, rounds = train.get(key) or {}, offline.get(key) or {}
         for group in sorted(groups, key=lambda g: (order.index(g) if g in order else len(order), g)):
-            served_cell = rounds.get(group) or {}
+            at_starts = rounds.get(group) or {}
             lines.append(f"| {title}: {group} | {groups[group].get('tokens')} | {fmt(groups[group].get('a_1'))} | "
-                         f"{served_cell.get('rounds', '')} | {fmt(served_cell.get('a_1'))} |")
+                         f"{at_starts.get('rounds', '')} | {fmt(at_starts.get('a_1'))} |")
     if not lines:
         return []
     return [f"## Step-1 acceptance of {run.name}, by kind of token and position", "",
