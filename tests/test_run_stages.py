@@ -3,6 +3,7 @@ profile merged in, skipping what is unchanged as `dvc repro` would (draftlab/exp
 import json
 import os
 import subprocess
+import tarfile
 import sys
 
 import pytest
@@ -145,6 +146,11 @@ def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_p
         names = {m.name for m in tar.getmembers() if m.isfile()}
     assert names == set(files) - {"data/synth/train.jsonl", "models/draft/model.safetensors"}
     assert not (tmp_path / "results.tar.gz.tmp").exists()
+    (tmp_path / "data/synth/.answers.json").write_text("{}")  # the answers' resume key, beside them
+    pack(out, tmp_path, answers=True)  # DRAFTLAB_PACK_ANSWERS=1: the answers too, for the next node to reuse
+    with tarfile.open(out) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert names == set(files) - {"models/draft/model.safetensors"} | {"data/synth/.answers.json"}
 
 
 def test_a_grid_row_carries_the_decoded_tau_at_the_points_served_depth_so_a_train_only_grid_ranks_its_points(tmp_path):
@@ -191,13 +197,21 @@ def test_a_gpu_node_installs_the_wheels_once_and_again_only_when_they_change(tmp
     write_wheel(wheels, "nodepkg", "0.1")
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
 
-    def node_run():
+    def node_run(**more_env):
         r = subprocess.run(["bash", str(ROOT / "tools/offline_gpu_run.sh"), str(wheels), str(results), "--help"], cwd=root,
-                           env=env, capture_output=True, text=True, timeout=300)
+                           env={**env, **more_env}, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         return r.stdout + r.stderr
 
-    assert "already installed" not in node_run()
+    (root / "data/synth").mkdir(parents=True, exist_ok=True)
+    (root / "data/synth/train.jsonl").write_text("{}\n")
+    said = node_run()
+    assert "already installed" not in said and f"packed {results}/results.tar.gz" in said  # packed on the way out
+    with tarfile.open(results / "results.tar.gz") as tar:
+        assert "data/synth/train.jsonl" not in tar.getnames()
+    node_run(DRAFTLAB_PACK_ANSWERS="1")  # the answers too, for the next node
+    with tarfile.open(results / "results.tar.gz") as tar:
+        assert "data/synth/train.jsonl" in tar.getnames()
     assert "VERSION = '0.1'" in (results / "site/nodepkg/__init__.py").read_text()
     assert "the same 1 already installed" in node_run()
     (wheels / "nodepkg-0.1-py3-none-any.whl").unlink()

@@ -9,7 +9,9 @@
 # `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
 # (and the stage manifests, the run-stages record, the draft's config and a grid's runs/) is packed into
 # RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped, and
-# the wheels are not installed again while their file names are the same.
+# the wheels are not installed again while their file names are the same. With DRAFTLAB_PACK_ANSWERS=1
+# the target's answers (data/synth/) are packed too: unpacked into the tree of the next node, synthesize
+# reuses every answer there and starts no server.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
 mkdir -p "$results"
@@ -26,9 +28,9 @@ else
   echo "$want" > "$results/site/.wheels"
 fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
-pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED)
-  python3 -c 'import sys; from draftlab.experiments.grid import pack; pack(sys.argv[1])' "$results/results.tar.gz" \
-    && echo "packed $results/results.tar.gz"
+pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); the answers with DRAFTLAB_PACK_ANSWERS=1
+  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1")' \
+    "$results/results.tar.gz" && echo "packed $results/results.tar.gz"
 }
 trap pack EXIT
 python3 -m draftlab run-stages "$@"

@@ -35,13 +35,16 @@ KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "m
         "models/draft/config.json")
 # What a GPU node packs beside them: a grid's points, the target's pin and the held-out prompts.
 PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
+# On request, the target's answers too (tools/offline_gpu_run.sh with DRAFTLAB_PACK_ANSWERS=1): unpacked
+# into the next node's tree, synthesize reuses every one of them and starts no server.
+ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json")
 
 
-def pack(tar_path: str | Path, root: str | Path = ".") -> list[str]:
-    """PACKED's files under `root` into one .tar.gz at `tar_path` (written whole: a tmp file renamed),
-    whatever of them exists; returns the paths packed."""
+def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False) -> list[str]:
+    """PACKED's files under `root` (and ANSWERS' with `answers`) into one .tar.gz at `tar_path` (written
+    whole: a tmp file renamed), whatever of them exists; returns the paths packed."""
     root, tar_path = Path(root), Path(tar_path)
-    found = matching(PACKED, root)
+    found = matching(PACKED + (ANSWERS if answers else ()), root)
     tmp = tar_path.with_name(tar_path.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for src in found:
