@@ -111,3 +111,17 @@ def test_the_offline_run_decodes_beside_the_first_wave_only_where_its_copy_fits_
     gpu[0] = int((wave + memory.IN_PROCESS_OVERHEAD // 2) / memory.USABLE)
     plan = sglang_plan(small, tmp_path)
     assert plan.layout.waves == [["2-1-3", "1-1-2", "2-2-4"]] and not plan.layout.offline_beside
+
+
+def test_fa3_on_a_gpu_sglangs_fa3_refuses_is_refused_before_a_bench_server_starts(small, tmp_path, gpu, monkeypatch):
+    import dataclasses
+
+    plan = sglang_plan(small, tmp_path)
+    fa3 = dataclasses.replace(plan.flags, attention_backend="fa3")
+    monkeypatch.setattr(fleet, "compute_capability", lambda g: ("NVIDIA H100 80GB HBM3", 9, 0))
+    argv, _ = bench.server_argv("sglang", plan.bench_params, plan.target_params, plan.draft.path, fa3, "0.5.14", True, 30001)
+    assert argv[argv.index("--attention-backend") + 1] == "fa3"
+    monkeypatch.setattr(fleet, "compute_capability", lambda g: ("NVIDIA RTX PRO 6000 Blackwell", 12, 0))
+    with pytest.raises(UserError, match=r"bench.attention_backend: --attention-backend fa3 .* GPU 0 is a NVIDIA RTX PRO 6000 "
+                                        r"Blackwell \(12.0\): choose triton or flashinfer in bench.attention_backend"):
+        bench.server_argv("sglang", plan.bench_params, plan.target_params, plan.draft.path, fa3, "0.5.14", True, 30001)

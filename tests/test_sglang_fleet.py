@@ -170,3 +170,37 @@ def test_servers_of_one_gpu_whose_memory_is_unknown_start_one_after_another(slow
     assert took >= 3 * STARTUP_S
     assert all(b["started"] - a["started"] >= STARTUP_S for a, b in zip(records, records[1:]))  # each once the one before was up
     assert all("--max-total-tokens" not in r["argv"] and "0.2" in r["argv"] for r in records)  # 0.6 / 3 each, SGLang's own pool
+
+
+def test_fa3_on_a_gpu_sglangs_fa3_refuses_is_refused_before_any_server_starts(slow_sglang, monkeypatch):
+    """SGLang 0.5.14 asserts SM 8.x/9.x for --attention-backend fa3 only after loading the weights, in the
+    server's log; the synthesize stage says it first, naming the key, the GPU and what to set."""
+    monkeypatch.setattr(fleet, "compute_capability", lambda gpu: ("NVIDIA B200", 10, 0))
+    with pytest.raises(UserError, match=r"synth.server_args: --attention-backend fa3 runs on GPUs of compute capability 8.x "
+                                        r"or 9.0 .* GPU 0 is a NVIDIA B200 \(10.0\): choose triton or flashinfer in "
+                                        r"synth.server_args"):
+        slow_sglang(80, server_args=["--attention-backend", "fa3"])
+    records, _, _ = slow_sglang(80, server_args=["--attention-backend", "triton"])  # another backend: no question asked
+    assert len(records) == 3  # these three alone: the fa3 run started none
+
+
+def test_fa3_is_checked_on_every_visible_gpu_and_left_to_sglang_where_unknown(monkeypatch):
+    caps = {"0": ("NVIDIA H100 80GB HBM3", 9, 0), "1": ("NVIDIA A100-SXM4-80GB", 8, 0), "2": None, "3": ("Tesla V100", 7, 0)}
+    fleet.check_fa3(["--attention-backend", "fa3"], "k", gpus=["0", "1", "2"], capability=caps.get)  # 9.0, 8.0, unknown: fine
+    with pytest.raises(UserError, match=r"k: .* GPU 3 is a Tesla V100 \(7.0\)"):
+        fleet.check_fa3(["--attention-backend=fa3"], "k", gpus=["0", "3"], capability=caps.get)
+    asked = []
+    fleet.check_fa3(["--attention-backend", "triton"], "k", gpus=["3"], capability=lambda g: asked.append(g))
+    assert asked == []  # no probe at all for another backend
+
+
+def test_the_compute_capability_is_read_from_nvidia_smi(monkeypatch):
+    import subprocess
+
+    def smi(argv, **_):
+        assert argv[:3] == ["nvidia-smi", "--id=1", "--query-gpu=name,compute_cap"]
+        return subprocess.CompletedProcess(argv, 0, stdout="NVIDIA H200, 9.0\n")
+    monkeypatch.setattr(fleet.subprocess, "run", smi)
+    assert fleet.compute_capability("1") == ("NVIDIA H200", 9, 0)
+    monkeypatch.setattr(fleet.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("nvidia-smi")))
+    assert fleet.compute_capability("1") is None  # no driver tool: unknown, left to SGLang

@@ -32,7 +32,7 @@ from draftlab.metrics import conditional_acceptance, pooled_tau
 from draftlab.sglang import startup
 from draftlab.sglang.client import Client, GenerateMeta, flags_from_server_info, server_accept_length
 from draftlab.sglang.flags import SPEC_KEYS, SpecFlags
-from draftlab.sglang.fleet import without_flag
+from draftlab.sglang.fleet import check_fa3, without_flag
 from draftlab.sglang.launch import free_port as sglang_free_port
 from draftlab.sglang.launch import launch_argv, serve
 from draftlab.target.load import model_path
@@ -130,6 +130,7 @@ def server_argv(backend: str, bench_params, target_params, draft: Path | None, f
             extra = without_flag(extra, "--mem-fraction-static") + list(memory_args)
         argv = launch_argv(model_path(target_params.model), port, draft_model=str(draft), flags=flags, baseline=not speculative,
                            tp_size=bench_params.tp_size, dtype=bench_params.dtype, extra_args=extra, return_hidden_states=hidden)
+        check_fa3(argv, "bench.attention_backend")  # before the server loads its weights
         return argv, url
     spec = {}
     if speculative and flags.algorithm == "NGRAM":  # no draft model: the n-gram cache's settings

@@ -206,6 +206,40 @@ def gpu_free_memory(gpu: str) -> int | None:
         return None
 
 
+# SGLang 0.5.14 creates its FlashAttention 3 backend only on compute capability 8.x (not for MLA models)
+# or 9.x: create_flashattention_v3_backend asserts "FlashAttention v3 Backend requires SM>=80 and SM<=90"
+# (layers/attention/attention_registry.py), after the server has loaded its weights.
+FA3_MAJORS = (8, 9)
+
+
+def compute_capability(gpu: str) -> tuple[str, int, int] | None:
+    """(name, major, minor) of the GPU that CUDA_VISIBLE_DEVICES calls `gpu`, from nvidia-smi (no CUDA
+    context in this process); None when it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        name, cap = (x.strip() for x in out.strip().splitlines()[0].rsplit(",", 1))
+        major, minor = (int(x) for x in cap.split("."))
+        return name, major, minor
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def check_fa3(args: list[str], key: str, gpus: list[str] | None = None, capability=None) -> None:
+    """Refuse `--attention-backend fa3` in a server's argument list before it starts on a GPU that SGLang's
+    FlashAttention 3 backend refuses (FA3_MAJORS): SGLang says so only in the server's log, after loading
+    the weights. `key` names the params key that set the backend. GPUs whose capability cannot be read
+    are left to SGLang."""
+    if flag_value(args, "--attention-backend") != "fa3":
+        return
+    for gpu in visible_gpus() if gpus is None else gpus:
+        found = (capability or compute_capability)(gpu)
+        if found is not None and found[1] not in FA3_MAJORS:
+            name, major, minor = found
+            raise UserError(f"{key}: --attention-backend fa3 runs on GPUs of compute capability 8.x or 9.0 (A100, H100, H200) "
+                            f"in SGLang, but GPU {gpu} is a {name} ({major}.{minor}): choose triton or flashinfer in {key}")
+
+
 def with_given_pool(planned: PlannedServer, args: list[str], key: str) -> tuple[PlannedServer, list[str]]:
     """(planned, args) once the --max-total-tokens the user gave in `key` (its argument list `args`)
     is settled: a server whose pool is explicit keeps the user's value in place of its own, taken
