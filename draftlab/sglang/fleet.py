@@ -228,8 +228,8 @@ def compute_capability(gpu: str) -> tuple[str, int, int] | None:
 def check_fa3(args: list[str], key: str, gpus: list[str] | None = None, capability=None) -> None:
     """Refuse `--attention-backend fa3` in a server's argument list before it starts on a GPU that SGLang's
     FlashAttention 3 backend refuses (FA3_MAJORS): SGLang says so only in the server's log, after loading
-    the weights. `key` names the params key that set the backend. GPUs whose capability cannot be read
-    are left to SGLang."""
+    the weights. `key` names the params key that set the backend. GPUs whose capability cannot be read,
+    and an MLA target (DeepSeek, Kimi) on 8.x, which SGLang also refuses, are left to SGLang."""
     if flag_value(args, "--attention-backend") != "fa3":
         return
     for gpu in visible_gpus() if gpus is None else gpus:
