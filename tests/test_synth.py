@@ -512,13 +512,15 @@ def test_a_grown_prompt_set_reuses_the_last_runs_answers_and_answers_only_its_ne
     synth.synthesize(first_splits, ListBackend(), tmp_path, "A", answer_row, reuse=True)
     before = {r["id"]: r for s in synth.SPLITS for r in map(json.loads, (tmp_path / f"{s}.jsonl").read_text().splitlines())}
     changed = {**row("q2"), "messages": [{"role": "user", "content": "other text"}]}  # an id whose answer follows other text
-    grown = {"train": [row("q0"), row("new0"), changed], "eval": [row("e0"), row("q1"), row("new1")]}  # q1 moved to eval
+    renamed = {**row("q0"), "source": "renamed.json"}  # the same conversation, its file renamed since
+    grown = {"train": [renamed, row("new0"), changed], "eval": [row("e0"), row("q1"), row("new1")]}  # q1 moved to eval
     backend = ListBackend()
     stats = synth.synthesize(grown, backend, tmp_path, "A", answer_row, reuse=True)
     assert sorted(backend.seen) == sorted(r["id"] for r in (row("new0"), changed, row("new1")))
     out = {s: [json.loads(x) for x in (tmp_path / f"{s}.jsonl").read_text().splitlines()] for s in synth.SPLITS}
     assert [r["id"] for r in out["train"]] == [r["id"] for r in grown["train"]]  # input order, as ever
-    assert out["train"][0] == before[row("q0")["id"]] and out["eval"][1] == before[row("q1")["id"]]
+    assert out["train"][0] == {**before[row("q0")["id"]], "source": "renamed.json"}  # the answer kept, the source this run's
+    assert out["eval"][1] == {**before[row("q1")["id"]], "source": "test"}
     assert synth.follows(out["train"][2], changed) and not synth.follows(before[row("q2")["id"]], changed)  # answered anew
     assert stats["reused"] == 3 and stats["counts"]["train"]["reused"] == 1 and stats["counts"]["eval"]["reused"] == 2
     assert stats["counts"]["train"]["resumed"] == 0

@@ -670,7 +670,8 @@ class Plan:
 
 def plan(splits: dict[str, list[dict]], out: Path, key: str, reuse: bool = False) -> Plan:
     """The rows of `splits` answered already in `out` under resume key `key` and those left (`synthesize`'s
-    first half: a stage asks it before starting servers, and starts none when nothing is left)."""
+    first half: a stage asks it before starting servers, and starts none when nothing is left). A reused
+    row takes this run's `source` (the prompt file it came from may have another name now)."""
     resumed = prepare_resume(out, key)
     earlier = earlier_answers(out, key if reuse else None)
     reused = {split: 0 for split in splits}
@@ -689,7 +690,8 @@ def plan(splits: dict[str, list[dict]], out: Path, key: str, reuse: bool = False
         done_rows[split] = done
         for r in rows:
             if r["id"] not in done and r["id"] in earlier and follows(earlier[r["id"]], r):
-                done[r["id"]] = earlier[r["id"]]  # the last run's answer to this very conversation
+                kept = {k: v for k, v in earlier[r["id"]].items() if k != "source"}  # the last run's answer to this very
+                done[r["id"]] = kept | ({"source": r["source"]} if "source" in r else {})  # conversation, from this run's source
                 reused[split] += 1
             elif r["id"] not in done:
                 todo.append(r)
