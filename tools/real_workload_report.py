@@ -40,7 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
-from draftlab.data.loops import band_names
+from draftlab.data.loops import in_band_order
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
 
@@ -117,11 +117,6 @@ def step1_md(train: dict, bench: dict | None = None) -> list[str]:
             + (" The offline columns: the bench's offline run over its prompts, at the first draft of each verify round (what "
                "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if by else ""),
             ""] + first_turns_md(train)
-
-
-def in_band_order(bands: dict) -> list[str]:
-    """The position bands' names from the answer's start on (a JSON file may hold them sorted as text)."""
-    return [k for k in band_names() if k in bands] + [k for k in bands if k not in band_names()]
 
 
 def first_turns_md(train: dict) -> list[str]:

@@ -20,6 +20,14 @@ def band_names() -> list[str]:
     return [f"{a}{e}" for a, e in zip(POSITION_BANDS, ends)]
 
 
+def in_band_order(groups: dict) -> list[str]:
+    """`groups`' names with the position bands from the answer's start on (a JSON file may hold them
+    sorted as text), any other name where it stands."""
+    names = band_names()
+    bands = iter(sorted((k for k in groups if k in names), key=names.index))
+    return [next(bands) if k in names else k for k in groups]
+
+
 def band_of(position: int) -> int:
     """The index into POSITION_BANDS of an answer position."""
     return sum(position >= b for b in POSITION_BANDS) - 1

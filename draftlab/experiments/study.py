@@ -33,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from draftlab.data.loops import band_names
+from draftlab.data.loops import in_band_order
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 
@@ -133,6 +133,11 @@ def bench_chain(bench: dict) -> str:
 
 def point(run: Path) -> dict:
     """One row of points.csv."""
+    return read_run(run)[0]
+
+
+def read_run(run: Path) -> tuple[dict, list[tuple[int, float]], list[str]]:
+    """The run's row of points.csv, its decoded curve and its step-1 table: each of its files read once."""
     params = yaml.safe_load((run / "params.yaml").read_text()) or {}
     depth = (params.get("spec") or {}).get("num_steps")
     train = read_json(found(run, "reports/train/metrics.json", "metrics.json"))
@@ -150,7 +155,9 @@ def point(run: Path) -> dict:
            "train s": train.get("seconds"), "train tok/s": train.get("tokens_per_s")}
     if bench.get("config_hash"):
         row |= {"offline tau": bench.get("offline_tau"), **served(bench)}
-    return row
+    if not curve and row["decoded tau first turns"] is not None:  # only its last epoch's figure: one point
+        curve = [(int(row["epochs"]), row["decoded tau first turns"])]
+    return row, curve, step1_md(run.name, train, bench.get("offline") or {})
 
 
 def slope_per_doubling(xs: list[float], ys: list[float]) -> float | None:
@@ -230,7 +237,8 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     runs = runs_in(paths)
     if not runs:
         raise UserError("no runs given")
-    rows = pd.DataFrame([point(run) for run in runs])
+    points = [read_run(run) for run in runs]
+    rows = pd.DataFrame([row for row, _, _ in points])
     for count in ("train conversations", "train answer tokens"):  # whole numbers, blank where a run lacks them
         rows[count] = rows[count].astype("Int64")
     if rows["run"].duplicated().any():
@@ -240,15 +248,9 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
         raise UserError(f"--base {base}: no run of that name; the runs are {', '.join(rows['run'])}")
     out.mkdir(parents=True, exist_ok=True)
     rows.to_csv(out / "points.csv", index=False)
-    depth = {run.name: (yaml.safe_load((run / "params.yaml").read_text()).get("spec") or {}).get("num_steps") for run in runs}
-    curves = {run.name: c for run in runs if depth[run.name] and (c := decoded_curve(run, depth[run.name]))}
-    by_run = rows.set_index("run")
-    for name in by_run.index:  # a run with only its last epoch's figure: one point
-        if name not in curves and pd.notna(last := by_run.loc[name, "decoded tau first turns"]):
-            curves[name] = [(int(by_run.loc[name, "epochs"]), last)]
-    heldout = by_run.get("heldout draft tau")
-    served_at = {name: (int(by_run.loc[name, "epochs"]), heldout[name]) for name in curves
-                 if heldout is not None and pd.notna(heldout.get(name))}
+    curves = {row["run"]: curve for row, curve, _ in points if curve}
+    served_at = {row["run"]: (int(row["epochs"]), row["heldout draft tau"]) for row, curve, _ in points
+                 if curve and pd.notna(row.get("heldout draft tau"))}
     if curves:
         plot_epochs(out, curves, served_at)
     plot_data(out, rows)
@@ -273,28 +275,26 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     for name, curve in curves.items():
         md += [f"## After each epoch: {name}", "", "| epoch | " + " | ".join(str(e) for e, _ in curve) + " |",
                "|---|" + "---|" * len(curve), "| decoded tau, first turns | " + " | ".join(f"{t:.3f}" for _, t in curve) + " |", ""]
-    for run in runs:
-        md += step1_md(run)
+    for _, _, step1 in points:
+        md += step1
     atomic_write_text(out / "results.md", "\n".join(md))
     return rows
 
 
-def step1_md(run: Path) -> list[str]:
+def step1_md(name: str, train: dict, offline: dict) -> list[str]:
     """The run's first draft token's hit rate by kind of token (a loop token closes an 8-gram already in its
-    answer) and position band: teacher-forced over the eval split, and offline at each verify round's first
-    draft over the bench prompts (rounds start where the draft missed before)."""
-    train = read_json(found(run, "reports/train/metrics.json", "metrics.json"))
-    offline = read_json(found(run, "reports/bench.json", "bench.json")).get("offline") or {}
-    lines, order = [], ["loop", "other", *band_names()]  # the bands from the answer's start on, not as text sorts them
+    answer) and position band: teacher-forced over the eval split (train metrics), and offline at each verify
+    round's first draft over the bench prompts (rounds start where the draft missed before)."""
+    lines = []
     for title, key in (("kind of token", "step1_by_kind"), ("position in the answer", "step1_by_position")):
         groups, rounds = train.get(key) or {}, offline.get(key) or {}
-        for group in sorted(groups, key=lambda g: (order.index(g) if g in order else len(order), g)):
+        for group in in_band_order(groups):
             at_starts = rounds.get(group) or {}
             lines.append(f"| {title}: {group} | {groups[group].get('tokens')} | {fmt(groups[group].get('a_1'))} | "
                          f"{at_starts.get('rounds', '')} | {fmt(at_starts.get('a_1'))} |")
     if not lines:
         return []
-    return [f"## Step-1 acceptance of {run.name}, by kind of token and position", "",
+    return [f"## Step-1 acceptance of {name}, by kind of token and position", "",
             "| group | eval tokens | a_1 teacher-forced | offline rounds | a_1 offline |", "|---|---|---|---|---|", *lines, ""]
 
 
