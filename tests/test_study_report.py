@@ -20,7 +20,7 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
     history = [{"epoch": e + 1, "eval_tau_decoded_first_turns_by_steps": [t - 0.4, t - 0.2, t]} for e, t in enumerate(curve)]
     (folder / "models/draft-ckpt").mkdir(parents=True)
-    (folder / "models/draft-ckpt/manifest.json").write_text(json.dumps({"info": {"history": history}}))
+    (folder / "models/draft-ckpt/manifest.json").write_text(json.dumps({"config_hash": "t", "info": {"history": history}}))
     (folder / "reports/train").mkdir(parents=True)
     (folder / "reports/train/metrics.json").write_text(json.dumps({
         "tau_pred": curve[-1] + 0.5, "accept": {"step_1": 0.7}, "seconds": 100.0, "tokens_per_s": 1e5,
@@ -29,7 +29,7 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
         "step1_by_position": {"0-63": {"tokens": 30, "a_1": 0.6}}}))
     (folder / "data/hidden").mkdir(parents=True)
     (folder / "data/hidden/manifest.json").write_text(json.dumps(
-        {"info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
+        {"config_hash": "x", "info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
     if bench:
         (folder / "reports/bench.json").write_text(json.dumps(bench))
 
@@ -120,3 +120,10 @@ def test_a_committed_real_workload_report_folder_is_read_as_a_run(tmp_path):
     study.report([older, folder], tmp_path / "out")
     assert not (tmp_path / "out/data.png").exists()  # one data size: no data curve
     assert "## After each epoch: older\n\n| epoch | 3 |" in (tmp_path / "out/results.md").read_text()
+
+
+def test_a_damaged_file_of_a_run_is_named_not_read_as_missing(tmp_path):
+    write_run(tmp_path / "a", 3)
+    (tmp_path / "a/reports/train/metrics.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"a/reports/train/metrics.json: not valid JSON"):
+        study.report([tmp_path / "a"], tmp_path / "out")

@@ -26,7 +26,6 @@ against.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -49,10 +48,10 @@ SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "trai
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """The object a stage wrote, {} when the run has no such file; a damaged one is named (the check's reader)."""
+    from draftlab.check.diagnose import read_json as read_written
+
+    return read_written(path) or {}
 
 
 def runs_in(paths: list[Path]) -> list[Path]:
