@@ -67,13 +67,13 @@ def own_servers(target_params, synth_params, out: Path, startups: list | None = 
         port = free_port()
         if port not in ports:
             ports.append(port)
+    fleet.check_fa3(synth_params.server_args, "synth.server_args")  # once, before any server loads its weights
     out.mkdir(parents=True, exist_ok=True)
     specs = []
     for i, ((planned, extra), port) in enumerate(zip(given, ports)):
         argv = launch_argv(folder, port, baseline=True, dtype=target_params.dtype, extra_args=extra + planned.args(),
                            extra_key="synth.server_args", managed={k: v for k, v in SERVER_MANAGED.items() if k != "--mem-fraction-static"})
         log = out / (".sglang-server.log" if len(plan) == 1 else f".sglang-server-{i}.log")
-        fleet.check_fa3(argv, "synth.server_args")  # before any server loads its weights
         specs.append((argv, f"http://127.0.0.1:{port}", log, fleet.server_env(planned)))
     print(f"synthesize: starting {len(plan)} SGLang server(s) of {target_params.model} on {_where(plan)} "
           f"({_memory_text(plan[0], synth_params.mem_fraction_static, per_gpu)}; logs {out}/.sglang-server*.log)")
