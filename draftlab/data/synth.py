@@ -45,7 +45,8 @@ resume key is kept in `.answers.json` once every output is written; a run with t
 takes a row of the earlier `<split>.jsonl` files (either split) for any prompt row it follows
 exactly (same id, same user turns), and answers only the rest. So a prompt set that grows
 (prompts.leading_assistant drop, more prompts) costs only its new conversations. A run with
-another key removes that marker before it writes anything.
+another key removes that marker before it writes anything. `plan` says what is left before any
+backend exists, so a stage with nothing left starts no server and loads no model (`Answered`).
 
 Length: over 400 lines because both backends, the reasoning layout and resume share the row
 and answer types here; each is a short class or function.
