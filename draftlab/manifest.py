@@ -412,3 +412,42 @@ def read_verified(out_dir: str | Path) -> dict:
     manifest = read_manifest(out_dir)
     verify_outputs(out_dir, manifest)
     return manifest
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Which downstream outputs a run made: a run stopped early (run-stages --until train, a failed stage)
+# leaves an earlier run's export, bench and check in place; in a git checkout, the committed ones.
+
+def earlier_runs(root: str | Path) -> dict[str, str]:
+    """{stage: why} for each of export (models/draft), bench (reports/bench/, bench.json) and check
+    (reports/check.json) under `root` that another run made than the draft trained there. Told by
+    lineage, where a manifest names its upstream: the export's inputs.train against the checkpoint's
+    config_hash (models/draft-ckpt), the bench's inputs.export against the export's, the check's
+    inputs.bench against the bench's. An output whose upstream is missing or another is an earlier
+    run's; one that names no upstream is taken as this run's. {} when every one present is this run's."""
+    root = Path(root)
+
+    def read(rel: str) -> dict | None:  # None: absent, unreadable or not an object
+        try:
+            data = json.loads((root / rel).read_bytes())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def other(m: dict | None, key: str, upstream: dict | None) -> bool:
+        """m names an upstream under inputs[key], and `upstream` is absent or has another config_hash."""
+        named = ((m or {}).get("inputs") or {}).get(key)
+        return named is not None and named != (upstream or {}).get("config_hash")
+
+    ckpt, export = read(f"models/draft-ckpt/{MANIFEST}"), read(f"models/draft/{MANIFEST}")
+    bench, check = read(f"reports/bench/{MANIFEST}"), read("reports/check.json")
+    why = {}
+    if ckpt and other(export, "train", ckpt):
+        why["export"] = "models/draft was exported from another checkpoint than models/draft-ckpt (an earlier run's export)"
+    if "export" in why and bench or other(bench, "export", export):
+        why["bench"] = "reports/bench/ served another export than this run's (an earlier run's bench: this run stopped before it)"
+    checked = check or any((root / "reports" / name).exists() for name in ("check.json", "check.md"))
+    if "bench" in why and checked or other(check, "bench", bench):
+        why["check"] = "reports/check.json checked another bench than this run's (an earlier run's check)"
+    return why

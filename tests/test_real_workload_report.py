@@ -148,3 +148,23 @@ def test_the_first_steps_seconds_and_each_evals_come_from_the_train_manifests_th
     assert "decoded" not in "\n".join(rwr.learning_curve_md(run, None, depth=5))  # deeper than trained: no column
     assert rwr.first_step({"first_step_s": 47.61}) == "; the first step 47.61 s (compiling and first uses included)"
     assert rwr.first_step({}) == ""
+
+
+def test_a_run_stopped_before_the_bench_reports_its_training_and_none_of_the_earlier_bench(tmp_path, capsys):
+    # run-stages --until train in a checkout: reports/ still holds the committed bench of another export
+    run = run_from_report(tmp_path)
+    for rel, stage, inputs in (("models/draft-ckpt", "train", {}), ("reports/bench", "bench", {"export": "an-earlier-export"})):
+        (run / rel).mkdir(parents=True, exist_ok=True)
+        (run / rel / "manifest.json").write_text(json.dumps({"stage": stage, "config_hash": stage + "-hash", "inputs": inputs,
+                                                            "info": {"wall_s": 100.0}}))
+    (run / "reports/check.md").write_text("# an earlier run's check\n")
+    out = tmp_path / "out"
+    rwr.main([str(run), str(out)])  # no --prompts: nothing served needs them
+    assert "left out: reports/bench/ served another export" in capsys.readouterr().out
+    md = (out / "results.md").read_text()
+    assert "Nothing served by this run: reports/bench/ served another export than this run's" in md
+    assert "tau triangle" not in md and "Does training pay" not in md and "Every configuration" not in md
+    assert "| train | 100.000 |" in md and "| bench |" not in md  # the earlier bench's time is not this run's
+    assert {p.name for p in out.iterdir()}.isdisjoint({"bench.json", "requests.jsonl", "configurations.csv", "check.md",
+                                                        "bench-prompts.jsonl"})
+    assert (out / "metrics.json").exists()  # the run's own training figures are kept

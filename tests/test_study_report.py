@@ -127,3 +127,18 @@ def test_a_damaged_file_of_a_run_is_named_not_read_as_missing(tmp_path):
     (tmp_path / "a/reports/train/metrics.json").write_text("{not json")
     with pytest.raises(UserError, match=r"a/reports/train/metrics.json: not valid JSON"):
         study.report([tmp_path / "a"], tmp_path / "out")
+
+
+def test_a_run_stopped_before_the_bench_is_not_credited_with_an_earlier_runs_serving(tmp_path):
+    # --until train in a checkout: the bench files there served another export
+    write_run(tmp_path / "trained-only", 8, bench=bench(3.5))
+    (tmp_path / "trained-only/reports/bench").mkdir()
+    (tmp_path / "trained-only/reports/bench/manifest.json").write_text(json.dumps(
+        {"stage": "bench", "config_hash": "h", "inputs": {"export": "an-earlier-export"}}))
+    row = study.point(tmp_path / "trained-only")
+    assert row["decoded tau first turns"] == 2.0 and "heldout draft tau" not in row and "offline tau" not in row
+    # the same run once its own export was served: credited
+    (tmp_path / "trained-only/models/draft").mkdir()
+    (tmp_path / "trained-only/models/draft/manifest.json").write_text(json.dumps(
+        {"config_hash": "an-earlier-export", "inputs": {"train": "t"}}))
+    assert study.point(tmp_path / "trained-only")["heldout draft tau"] == 3.5

@@ -41,6 +41,7 @@ import yaml
 
 from draftlab import jsonl, metrics
 from draftlab.data.loops import in_band_order
+from draftlab.manifest import earlier_runs
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
 
@@ -133,14 +134,14 @@ def first_turns_md(train: dict) -> list[str]:
 def stage_times(run: Path) -> dict:
     """{stage: wall seconds} in the DAG's order: each stage manifest's info.wall_s, else the seconds
     draftlab run-stages recorded (runs made before manifests held the time)."""
-    times = {}
+    times, earlier = {}, earlier_runs(run)
     for path in sorted(p for top in ("data", "models", "reports") for p in (run / top).glob("*/manifest.json")):
         try:
             manifest = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         wall = (manifest.get("info") or {}).get("wall_s") if isinstance(manifest, dict) else None
-        if isinstance(wall, (int, float)) and manifest.get("stage"):
+        if isinstance(wall, (int, float)) and manifest.get("stage") and manifest["stage"] not in earlier:
             times[manifest["stage"]] = wall
     for stage, rec in (read(run, ".run-stages.json") or {}).items():
         if isinstance(rec, dict) and "seconds" in rec:
@@ -281,21 +282,20 @@ def startups_md(synth: dict, bench: dict) -> list[str]:
 
 
 def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
-    bench, train = read(run, "reports/bench.json"), read(run, "reports/train/metrics.json")
+    """results.md; a run whose bench is an earlier run's (earlier_runs: stopped before the bench) gets its
+    training figures and a line that says why nothing served is shown."""
+    earlier = earlier_runs(run)
+    bench = None if "bench" in earlier else read(run, "reports/bench.json")
+    train = read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
     train_info = (read(run, "models/draft-ckpt/manifest.json") or {}).get("info") or {}
     kept = train_info.get("state_cache") or {}
     by_states = (train_info.get("throughput") or {}).get("by_states")
     prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
-    steps = bench["settings"]["num_steps"]
-    trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]
-    served = bench["spec"]["acceptance"]
-    offline = bench["offline"]["acceptance"]
-    plot_triangle(out_dir, trained, offline, served)
+    steps = bench["settings"]["num_steps"] if bench else (yaml.safe_load((run / "params.yaml").read_text())["spec"]["num_steps"])
     times = stage_times(run)
     if times:
         plot_stage_times(out_dir, times)
-    measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
            f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
            f"{synth.get('completion_tokens')} answer tokens synthesized"
@@ -307,29 +307,12 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
-           *startups_md(synth, bench),
+           *startups_md(synth, bench or {}),
            *step_profile_md(run),
            *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch"), steps),
            *step1_md(train, bench),
-           *training_pays_md(bench),
-           f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
-           table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],
-                 [["train-predicted (eval split, teacher-forced)", train["tau_by_steps"][f"steps_{steps}"], *trained],
-                  ["offline (the project's engine, bench prompts)", bench["offline"]["tau"], *offline],
-                  [f"served ({'SGLang' if bench['backend'] == 'sglang' else 'the ' + bench['backend'] + ' server'}, the same prompts)", bench["tau"], *served]]), "",
-           "## Every configuration, paired against one baseline server", "",
-           table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
-                  "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
-                 [[c["configuration"], c["tau"], c["predicted_tau"], 1, c["speedup"], c["predicted_speedup"],
-                   c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in measured] +
-                 [[c["configuration"], p["tau"], p["predicted_tau"], p["concurrency"], p["speedup"], p["predicted_speedup"],
-                   p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in measured for p in c["concurrency"]]),
-           *[f"Failed: {c['configuration']}: {c['error'].splitlines()[0]}" for c in bench["configurations"] if c.get("error")],
-           "", f"Advice: {bench['advice']['advice']}", "",
-           *by_group_md(bench),
-           "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
-           table(["configuration", "kind", "prompts", "served tau"],
-                 [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), "",
+           *(served_md(run, train, bench, by_kind, out_dir, steps) if bench else
+             ["## Served", "", f"Nothing served by this run: {earlier.get('bench') or 'it has no reports/bench.json'}.", ""]),
            "## Stage wall times (s)", "", (f"In all {sum(times.values()):.1f} s (`stage-times.png`).\n\n" if times else "")
            + table(["stage", "seconds"], [[s, t] for s, t in times.items()])
            if times else "Not recorded: no stage manifest of this run holds info.wall_s (a run made before they did).", ""]
@@ -337,6 +320,35 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     if times and missing:
         out[-1:] = ["", f"Not recorded: {', '.join(missing)} (no manifest with a wall time in this run's files).", ""]
     return "\n".join(out)
+
+
+def served_md(run: Path, train: dict, bench: dict, by_kind: dict, out_dir: Path, steps: int) -> list[str]:
+    """results.md's sections of what the bench served: does training pay, the tau triangle (and its plot),
+    every configuration, the advice, the prompt sets by group, tau by kind of prompt."""
+    trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]
+    served = bench["spec"]["acceptance"]
+    offline = bench["offline"]["acceptance"]
+    plot_triangle(out_dir, trained, offline, served)
+    measured = [c for c in bench["configurations"] if not c.get("error")]  # a configuration whose server failed is named below
+    return [*training_pays_md(bench),
+            f"## The tau triangle at {bench['settings']['num_steps']}-{bench['settings']['topk']}-{bench['settings']['num_draft_tokens']}", "",
+            table(["", "tau"] + [f"a_{i}" for i in range(1, steps + 1)],
+                  [["train-predicted (eval split, teacher-forced)", train["tau_by_steps"][f"steps_{steps}"], *trained],
+                   ["offline (the project's engine, bench prompts)", bench["offline"]["tau"], *offline],
+                   [f"served ({'SGLang' if bench['backend'] == 'sglang' else 'the ' + bench['backend'] + ' server'}, the same prompts)", bench["tau"], *served]]), "",
+            "## Every configuration, paired against one baseline server", "",
+            table(["configuration", "served tau", "predicted tau", "concurrency", "speedup", "predicted speedup", "baseline tok/s",
+                   "speculative tok/s", "field tau (SpecForge, Llama-3.1-8B, MT-bench)"],
+                  [[c["configuration"], c["tau"], c["predicted_tau"], 1, c["speedup"], c["predicted_speedup"],
+                    c["baseline_tokens_per_s"], c["tokens_per_s"], FIELD.get(c["configuration"])] for c in measured] +
+                  [[c["configuration"], p["tau"], p["predicted_tau"], p["concurrency"], p["speedup"], p["predicted_speedup"],
+                    p["baseline_tokens_per_s"], p["tokens_per_s"], None] for c in measured for p in c["concurrency"]]),
+            *[f"Failed: {c['configuration']}: {c['error'].splitlines()[0]}" for c in bench["configurations"] if c.get("error")],
+            "", f"Advice: {bench['advice']['advice']}", "",
+            *by_group_md(bench),
+            "## Served tau by kind of prompt (the rule is in tools/real_workload_report.py)", "",
+            table(["configuration", "kind", "prompts", "served tau"],
+                  [[name, k, v["prompts"], v["tau"]] for name, kinds in by_kind.items() for k, v in kinds.items()]), ""]
 
 
 def out_folder(out: Path | None, force: bool) -> Path:
@@ -372,18 +384,22 @@ def main(argv=None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier = earlier_runs(args.run)
+    for stage, why in earlier.items():
+        print(f"left out: {why}")
     for rel in COPIED:
-        if (args.run / rel).exists():
+        if (args.run / rel).exists() and not any(rel.startswith(f"reports/{stage}") for stage in earlier):
             shutil.copyfile(args.run / rel, args.out / Path(rel).name)
     counts = {stage: (read(args.run, f"data/{stage}/manifest.json") or {}).get("info") for stage in ("prompts", "synth")}
     counts["extract"] = {"counts": ((read(args.run, "data/hidden/manifest.json") or {}).get("info") or {}).get("counts")}
     (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run), **counts}, indent=1) + "\n")
-    bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
-    prompts = args.prompts or args.run / "data/prompts/eval.jsonl"
-    rows = read_prompts(prompts)
-    sent = rows[: bench_params["warmup"] + bench_params["num_prompts"]]
-    jsonl.write(args.out / "bench-prompts.jsonl", sent)  # the prompts the bench sent, in order: the kind table's input
-    by_kind = tau_by_kind(args.run, rows, bench_params)
+    by_kind = {}
+    if "bench" not in earlier and (args.run / "reports/bench.json").exists():
+        bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
+        rows = read_prompts(args.prompts or args.run / "data/prompts/eval.jsonl")
+        sent = rows[: bench_params["warmup"] + bench_params["num_prompts"]]
+        jsonl.write(args.out / "bench-prompts.jsonl", sent)  # the prompts the bench sent, in order: the kind table's input
+        by_kind = tau_by_kind(args.run, rows, bench_params)
     (args.out / "results.md").write_text(results_md(args.run, by_kind, args.out))
     print(f"real-workload report -> {args.out}")
 

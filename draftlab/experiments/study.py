@@ -7,7 +7,8 @@ unpacked results of tools/offline_gpu_run.sh, one point of a grid (runs/<point>/
 folder (runs/: each point in it), or a folder of tools/real_workload_report.py. Each is read from the
 files a grid point keeps (grid.KEPT), or that report's copies of them: params.yaml, the train metrics
 and the train manifest's history (one entry per epoch; decoded.tsv in a report), the extract
-manifest's counts (stage-counts.json) and, where the run served its draft, bench.json.
+manifest's counts (stage-counts.json) and, where the run served its own draft, bench.json (a run stopped
+before the bench keeps an earlier run's: draftlab.manifest.earlier_runs leaves it out).
 
 DIR gets
 - points.csv: one row per run: its recipe (RECIPE's keys), its training data, the training-side
@@ -35,6 +36,7 @@ import yaml
 from draftlab.data.loops import in_band_order
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
+from draftlab.manifest import earlier_runs
 
 # The recipe's keys as params.yaml names them; the column is the last part.
 RECIPE = ("prompts.leading_assistant", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
@@ -143,7 +145,7 @@ def read_run(run: Path) -> tuple[dict, list[tuple[int, float]], list[str]]:
     extract = (read_json(run / "data/hidden/manifest.json").get("info") or {}).get("counts") \
         or (read_json(run / "stage-counts.json").get("extract") or {}).get("counts") or {}
     counts = extract.get("train") or {}
-    bench = read_json(found(run, "reports/bench.json", "bench.json"))
+    bench = {} if "bench" in earlier_runs(run) else read_json(found(run, "reports/bench.json", "bench.json"))
     curve = decoded_curve(run, depth) if depth else []
     row = {"run": run.name, **recipe(params),
            "train conversations": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
