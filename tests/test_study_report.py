@@ -142,3 +142,15 @@ def test_a_run_stopped_before_the_bench_is_not_credited_with_an_earlier_runs_ser
     (tmp_path / "trained-only/models/draft/manifest.json").write_text(json.dumps(
         {"config_hash": "an-earlier-export", "inputs": {"train": "t"}}))
     assert study.point(tmp_path / "trained-only")["heldout draft tau"] == 3.5
+
+
+def test_the_data_curve_sets_only_runs_that_differ_in_their_data(tmp_path):
+    # the same data made again on another GPU (a few tokens more) and an lr point: no data treatment
+    write_run(tmp_path / "a", 8, answer_tokens=1000)
+    write_run(tmp_path / "b", 8, answer_tokens=1003, lr=0.002)
+    write_run(tmp_path / "c", 8, answer_tokens=1004)
+    study.report([tmp_path / "a", tmp_path / "b", tmp_path / "c"], tmp_path / "out")
+    assert not (tmp_path / "out/data.png").exists()
+    write_run(tmp_path / "d", 8, turns=1, answer_tokens=250)  # the first turns of the same conversations: a data point
+    study.report([tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"], tmp_path / "out")
+    assert (tmp_path / "out/data.png").stat().st_size > 0

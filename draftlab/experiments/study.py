@@ -17,7 +17,7 @@ DIR gets
   lookup per prompt set, at bs=1 and at each concurrency measured;
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
-- data.png: the decoded first-turn tau against the training answer tokens (once two sizes share an epoch count);
+- data.png: the decoded first-turn tau against the training answer tokens (once runs differ in their data alone);
 - results.md: every run, a table per treatment (the runs that differ from the base run in that key
   alone, with the tau gained per doubling of it where it is a size), the decoded tau after each
   epoch, and each run's step-1 acceptance by kind of token and position band, teacher-forced and
@@ -47,6 +47,7 @@ RECIPE = ("prompts.leading_assistant", "synth.max_new_tokens", "extract.train_co
 SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "train_turns": "train answer tokens",
          "leading_assistant": "train answer tokens", "max_new_tokens": "train answer tokens",
          "draft_vocab_size": "draft_vocab_size", "ttt_steps": "ttt_steps"}
+DATA = tuple(key for key, size in SIZES.items() if size == "train answer tokens")  # the keys that set the training data
 
 
 def read_json(path: Path) -> dict:
@@ -212,20 +213,26 @@ def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at
 
 
 def plot_data(out: Path, rows: pd.DataFrame) -> None:
-    """data.png where some epoch count has runs on two or more data sizes (no curve otherwise)."""
+    """data.png: a line per set of runs that share every recipe key but the data's (DATA) and differ in
+    those: tau against their training answer tokens. None where no such set exists (runs on the same
+    data differ a little in tokens when the target's answers were made again, on another GPU)."""
     sized = rows.dropna(subset=["train answer tokens", "decoded tau first turns"])
-    if not (sized.groupby("epochs")["train answer tokens"].nunique() > 1).any():
+    rest = [key.split(".")[-1] for key in RECIPE if key.split(".")[-1] not in DATA]
+    curves = [group for _, group in sized.groupby(rest, dropna=False) if len(group[list(DATA)].drop_duplicates()) > 1]
+    if not curves:
         (out / "data.png").unlink(missing_ok=True)  # of an earlier report into this folder
         return
+    varying = [key for key in rest if len({group[key].iloc[0] for group in curves}) > 1]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for epochs, group in sized.groupby("epochs"):
+    for group in curves:
         group = group.sort_values("train answer tokens")
-        ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=f"{epochs} epochs")
+        label = ", ".join([f"{group['epochs'].iloc[0]} epochs"] + [f"{key} {group[key].iloc[0]}" for key in varying if key != "epochs"])
+        ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="training answer tokens", ylabel="tau (tokens per round)", title="decoded tau over the eval first turns")
     ax.legend(fontsize="small")
