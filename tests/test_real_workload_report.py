@@ -124,7 +124,7 @@ def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_gro
     bench = {"offline": {"step1_by_kind": {"loop": {"rounds": 7, "a_1": 0.9}, "other": {"rounds": 30, "a_1": 0.4}},
                          "step1_by_position": {"0-63": {"rounds": 20, "a_1": 0.45}, "64-127": {"rounds": 17, "a_1": 0.5}}}}
     md = "\n".join(rwr.step1_md(train, bench))
-    assert "| group | tokens | a_1 | offline rounds | offline a_1 |" in md
+    assert "| group | eval tokens | a_1 teacher-forced | offline rounds | a_1 offline |" in md
     assert "| loop tokens | 10 | 0.500 | 7 | 0.900 |" in md and "| positions 64-127 | 10 | 0.500 | 17 | 0.500 |" in md
     assert "| turn 1 | 10 | 0.500 |  |  |" in md  # the bench sends no turn groups
     assert md.index("positions 0-63") < md.index("positions 64-127") < md.index("positions 128-255")  # from the answer's start

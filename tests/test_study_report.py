@@ -77,7 +77,7 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     # decoded tau 2.0 at 3 epochs, 2.4 at 8: per doubling of epochs, 0.4 / log2(8/3)
     assert f"per doubling of epochs (least squares over these runs): {0.4 / 1.415:+.3f}" in md
     assert "| epoch | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |" in md  # the epoch curve of the 8-epoch run
-    assert "| kind of token: loop | 10 | 0.800 | 5 | 0.700 |" in md  # the base's step-1 split beside its offline rounds
+    assert "| loop tokens | 10 | 0.800 | 5 | 0.700 |" in md  # the base's step-1 split beside its offline rounds
     assert (out / "epochs.png").stat().st_size > 0 and (out / "data.png").stat().st_size > 0
 
 

@@ -40,7 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
-from draftlab.data.loops import in_band_order
+from draftlab.experiments.study import step1_table
 from draftlab.manifest import earlier_runs
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
@@ -97,26 +97,17 @@ def learning_curve_md(run: Path, eval_s: dict | None = None, depth: int | None =
 
 
 def step1_md(train: dict, bench: dict | None = None) -> list[str]:
-    """The eval split's step-1 acceptance by the predicted token's kind (loop or not) and position band,
-    beside the bench's offline rounds in the same groups where the bench kept them."""
-    kinds, bands = train.get("step1_by_kind"), train.get("step1_by_position")
-    if not kinds or not bands:
-        return []
+    """The eval split's step-1 acceptance by kind of token, position band and turn, beside the bench's
+    offline rounds in the same groups where the bench kept them (study.step1_table), then the decoded tau."""
     offline = (bench or {}).get("offline") or {}
-    by = {**{f"{k} tokens": c for k, c in (offline.get("step1_by_kind") or {}).items()},
-          **{f"positions {k}": c for k, c in (offline.get("step1_by_position") or {}).items()}}
-    more = ["offline rounds", "offline a_1"] if by else []
-
-    def row(group, c):
-        return [group, c["tokens"], c["a_1"]] + ([by[group]["rounds"], by[group]["a_1"]] if group in by else ["", ""] if by else [])
-    return ["## Step-1 acceptance on the eval split, by kind of token and position in the answer (teacher-forced)", "",
-            table(["group", "tokens", "a_1", *more], [row(f"{k} tokens", c) for k, c in kinds.items()] +
-                  [row(f"positions {k}", bands[k]) for k in in_band_order(bands)] +
-                  [row(f"turn {k}", c) for k, c in (train.get("step1_by_turn") or {}).items()]), "",
+    rows = step1_table(train, offline)
+    if not rows:
+        return []
+    return ["## Step-1 acceptance on the eval split, by kind of token, position in the answer and turn", "", rows, "",
             "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py); the turn is the answer's "
             "in its conversation."
             + (" The offline columns: the bench's offline run over its prompts, at the first draft of each verify round (what "
-               "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if by else ""),
+               "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if "offline rounds" in rows else ""),
             ""] + first_turns_md(train)
 
 

@@ -290,20 +290,33 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
 
 
 def step1_md(name: str, train: dict, offline: dict) -> list[str]:
-    """The run's first draft token's hit rate by kind of token (a loop token closes an 8-gram already in its
-    answer) and position band: teacher-forced over the eval split (train metrics), and offline at each verify
-    round's first draft over the bench prompts (rounds start where the draft missed before)."""
-    lines = []
-    for title, key in (("kind of token", "step1_by_kind"), ("position in the answer", "step1_by_position")):
-        groups, rounds = train.get(key) or {}, offline.get(key) or {}
-        for group in in_band_order(groups):
-            at_starts = rounds.get(group) or {}
-            lines.append(f"| {title}: {group} | {groups[group].get('tokens')} | {fmt(groups[group].get('a_1'))} | "
-                         f"{at_starts.get('rounds', '')} | {fmt(at_starts.get('a_1'))} |")
-    if not lines:
-        return []
-    return [f"## Step-1 acceptance of {name}, by kind of token and position", "",
-            "| group | eval tokens | a_1 teacher-forced | offline rounds | a_1 offline |", "|---|---|---|---|---|", *lines, ""]
+    """results.md's section of one run's step1_table."""
+    table = step1_table(train, offline)
+    return [f"## Step-1 acceptance of {name}, by kind of token, position and turn", "", table, ""] if table else []
+
+
+def step1_table(train: dict, offline: dict | None = None) -> str:
+    """The first draft token's hit rate by group (kind of token: a loop token closes an 8-gram already in
+    its answer; position band in the answer; turn of the conversation), teacher-forced over the eval split
+    (train metrics' step1_by_*), beside the offline run's in the same group where the bench kept them
+    (each verify round's first draft over the bench prompts: rounds start where the draft missed before).
+    "" for metrics from before the split. The one table of exp report and of the real-workload report."""
+    kinds, bands, turns = (train.get(f"step1_by_{key}") or {} for key in ("kind", "position", "turn"))
+    if not kinds or not bands:
+        return ""
+    offline = offline or {}
+    groups = [(f"{k} tokens", kinds[k], (offline.get("step1_by_kind") or {}).get(k)) for k in kinds] + \
+             [(f"positions {b}", bands[b], (offline.get("step1_by_position") or {}).get(b)) for b in in_band_order(bands)] + \
+             [(f"turn {t}", turns[t], None) for t in turns]  # the bench's prompts are not split by turn
+    with_offline = any(offline.get(f"step1_by_{key}") for key in ("kind", "position"))
+    lines = ["| group | eval tokens | a_1 teacher-forced |" + (" offline rounds | a_1 offline |" if with_offline else ""),
+             "|---|---|---|" + ("---|---|" if with_offline else "")]
+    for label, cell, at_starts in groups:
+        line = f"| {label} | {cell.get('tokens', '')} | {fmt(cell.get('a_1'))} |"
+        if with_offline:
+            line += f" {(at_starts or {}).get('rounds', '')} | {fmt((at_starts or {}).get('a_1'))} |"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def fmt(v) -> str:
