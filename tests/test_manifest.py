@@ -12,7 +12,6 @@ from draftlab.manifest import (
     build_manifest,
     describe_hardware,
     dir_hash,
-    earlier_runs,
     read_manifest,
     with_lineage,
     write_manifest,
@@ -170,43 +169,3 @@ def test_write_manifest_records_the_stage_wall_time_from_its_process_start(tmp_p
     assert 1.5 <= manifest["info"]["wall_s"] < 60 and manifest["info"]["rows"] == 3
     again = build_manifest("prompts", {}, {}, info={"rows": 3})
     assert manifest["config_hash"] == again["config_hash"]  # the time is not hashed
-
-
-def lineage(root, chain):
-    """Manifests under root: chain is [(path, config_hash, {input: hash})]."""
-    for rel, h, inputs in chain:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(json.dumps({"config_hash": h, "inputs": inputs}))
-
-
-FULL = [("models/draft-ckpt/manifest.json", "c1", {}), ("models/draft/manifest.json", "e1", {"train": "c1"}),
-        ("reports/bench/manifest.json", "b1", {"export": "e1"}), ("reports/check.json", "k1", {"bench": "b1"})]
-
-
-def test_a_run_that_made_every_stage_owns_its_export_bench_and_check(tmp_path):
-    lineage(tmp_path, FULL)
-    assert earlier_runs(tmp_path) == {}
-    assert earlier_runs(tmp_path / "nothing-here") == {}
-
-
-def test_a_run_stopped_after_training_names_the_earlier_runs_bench_and_check(tmp_path):
-    # run-stages --until train in a checkout: a new checkpoint, the committed bench and check of another export
-    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c2", {})] + FULL[2:])
-    why = earlier_runs(tmp_path)
-    assert set(why) == {"bench", "check"} and "reports/bench/" in why["bench"] and "stopped before it" in why["bench"]
-    # the same with the earlier export still there: all three are the earlier run's
-    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c2", {})] + FULL[1:])
-    assert set(earlier_runs(tmp_path)) == {"export", "bench", "check"}
-    # a bench re-run on this run's export, its check not yet: only the check
-    lineage(tmp_path, FULL[:3])
-    (tmp_path / "reports/check.json").write_text(json.dumps({"config_hash": "k0", "inputs": {"bench": "b0"}}))
-    assert set(earlier_runs(tmp_path)) == {"check"}
-
-
-def test_outputs_that_name_no_upstream_are_taken_as_the_runs_own(tmp_path):
-    # a bench manifest without inputs (hand-made, or a report folder's copies): nothing to tell it by
-    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c1", {})])
-    (tmp_path / "reports/bench").mkdir(parents=True)
-    (tmp_path / "reports/bench/manifest.json").write_text(json.dumps({"stage": "bench", "config_hash": "x"}))
-    (tmp_path / "reports/bench.json").write_text("{}")
-    assert earlier_runs(tmp_path) == {}

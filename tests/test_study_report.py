@@ -154,3 +154,43 @@ def test_the_data_curve_sets_only_runs_that_differ_in_their_data(tmp_path):
     write_run(tmp_path / "d", 8, turns=1, answer_tokens=250)  # the first turns of the same conversations: a data point
     study.report([tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"], tmp_path / "out")
     assert (tmp_path / "out/data.png").stat().st_size > 0
+
+
+def lineage(root, chain):
+    """Manifests under root: chain is [(path, config_hash, {input: hash})]."""
+    for rel, h, inputs in chain:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(json.dumps({"config_hash": h, "inputs": inputs}))
+
+
+FULL = [("models/draft-ckpt/manifest.json", "c1", {}), ("models/draft/manifest.json", "e1", {"train": "c1"}),
+        ("reports/bench/manifest.json", "b1", {"export": "e1"}), ("reports/check.json", "k1", {"bench": "b1"})]
+
+
+def test_a_run_that_made_every_stage_owns_its_export_bench_and_check(tmp_path):
+    lineage(tmp_path, FULL)
+    assert study.earlier_runs(tmp_path) == {}
+    assert study.earlier_runs(tmp_path / "nothing-here") == {}
+
+
+def test_a_run_stopped_after_training_names_the_earlier_runs_bench_and_check(tmp_path):
+    # run-stages --until train in a checkout: a new checkpoint, the committed bench and check of another export
+    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c2", {})] + FULL[2:])
+    why = study.earlier_runs(tmp_path)
+    assert set(why) == {"bench", "check"} and "reports/bench/" in why["bench"] and "stopped before it" in why["bench"]
+    # the same with the earlier export still there: all three are the earlier run's
+    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c2", {})] + FULL[1:])
+    assert set(study.earlier_runs(tmp_path)) == {"export", "bench", "check"}
+    # a bench re-run on this run's export, its check not yet: only the check
+    lineage(tmp_path, FULL[:3])
+    (tmp_path / "reports/check.json").write_text(json.dumps({"config_hash": "k0", "inputs": {"bench": "b0"}}))
+    assert set(study.earlier_runs(tmp_path)) == {"check"}
+
+
+def test_outputs_that_name_no_upstream_are_taken_as_the_runs_own(tmp_path):
+    # a bench manifest without inputs (hand-made, or a report folder's copies): nothing to tell it by
+    lineage(tmp_path, [("models/draft-ckpt/manifest.json", "c1", {})])
+    (tmp_path / "reports/bench").mkdir(parents=True)
+    (tmp_path / "reports/bench/manifest.json").write_text(json.dumps({"stage": "bench", "config_hash": "x"}))
+    (tmp_path / "reports/bench.json").write_text("{}")
+    assert study.earlier_runs(tmp_path) == {}

@@ -40,8 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
-from draftlab.experiments.study import step1_table
-from draftlab.manifest import earlier_runs
+from draftlab.experiments.study import earlier_runs, step1_table
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
 

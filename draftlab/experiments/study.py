@@ -8,7 +8,7 @@ folder (runs/: each point in it), or a folder of tools/real_workload_report.py. 
 files a grid point keeps (grid.KEPT), or that report's copies of them: params.yaml, the train metrics
 and the train manifest's history (one entry per epoch; decoded.tsv in a report), the extract
 manifest's counts (stage-counts.json) and, where the run served its own draft, bench.json (a run stopped
-before the bench keeps an earlier run's: draftlab.manifest.earlier_runs leaves it out).
+before the bench keeps an earlier run's: earlier_runs leaves it out).
 
 DIR gets
 - points.csv: one row per run: its recipe (RECIPE's keys), its training data, the training-side
@@ -27,6 +27,7 @@ against.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -36,7 +37,6 @@ import yaml
 from draftlab.data.loops import in_band_order
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
-from draftlab.manifest import earlier_runs
 
 # The recipe's keys as params.yaml names them; the column is the last part.
 RECIPE = ("prompts.leading_assistant", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
@@ -70,6 +70,42 @@ def runs_in(paths: list[Path]) -> list[Path]:
             raise UserError(f"{path}: neither a run (no params.yaml) nor a grid's folder (no */params.yaml): "
                             "give a project root after a run, the unpacked results of tools/offline_gpu_run.sh, or runs/")
     return found
+
+
+def earlier_runs(root: str | Path) -> dict[str, str]:
+    """{stage: why} for each of export (models/draft), bench (reports/bench/, bench.json) and check
+    (reports/check.json) under `root` that another run made than the draft trained there: a run stopped
+    early (run-stages --until train, a failed stage) leaves an earlier run's in place, in a git checkout
+    the committed ones. Told by lineage, where a manifest names its upstream: the export's inputs.train
+    against the checkpoint's config_hash (models/draft-ckpt), the bench's inputs.export against the
+    export's, the check's inputs.bench against the bench's. An output whose upstream is missing or
+    another is an earlier run's; one that names no upstream is taken as this run's. {} when every one
+    present is this run's."""
+    root = Path(root)
+
+    def read(rel: str) -> dict | None:  # None: absent, unreadable or not an object
+        try:
+            data = json.loads((root / rel).read_bytes())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def other(m: dict | None, key: str, upstream: dict | None) -> bool:
+        """m names an upstream under inputs[key], and `upstream` is absent or has another config_hash."""
+        named = ((m or {}).get("inputs") or {}).get(key)
+        return named is not None and named != (upstream or {}).get("config_hash")
+
+    ckpt, export = read("models/draft-ckpt/manifest.json"), read("models/draft/manifest.json")
+    bench, check = read("reports/bench/manifest.json"), read("reports/check.json")
+    why = {}
+    if ckpt and other(export, "train", ckpt):
+        why["export"] = "models/draft was exported from another checkpoint than models/draft-ckpt (an earlier run's export)"
+    if "export" in why and bench or other(bench, "export", export):
+        why["bench"] = "reports/bench/ served another export than this run's (an earlier run's bench: this run stopped before it)"
+    checked = check or any((root / "reports" / name).exists() for name in ("check.json", "check.md"))
+    if "bench" in why and checked or other(check, "bench", bench):
+        why["check"] = "reports/check.json checked another bench than this run's (an earlier run's check)"
+    return why
 
 
 def recipe(params: dict) -> dict:
