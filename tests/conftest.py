@@ -29,7 +29,8 @@ def dvc_run(tmp_path_factory, worker_id):
     root, stdout = shared / "dvc-run", shared / "dvc-run.stdout"
     with FileLock(str(shared / "dvc-run.lock")):
         if not stdout.exists():
+            if root.exists():
+                raise AssertionError(f"{root}: the shared dvc repro failed on the worker that made it (its error is above)")
             root.mkdir()
             stdout.write_text(reproduced_project(root)[1])
     return root, stdout.read_text()
-

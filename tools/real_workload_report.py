@@ -301,7 +301,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
            *step_profile_md(run),
            *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch"), steps),
            *step1_md(train, bench),
-           *(served_md(run, train, bench, by_kind, out_dir, steps) if bench else
+           *(served_md(train, bench, by_kind, out_dir, steps) if bench else
              ["## Served", "", f"Nothing served by this run: {earlier.get('bench') or 'it has no reports/bench.json'}.", ""]),
            "## Stage wall times (s)", "", (f"In all {sum(times.values()):.1f} s (`stage-times.png`).\n\n" if times else "")
            + table(["stage", "seconds"], [[s, t] for s, t in times.items()])
@@ -312,7 +312,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     return "\n".join(out)
 
 
-def served_md(run: Path, train: dict, bench: dict, by_kind: dict, out_dir: Path, steps: int) -> list[str]:
+def served_md(train: dict, bench: dict, by_kind: dict, out_dir: Path, steps: int) -> list[str]:
     """results.md's sections of what the bench served: does training pay, the tau triangle (and its plot),
     every configuration, the advice, the prompt sets by group, tau by kind of prompt."""
     trained = [train["accept"][f"step_{i}"] for i in range(1, steps + 1)]

@@ -100,10 +100,10 @@ def earlier_runs(root: str | Path) -> dict[str, str]:
     why = {}
     if ckpt and other(export, "train", ckpt):
         why["export"] = "models/draft was exported from another checkpoint than models/draft-ckpt (an earlier run's export)"
-    if "export" in why and bench or other(bench, "export", export):
+    if (bench and "export" in why) or other(bench, "export", export):
         why["bench"] = "reports/bench/ served another export than this run's (an earlier run's bench: this run stopped before it)"
     checked = check or any((root / "reports" / name).exists() for name in ("check.json", "check.md"))
-    if "bench" in why and checked or other(check, "bench", bench):
+    if (checked and "bench" in why) or other(check, "bench", bench):
         why["check"] = "reports/check.json checked another bench than this run's (an earlier run's check)"
     return why
 
