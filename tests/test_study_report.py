@@ -11,10 +11,10 @@ from draftlab.experiments import study
 from draftlab.main import main
 
 
-def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001):
+def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001, seed=0):
     """A run's kept files (grid.KEPT): params, train metrics and manifest history, extract counts, the bench."""
     folder.mkdir(parents=True)
-    params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3},
+    params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3, "seed": seed},
               "extract": {"train_turns": turns, "loop_tokens": "learn"}, "standardize": {"draft_vocab_size": 16384},
               "synth": {"max_new_tokens": 256}, "prompts": {"leading_assistant": "skip"}}
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
@@ -194,3 +194,19 @@ def test_outputs_that_name_no_upstream_are_taken_as_the_runs_own(tmp_path):
     (tmp_path / "reports/bench/manifest.json").write_text(json.dumps({"stage": "bench", "config_hash": "x"}))
     (tmp_path / "reports/bench.json").write_text("{}")
     assert study.earlier_runs(tmp_path) == {}
+
+
+def test_the_spread_between_seeds_is_measured_and_names_the_treatments_inside_it(tmp_path):
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.5))
+    write_run(tmp_path / "lr-hi", 8, curve=(2.0, 2.53), lr=0.002)  # +0.03: inside a 0.05 spread
+    write_run(tmp_path / "lr-lo", 8, curve=(2.0, 2.3), lr=0.0005)  # -0.20: outside it
+    study.report([tmp_path / n for n in ("base", "lr-hi", "lr-lo")], tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    assert "## Spread between seeds\n\nNot measured" in md and "the spread between seeds is not measured" in md
+    write_run(tmp_path / "seed-1", 8, curve=(2.0, 2.45), seed=1)  # the base's recipe, another seed: 0.05 apart
+    study.report([tmp_path / n for n in ("base", "lr-hi", "lr-lo", "seed-1")], tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    spread = md.split("## Spread between seeds")[1].split("## Treatment")[0]
+    assert "| base | 0 | 2.500 |" in spread and "| seed-1 | 1 | 2.450 |" in spread and "seeds of one recipe: 0.050" in spread
+    lr = md.split("## Treatment: lr")[1].split("## ")[0]
+    assert "not told apart from it: lr-hi (+0.030)." in lr and "lr-lo" not in lr.split("Within")[1]

@@ -18,8 +18,9 @@ DIR gets
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
 - data.png: the decoded first-turn tau against the training answer tokens (once runs differ in their data alone);
-- results.md: every run, a table per treatment (the runs that differ from the base run in that key
-  alone, with the tau gained per doubling of it where it is a size), the decoded tau after each
+- results.md: every run, the spread between seeds (runs that differ in train.seed alone), a table per
+  treatment (the runs that differ from the base run in that key alone, with the tau gained per doubling
+  of it where it is a size, and which of them lie within the seeds' spread), the decoded tau after each
   epoch, and each run's step-1 acceptance by kind of token and position band, teacher-forced and
   offline.
 The base (--base, a run's name; by default the first RUN) is the recipe the others are measured
@@ -220,6 +221,38 @@ def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
     return out
 
 
+def seed_spread(rows: pd.DataFrame) -> tuple[float | None, list[str]]:
+    """The spread between seeds: over each set of runs that share every recipe key but train.seed, the
+    range (max - min) of the decoded first-turn tau. (the largest such range, or None where no set has
+    two seeds; results.md's section on it)."""
+    others = [k.split(".")[-1] for k in RECIPE if k != "train.seed"]
+    sized = rows.dropna(subset=["decoded tau first turns"])
+    sets = [group for _, group in sized.groupby(others, dropna=False) if group["seed"].nunique() > 1]
+    if not sets:
+        return None, ["## Spread between seeds", "", "Not measured: no two runs differ in train.seed alone, so each difference "
+                      "below is one seed's. Two runs of one recipe with `-S train.seed=0,1` measure it.", ""]
+    spread = max(group["decoded tau first turns"].max() - group["decoded tau first turns"].min() for group in sets)
+    tables = [markdown(group, ["run", "seed", "decoded tau first turns", "tau_pred", "heldout draft tau", "mt-bench draft tau"])
+              for group in sets]
+    return spread, ["## Spread between seeds", "", *[line for t in tables for line in (t, "")],
+                    f"The largest range of the decoded tau between seeds of one recipe: {spread:.3f}. A treatment's "
+                    "difference from its base no larger than this is not told apart from a change of seed.", ""]
+
+
+def within_spread(group: pd.DataFrame, base: str, spread: float | None) -> list[str]:
+    """The line under a treatment table: which runs differ from the base by no more than the seeds' spread."""
+    figure = "decoded tau first turns"
+    at_base = group.loc[group["run"] == base, figure]
+    if at_base.empty or pd.isna(at_base.iloc[0]):
+        return []
+    if spread is None:
+        return ["One seed per run: the spread between seeds is not measured, so these differences may be noise.", ""]
+    close = [f"{r['run']} ({r[figure] - at_base.iloc[0]:+.3f})" for _, r in group.iterrows()
+             if r["run"] != base and pd.notna(r[figure]) and abs(r[figure] - at_base.iloc[0]) <= spread]
+    return [f"Within the seeds' spread ({spread:.3f}) of the base's decoded tau, so not told apart from it: {', '.join(close)}.", ""] \
+        if close else []
+
+
 def markdown(frame: pd.DataFrame, columns: list[str]) -> str:
     cols = [c for c in columns if c in frame and frame[c].notna().any()]
     def cell(v):
@@ -309,8 +342,12 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
           "the eval split's first answers: the training-side figure closest to what a bench of first turns serves. "
           "Served figures are SGLang's, at bs=1 unless a column says otherwise (`at 8`: 8 requests in flight).", "",
           "## Every run", "", markdown(rows, ["run", *varying, "train conversations", "train answer tokens", *figures]), ""]
+    spread, spread_md = seed_spread(rows)
+    md += spread_md
     for col, group in treatments(rows, base).items():
         md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "train answer tokens", *figures]), ""]
+        if col != "seed":
+            md += within_spread(group, base, spread)
         if x := SIZES.get(col):
             slope = slope_per_doubling(pd.to_numeric(group[x], errors="coerce").tolist(),
                                        group["decoded tau first turns"].tolist())
