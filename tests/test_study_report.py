@@ -11,7 +11,8 @@ from draftlab.experiments import study
 from draftlab.main import main
 
 
-def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001, seed=0):
+def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001, seed=0,
+              answers="ab12cd34ef"):
     """A run's kept files (grid.KEPT): params, train metrics and manifest history, extract counts, the bench."""
     folder.mkdir(parents=True)
     params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3, "seed": seed},
@@ -30,6 +31,9 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
     (folder / "data/hidden").mkdir(parents=True)
     (folder / "data/hidden/manifest.json").write_text(json.dumps(
         {"config_hash": "x", "info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
+    (folder / "data/synth").mkdir(parents=True)  # which synthesis made the answers: train.jsonl's hash
+    (folder / "data/synth/manifest.json").write_text(json.dumps(
+        {"config_hash": "s", "info": {"files": {"train.jsonl": {"rows": 9, "sha256": answers}}}}))
     if bench:
         (folder / "reports/bench.json").write_text(json.dumps(bench))
 
@@ -210,3 +214,16 @@ def test_the_spread_between_seeds_is_measured_and_names_the_treatments_inside_it
     assert "| base | 0 | 2.500 |" in spread and "| seed-1 | 1 | 2.450 |" in spread and "seeds of one recipe: 0.050" in spread
     lr = md.split("## Treatment: lr")[1].split("## ")[0]
     assert "not told apart from it: lr-hi (+0.030)." in lr and "lr-lo" not in lr.split("Within")[1]
+
+
+def test_runs_on_answers_of_another_synthesis_are_told_apart(tmp_path):
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.5))
+    write_run(tmp_path / "lr-same-answers", 8, curve=(2.0, 2.6), lr=0.002)
+    study.report([tmp_path / "base", tmp_path / "lr-same-answers"], tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    assert "| ab12cd34 |" in md and "different synthesis runs" not in md
+    assert pd.read_csv(tmp_path / "out/points.csv")["answers"].tolist() == ["ab12cd34", "ab12cd34"]
+    write_run(tmp_path / "lr-new-answers", 8, curve=(2.0, 2.6), lr=0.004, answers="99ff00aa11")  # synthesized again
+    study.report([tmp_path / "base", tmp_path / "lr-new-answers"], tmp_path / "out")
+    lr = (tmp_path / "out/results.md").read_text().split("## Treatment: lr")[1]
+    assert "| 99ff00aa |" in lr and "answers of different synthesis runs" in lr

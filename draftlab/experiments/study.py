@@ -11,9 +11,9 @@ manifest's counts (stage-counts.json) and, where the run served its own draft, b
 before the bench keeps an earlier run's: earlier_runs leaves it out).
 
 DIR gets
-- points.csv: one row per run: its recipe (RECIPE's keys), its training data, the training-side
-  figures (tau teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps,
-  a_1) and, where it was served, served tau, a_1 and speedup of the draft and of the best n-gram
+- points.csv: one row per run: its recipe (RECIPE's keys), its training data (`answers`: which
+  synthesis made them, the first 8 hex of train.jsonl's sha256), the training-side figures (tau
+  teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps, a_1) and, where it was served, served tau, a_1 and speedup of the draft and of the best n-gram
   lookup per prompt set, at bs=1 and at each concurrency measured;
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
@@ -183,9 +183,12 @@ def read_run(run: Path) -> tuple[dict, list[tuple[int, float]], list[str]]:
     extract = (read_json(run / "data/hidden/manifest.json").get("info") or {}).get("counts") \
         or (read_json(run / "stage-counts.json").get("extract") or {}).get("counts") or {}
     counts = extract.get("train") or {}
+    synth = read_json(run / "data/synth/manifest.json").get("info") or read_json(run / "stage-counts.json").get("synth") or {}
+    answers = (((synth.get("files") or {}).get("train.jsonl") or {}).get("sha256") or "")[:8] or None
     bench = {} if "bench" in earlier_runs(run) else read_json(found(run, "reports/bench.json", "bench.json"))
     curve = decoded_curve(run, depth) if depth else []
     row = {"run": run.name, **recipe(params),
+           "answers": answers,  # which synthesis made the training answers: the first 8 hex of train.jsonl's sha256
            "train conversations": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
            "tau_pred": train.get("tau_pred"),
            "decoded tau first turns": (train.get("tau_decoded_first_turns_by_steps") or {}).get(f"steps_{depth}")
@@ -341,11 +344,15 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
           f"{len(rows)} runs; the base is `{base}`. The decoded tau replays greedy chains of each run's spec.num_steps over "
           "the eval split's first answers: the training-side figure closest to what a bench of first turns serves. "
           "Served figures are SGLang's, at bs=1 unless a column says otherwise (`at 8`: 8 requests in flight).", "",
-          "## Every run", "", markdown(rows, ["run", *varying, "train conversations", "train answer tokens", *figures]), ""]
+          "## Every run", "", markdown(rows, ["run", *varying, "answers", "train conversations", "train answer tokens", *figures]), ""]
     spread, spread_md = seed_spread(rows)
     md += spread_md
     for col, group in treatments(rows, base).items():
-        md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "train answer tokens", *figures]), ""]
+        md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "answers", "train answer tokens", *figures]), ""]
+        if group["answers"].nunique() > 1:
+            md += ["These runs trained on answers of different synthesis runs (column `answers`): the target's greedy "
+                   "answers change from one synthesis to the next (GPU batching), so part of each difference is the "
+                   "data's. Runs that reuse one synthesis (its data/synth/ in the tree) compare the recipe alone.", ""]
         if col != "seed":
             md += within_spread(group, base, spread)
         if x := SIZES.get(col):
