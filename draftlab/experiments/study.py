@@ -306,6 +306,9 @@ def plot_data(out: Path, rows: pd.DataFrame) -> None:
         label = ", ".join([f"{group['epochs'].iloc[0]} epochs"] + [f"{key} {group[key].iloc[0]}" for key in varying if key != "epochs"])
         ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    sizes = sorted({int(v) for group in curves for v in group["train answer tokens"]})
+    ax.set_xticks(sizes, [f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" for v in sizes])  # each run's own size
+    ax.minorticks_off()
     ax.set(xlabel="training answer tokens", ylabel="tau (tokens per round)", title="decoded tau over the eval first turns")
     ax.legend(fontsize="small")
     fig.tight_layout()
