@@ -151,6 +151,10 @@ def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_p
     with tarfile.open(out) as tar:
         names = {m.name for m in tar.getmembers() if m.isfile()}
     assert names == set(files) - {"models/draft/model.safetensors"} | {"data/synth/.answers.json"}
+    pack(out, tmp_path, draft=True)  # DRAFTLAB_PACK_DRAFT=1: the exported checkpoint too, each file once
+    with tarfile.open(out) as tar:
+        members = [m.name for m in tar.getmembers() if m.isfile()]
+    assert set(members) == set(files) - {"data/synth/train.jsonl"} and len(members) == len(set(members))
 
 
 def test_a_grid_row_carries_the_decoded_tau_at_the_points_served_depth_so_a_train_only_grid_ranks_its_points(tmp_path):
@@ -212,6 +216,11 @@ def test_a_gpu_node_installs_the_wheels_once_and_again_only_when_they_change(tmp
     node_run(DRAFTLAB_PACK_ANSWERS="1")  # the answers too, for the next node
     with tarfile.open(results / "results.tar.gz") as tar:
         assert "data/synth/train.jsonl" in tar.getnames()
+    (root / "models/draft").mkdir(parents=True, exist_ok=True)
+    (root / "models/draft/model.safetensors").write_text("weights")
+    node_run(DRAFTLAB_PACK_DRAFT="1")  # the exported draft too
+    with tarfile.open(results / "results.tar.gz") as tar:
+        assert "models/draft/model.safetensors" in tar.getnames() and "data/synth/train.jsonl" not in tar.getnames()
     assert "VERSION = '0.1'" in (results / "site/nodepkg/__init__.py").read_text()
     assert "the same 1 already installed" in node_run()
     (wheels / "nodepkg-0.1-py3-none-any.whl").unlink()

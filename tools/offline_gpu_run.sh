@@ -11,7 +11,8 @@
 # RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped, and
 # the wheels are not installed again while their file names are the same. With DRAFTLAB_PACK_ANSWERS=1
 # the target's answers (data/synth/) are packed too: unpacked into the tree of the next node, synthesize
-# reuses every answer there and starts no server.
+# reuses every answer there and starts no server. With DRAFTLAB_PACK_DRAFT=1, the exported draft
+# (models/draft: the SGLang checkpoint) too.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
 mkdir -p "$results"
@@ -28,8 +29,8 @@ else
   echo "$want" > "$results/site/.wheels"
 fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
-pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); the answers with DRAFTLAB_PACK_ANSWERS=1
-  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1")' \
+pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); answers and draft on request
+  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1", draft=os.environ.get("DRAFTLAB_PACK_DRAFT") == "1")' \
     "$results/results.tar.gz" && echo "packed $results/results.tar.gz"
 }
 trap pack EXIT

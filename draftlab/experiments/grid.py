@@ -38,13 +38,15 @@ PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
 # On request, the target's answers too (tools/offline_gpu_run.sh with DRAFTLAB_PACK_ANSWERS=1): unpacked
 # into the next node's tree, synthesize reuses every one of them and starts no server.
 ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json")
+# And the exported draft (DRAFTLAB_PACK_DRAFT=1): the SGLang checkpoint itself, to serve or study elsewhere.
+DRAFT = ("models/draft/*",)
 
 
-def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False) -> list[str]:
-    """PACKED's files under `root` (and ANSWERS' with `answers`) into one .tar.gz at `tar_path` (written
-    whole: a tmp file renamed), whatever of them exists; returns the paths packed."""
+def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False, draft: bool = False) -> list[str]:
+    """PACKED's files under `root` (and ANSWERS' with `answers`, DRAFT's with `draft`) into one .tar.gz at
+    `tar_path` (written whole: a tmp file renamed), whatever of them exists; returns the paths packed."""
     root, tar_path = Path(root), Path(tar_path)
-    found = matching(PACKED + (ANSWERS if answers else ()), root)
+    found = matching(PACKED + (ANSWERS if answers else ()) + (DRAFT if draft else ()), root)
     tmp = tar_path.with_name(tar_path.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for src in found:
@@ -54,8 +56,9 @@ def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False) ->
 
 
 def matching(patterns: tuple[str, ...], root: Path) -> list[Path]:
-    """The paths under `root` that `patterns` (globs, relative to it) name, pattern by pattern, each's sorted."""
-    return [src for pattern in patterns for src in sorted(root.glob(pattern))]
+    """The paths under `root` that `patterns` (globs, relative to it) name, pattern by pattern, each's sorted;
+    a path two patterns name, once."""
+    return list(dict.fromkeys(src for pattern in patterns for src in sorted(root.glob(pattern))))
 
 
 def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
