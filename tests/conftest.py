@@ -25,7 +25,7 @@ def dvc_run(tmp_path_factory, worker_id):
 
     if worker_id == "master":  # not distributed (-n0)
         return reproduced_project(tmp_path_factory.mktemp("dvc-run"))
-    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above each worker's own
+    shared = tmp_path_factory.getbasetemp().parent  # this test run's temp folder, above each worker's own
     root, stdout = shared / "dvc-run", shared / "dvc-run.stdout"
     with FileLock(str(shared / "dvc-run.lock")):
         if not stdout.exists():

@@ -121,10 +121,11 @@ def first_turns_md(train: dict) -> list[str]:
                   [["every turn", *[round(every[s], 3) for s in steps]], ["first turns", *[round(first[s], 3) for s in steps]]]), ""]
 
 
-def stage_times(run: Path) -> dict:
+def stage_times(run: Path, earlier: dict | None = None) -> dict:
     """{stage: wall seconds} in the DAG's order: each stage manifest's info.wall_s, else the seconds
-    draftlab run-stages recorded (runs made before manifests held the time)."""
-    times, earlier = {}, earlier_runs(run)
+    draftlab run-stages recorded (runs made before manifests held the time); none of a stage an earlier
+    run made (`earlier`: earlier_runs(run), read here when not given)."""
+    times, earlier = {}, earlier_runs(run) if earlier is None else earlier
     for path in sorted(p for top in ("data", "models", "reports") for p in (run / top).glob("*/manifest.json")):
         try:
             manifest = json.loads(path.read_text())
@@ -271,10 +272,9 @@ def startups_md(synth: dict, bench: dict) -> list[str]:
         if lines else []
 
 
-def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
-    """results.md; a run whose bench is an earlier run's (earlier_runs: stopped before the bench) gets its
-    training figures and a line that says why nothing served is shown."""
-    earlier = earlier_runs(run)
+def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
+    """results.md; a run whose bench is an earlier run's (`earlier`: earlier_runs(run), a run stopped before
+    the bench) gets its training figures and a line that says why nothing served is shown."""
     bench = None if "bench" in earlier else read(run, "reports/bench.json")
     train = read(run, "reports/train/metrics.json")
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
@@ -283,7 +283,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path) -> str:
     by_states = (train_info.get("throughput") or {}).get("by_states")
     prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
     steps = bench["settings"]["num_steps"] if bench else (yaml.safe_load((run / "params.yaml").read_text())["spec"]["num_steps"])
-    times = stage_times(run)
+    times = stage_times(run, earlier)
     if times:
         plot_stage_times(out_dir, times)
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
@@ -382,7 +382,7 @@ def main(argv=None) -> None:
             shutil.copyfile(args.run / rel, args.out / Path(rel).name)
     counts = {stage: (read(args.run, f"data/{stage}/manifest.json") or {}).get("info") for stage in ("prompts", "synth")}
     counts["extract"] = {"counts": ((read(args.run, "data/hidden/manifest.json") or {}).get("info") or {}).get("counts")}
-    (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run), **counts}, indent=1) + "\n")
+    (args.out / "stage-counts.json").write_text(json.dumps({"seconds": stage_times(args.run, earlier), **counts}, indent=1) + "\n")
     by_kind = {}
     if "bench" not in earlier and (args.run / "reports/bench.json").exists():
         bench_params = yaml.safe_load((args.run / "params.yaml").read_text())["bench"]
@@ -390,7 +390,7 @@ def main(argv=None) -> None:
         sent = rows[: bench_params["warmup"] + bench_params["num_prompts"]]
         jsonl.write(args.out / "bench-prompts.jsonl", sent)  # the prompts the bench sent, in order: the kind table's input
         by_kind = tau_by_kind(args.run, rows, bench_params)
-    (args.out / "results.md").write_text(results_md(args.run, by_kind, args.out))
+    (args.out / "results.md").write_text(results_md(args.run, by_kind, args.out, earlier))
     print(f"real-workload report -> {args.out}")
 
 

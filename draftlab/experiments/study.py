@@ -28,7 +28,6 @@ against.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -84,20 +83,13 @@ def earlier_runs(root: str | Path) -> dict[str, str]:
     present is this run's."""
     root = Path(root)
 
-    def read(rel: str) -> dict | None:  # None: absent, unreadable or not an object
-        try:
-            data = json.loads((root / rel).read_bytes())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            return None
-        return data if isinstance(data, dict) else None
+    def other(m: dict, key: str, upstream: dict) -> bool:
+        """m names an upstream under inputs[key], and `upstream` is absent ({}) or has another config_hash."""
+        named = (m.get("inputs") or {}).get(key)
+        return named is not None and named != upstream.get("config_hash")
 
-    def other(m: dict | None, key: str, upstream: dict | None) -> bool:
-        """m names an upstream under inputs[key], and `upstream` is absent or has another config_hash."""
-        named = ((m or {}).get("inputs") or {}).get(key)
-        return named is not None and named != (upstream or {}).get("config_hash")
-
-    ckpt, export = read("models/draft-ckpt/manifest.json"), read("models/draft/manifest.json")
-    bench, check = read("reports/bench/manifest.json"), read("reports/check.json")
+    ckpt, export, bench, check = (read_json(root / rel) for rel in (  # {} where absent; a damaged one is named
+        "models/draft-ckpt/manifest.json", "models/draft/manifest.json", "reports/bench/manifest.json", "reports/check.json"))
     why = {}
     if ckpt and other(export, "train", ckpt):
         why["export"] = "models/draft was exported from another checkpoint than models/draft-ckpt (an earlier run's export)"
