@@ -40,7 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
-from draftlab.experiments.study import earlier_runs, step1_table
+from draftlab.experiments.study import earlier_runs, offline_step1, step1_table
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
 
@@ -106,7 +106,7 @@ def step1_md(train: dict, bench: dict | None = None) -> list[str]:
             "A loop token closes an 8-gram already seen in the same answer (draftlab/data/loops.py); the turn is the answer's "
             "in its conversation."
             + (" The offline columns: the bench's offline run over its prompts, at the first draft of each verify round (what "
-               "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if "offline rounds" in rows else ""),
+               "serving sees: rounds start where the draft missed before), grouped by the token that draft predicts." if offline_step1(offline) else ""),
             ""] + first_turns_md(train)
 
 

@@ -383,7 +383,7 @@ def step1_table(train: dict, offline: dict | None = None) -> str:
     groups = [(f"{k} tokens", kinds[k], (offline.get("step1_by_kind") or {}).get(k)) for k in kinds] + \
              [(f"positions {b}", bands[b], (offline.get("step1_by_position") or {}).get(b)) for b in in_band_order(bands)] + \
              [(f"turn {t}", turns[t], None) for t in turns]  # the bench's prompts are not split by turn
-    with_offline = any(offline.get(f"step1_by_{key}") for key in ("kind", "position"))
+    with_offline = offline_step1(offline)
     lines = ["| group | eval tokens | a_1 teacher-forced |" + (" offline rounds | a_1 offline |" if with_offline else ""),
              "|---|---|---|" + ("---|---|" if with_offline else "")]
     for label, cell, at_starts in groups:
@@ -392,6 +392,11 @@ def step1_table(train: dict, offline: dict | None = None) -> str:
             line += f" {(at_starts or {}).get('rounds', '')} | {fmt((at_starts or {}).get('a_1'))} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def offline_step1(offline: dict | None) -> bool:
+    """Whether the bench's offline run kept its rounds' step-1 acceptance by group (step1_table's offline columns)."""
+    return any((offline or {}).get(f"step1_by_{key}") for key in ("kind", "position"))
 
 
 def fmt(v) -> str:
