@@ -213,6 +213,17 @@ class SynthParams:
     after_cut: Literal["continue", "stop"] = "continue"  # an answer cut at max_new_tokens: the next turn is asked after it, or the conversation ends
 
 
+@dataclass(frozen=True, config=STRICT)
+class SelfPromptsParams:
+    # Defaults for code only (a run from before the section wrote none); params.yaml gives every key.
+    count: Annotated[Int, Field(ge=0)] = 0  # user turns the target writes from its template's user prefix; 0 = none
+    temperature: Annotated[Float, Field(gt=0)] = 1.0  # sampled: greedy would write one turn `count` times
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    max_new_tokens: Annotated[Int, Field(ge=1)] = 256  # a turn not closed within this is left out
+    seed: Int = 0  # each turn's sampling seed derives from it and the turn's index
+    batch_size: Annotated[Int, Field(ge=1)] = 256  # turns per generate() call (hf) or /generate request (sglang, openai)
+
+
 CAPTURE_WORDS = ("embedding",)  # the one word capture.layers may list besides layer numbers
 
 
@@ -389,6 +400,7 @@ SECTIONS: dict[str, type] = {
     "target": TargetParams,
     "prompts": PromptsParams,
     "synth": SynthParams,
+    "self_prompts": SelfPromptsParams,
     "capture": CaptureParams,
     "extract": ExtractParams,
     "standardize": StandardizeParams,

@@ -57,7 +57,7 @@ def test_a_run_that_fails_at_a_stage_puts_the_workspace_back(tmp_path):
     tail = r.stderr[r.stderr.index("draftlab exp run: dvc exp run failed"):].splitlines()
     assert "params.yaml" in tail[1] and "models/target-pin.json" in tail[1] and "dvc.lock" in tail[1]
     assert tail[2] == "  removed (the run made it): models/target-dequantized"
-    assert tail[3] == "  checked out from DVC's cache: data/prompts"
+    assert tail[3] == "  checked out from DVC's cache: data/self-prompts, data/prompts"
     assert tail[4].startswith("  kept: data/synth: stage synthesize stopped in it") and "rm -r data/synth" in tail[4]
     assert len(tail) == 5
 

@@ -71,7 +71,7 @@ def test_every_stage_records_its_wall_time_for_the_report(project):
 
     root, _ = project
     times = load_tool("real_workload_report").stage_times(root)
-    assert list(times) == ["prompts", "synthesize", "extract", "standardize", "train", "export", "bench"]
+    assert list(times) == ["self_prompts", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench"]
     assert all(isinstance(t, float) and t > 0 for t in times.values()), times
 
 

@@ -38,15 +38,15 @@ def test_a_profile_runs_the_stages_then_only_what_changed(tmp_path):
     (root / "configs" / "small.yaml").write_text("prompts:\n  num_prompts: 16\nstandardize:\n  draft_vocab_size: 48\n")
     rc, out = run(root, "small", "--until", "standardize")
     assert rc == 0, out
-    assert ran(out) == ["target", "prompts", "synthesize", "extract", "standardize"]
+    assert ran(out) == ["target", "self_prompts", "prompts", "synthesize", "extract", "standardize"]
     params = yaml.safe_load((root / "params.yaml").read_text())
     assert params["prompts"]["num_prompts"] == 16 and params["standardize"]["draft_vocab_size"] == 48
     assert json.loads((root / "data/features/manifest.json").read_text())["params"]["standardize"]["draft_vocab_size"] == 48
     state = json.loads((root / ".run-stages.json").read_text())
-    assert set(state) == {"target", "prompts", "synthesize", "extract", "standardize"} and all(s["seconds"] >= 0 for s in state.values())
+    assert set(state) == {"target", "self_prompts", "prompts", "synthesize", "extract", "standardize"} and all(s["seconds"] >= 0 for s in state.values())
 
     rc, out = run(root, "--until", "standardize")  # nothing changed: nothing runs
-    assert rc == 0 and ran(out) == [] and out.count("unchanged, skipped") == 5
+    assert rc == 0 and ran(out) == [] and out.count("unchanged, skipped") == 6
     rc, out = run(root, "-S", "standardize.draft_vocab_size=40", "--until", "standardize")  # one param: its stage only
     assert rc == 0 and ran(out) == ["standardize"], out
 

@@ -73,6 +73,14 @@ def test_generate_text_prompt_and_batch(served):
         assert o["output_ids"] == reference(model, ids, 8)
 
 
+def test_a_batch_takes_one_sampling_params_object_per_prompt(served):
+    url, model, tok, _ = served
+    ids = [chat_ids(tok, "abc"), chat_ids(tok, "a longer prompt")]
+    body = {"input_ids": ids, "sampling_params": [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 6, "temperature": 0}]}
+    out = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert [o["output_ids"] for o in out] == [reference(model, ids[0], 3), reference(model, ids[1], 6)]
+
+
 def test_stop_token_and_stop_string_in_sglang_shapes(served):
     url, model, tok, _ = served
     ids = chat_ids(tok, "count to five")
@@ -256,6 +264,10 @@ def error_message(r) -> str:
     ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
     ({"text": "a", "sampling_params": {"sampling_seed": 2**70}}, "sampling_seed"),
     ({"text": "a", "sampling_params": {"sampling_seed": "7"}}, "sampling_seed"),
+    ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params as a list needs a batch"),
+    ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}]}, "got 1 for 2 prompts"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 0}]}, "top_p"),
+    ({"text": ["a", "b"], "sampling_params": [{}, 3]}, "sampling_params[1] must be a JSON object"),
     ({"text": "a", "rid": {"x": 1}}, "rid"),
     ({"text": ["a", "b"], "rid": ["only-one"]}, "rid"),
     ({"text": "a", "return_hidden_states": "yes"}, "return_hidden_states"),

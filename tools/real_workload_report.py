@@ -48,7 +48,7 @@ CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
 CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
 REPORTS = Path("reports/real-workload")  # where a new report folder goes by default
-STAGES = ("target", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench", "check")  # the DAG's order
+STAGES = ("target", "self_prompts", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench", "check")  # the DAG's order
 FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
 # An earlier measurement with SGLang 0.5.14 on one H200: SmolLM2-135M-Instruct (bf16, triton attention,
 # CUDA graphs), the 32 held-out bench prompts of reports/real-workload/real-gpu/bench-prompts.jsonl after
@@ -306,7 +306,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            "## Stage wall times (s)", "", (f"In all {sum(times.values()):.1f} s (`stage-times.png`).\n\n" if times else "")
            + table(["stage", "seconds"], [[s, t] for s, t in times.items()])
            if times else "Not recorded: no stage manifest of this run holds info.wall_s (a run made before they did).", ""]
-    missing = [s for s in STAGES if s not in times]
+    # a run from before the self_prompts stage has none to miss
+    missing = [s for s in STAGES if s not in times and (s != "self_prompts" or (run / "data/self-prompts").exists())]
     if times and missing:
         out[-1:] = ["", f"Not recorded: {', '.join(missing)} (no manifest with a wall time in this run's files).", ""]
     return "\n".join(out)

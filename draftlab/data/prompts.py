@@ -272,6 +272,34 @@ def seeded_subset(rows: list[dict], n: int | None, seed: int) -> list[dict]:
     return [r for r in rows if r["id"] in chosen]
 
 
+def read_self_prompts(path: str | Path) -> list[dict]:
+    """The rows of the self_prompts stage's file (draftlab.data.self_prompts), each given its id; a row
+    that is not a user turn is a UserError naming the file and line (the file is the stage's own)."""
+    rows = []
+    for line, obj, err in _read_records(Path(path)):
+        msgs, reason = (None, err) if err else validate_row(obj)
+        if reason:
+            raise UserError(f"{path}:{line}: {reason}; run `dvc repro --force self_prompts` to write the file again")
+        rows.append({"id": prompt_id(msgs), "messages": msgs, "source": obj.get("source", "self")})
+    return rows
+
+
+def train_only(rows: list[dict], taken: set[str], eval_fraction: float) -> tuple[list[dict], dict]:
+    """Self prompts for the train split: each row once, none that repeats a prompt in `taken` (the
+    openings of the source's rows), none whose opening hashes into the eval share (the held-out prompts stay the
+    source's, and no train row shares an eval row's opening). Returns the rows and what was left out."""
+    kept, seen, counts = [], set(taken), {"duplicates": 0, "in_eval_share": 0}
+    for row in rows:
+        if row["id"] in seen:
+            counts["duplicates"] += 1
+        elif is_eval(opening_id(row), eval_fraction):
+            counts["in_eval_share"] += 1
+        else:
+            kept.append(row)
+        seen.add(row["id"])
+    return kept, counts
+
+
 def is_eval(pid: str, eval_fraction: float) -> bool:
     """Deterministic split by content hash: the id's first 8 hex digits as a fraction of 2**32."""
     return int(pid[:8], 16) / 2**32 < eval_fraction

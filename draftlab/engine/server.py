@@ -7,7 +7,8 @@ Endpoints, in SGLang's shapes so one client talks to both:
   GET  /health                 200 once the model is loaded
   GET  /server_info            the launch settings (+ internal_states, as SGLang reports them)
   GET  /v1/models              the served model
-  POST /generate               SGLang native: {"text" | "input_ids", "sampling_params", "rid"}
+  POST /generate               SGLang native: {"text" | "input_ids", "sampling_params", "rid"}; a batch
+                               may give one sampling_params object per prompt (a list)
   POST /v1/chat/completions    OpenAI chat, non-streaming (reasoning_content with --reasoning-parser)
   GET|POST /flush_cache        drop the caches kept between requests (an NGRAM server's n-gram cache)
 
@@ -174,19 +175,22 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     @app.post("/generate")
     def generate(body: dict):
         try:
-            sampling = _sampling_params(_object(body.get("sampling_params"), "sampling_params"))
+            raw = body.get("sampling_params")
+            if not isinstance(raw, list):
+                sampling = _sampling_params(_object(raw, "sampling_params"))
             if body.get("stream") not in (None, False):
                 raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
             prompts, batch = _prompts(body, engine, token_bytes)
-            explicit = _object(body.get("sampling_params"), "sampling_params").get("max_new_tokens")
-            if explicit is not None:  # SGLang checks input + max_new_tokens only when the request gives it
-                for p in prompts:
-                    engine.check_total(len(p), sampling.max_new_tokens)
+            raws = _batch_sampling(raw, len(prompts), batch)
+            samplings = [_sampling_params(r) for r in raws] if isinstance(raw, list) else [sampling] * len(prompts)
+            for p, r, sp in zip(prompts, raws, samplings):
+                if r.get("max_new_tokens") is not None:  # SGLang checks input + max_new_tokens only when the request gives it
+                    engine.check_total(len(p), sp.max_new_tokens)
             rids = _rids(body.get("rid"), len(prompts), batch)
             hidden = _bool(body.get("return_hidden_states"), "return_hidden_states", False)
             if hidden and not server_args.get("enable_return_hidden_states"):
                 raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
-            outs = [run(p, sampling, r, hidden) for p, r in zip(prompts, rids)]
+            outs = [run(p, sp, r, hidden) for p, sp, r in zip(prompts, samplings, rids)]
         except (ValueError, TypeError) as e:
             return bad_request(str(e))
         return outs if batch else outs[0]
@@ -322,6 +326,17 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _batch_sampling(raw, n: int, batch: bool) -> list[dict]:
+    """Each prompt's sampling_params object: one object for every prompt, or (a batch, as SGLang takes
+    it) a list of one object per prompt."""
+    if not isinstance(raw, list):
+        return [_object(raw, "sampling_params")] * n
+    if not batch or len(raw) != n:
+        raise ValueError(f"sampling_params as a list needs a batch of as many prompts: got {len(raw)} for "
+                         f"{n if batch else 'a single'} prompt{'s' if batch else ''}.")
+    return [_object(r, f"sampling_params[{i}]") for i, r in enumerate(raw)]
 
 
 def _object(v, field: str) -> dict:

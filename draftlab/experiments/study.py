@@ -38,14 +38,14 @@ from draftlab.data.loops import in_band_order
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 
-# The recipe's keys as params.yaml names them; the column is the last part.
-RECIPE = ("prompts.leading_assistant", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
+# The recipe's keys as params.yaml names them; the column is the last part (self_prompts.count: "count").
+RECIPE = ("prompts.leading_assistant", "self_prompts.count", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
           "extract.loop_tokens", "standardize.draft_vocab_size", "train.epochs", "train.lr", "train.ttt_steps",
           "train.ttt_decay", "train.batch_tokens", "train.warmup_ratio", "train.seed")
 # The treatments whose curve has a slope per doubling, and of what: the data's treatments by the answer
 # tokens they train on (null, "all", has no number of its own)
 SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "train_turns": "train answer tokens",
-         "leading_assistant": "train answer tokens", "max_new_tokens": "train answer tokens",
+         "leading_assistant": "train answer tokens", "count": "train answer tokens", "max_new_tokens": "train answer tokens",
          "draft_vocab_size": "draft_vocab_size", "ttt_steps": "ttt_steps"}
 DATA = tuple(key for key, size in SIZES.items() if size == "train answer tokens")  # the keys that set the training data
 
