@@ -89,3 +89,21 @@ def test_an_8b_checkpoint_is_checked_without_reading_a_tensor(tmp_path, monkeypa
     wider = dict(bench.CONFIG, intermediate_size=14336 + 128)  # the config now wants wider MLPs than the shards hold
     with pytest.raises(UserError, match=r"mlp.*is \[14336, 4096\] in the checkpoint, the config needs \[14464, 4096\]"):
         check_weight_layout(folder, str(folder), AutoConfig.for_model(**wider))
+
+
+def test_tensors_of_another_shape_are_named_in_layer_order_whatever_order_transformers_gives():
+    """transformers lists mismatched tensors in a set's order: the message named other tensors on each run."""
+    import random
+
+    from draftlab.target.load_errors import check_weights
+
+    names = [f"model.layers.{i}.mlp.{p}.weight" for i in range(12) for p in ("down_proj", "gate_proj", "up_proj")]
+    messages = set()
+    for seed in range(3):
+        shuffled = random.Random(seed).sample(names, len(names))
+        with pytest.raises(UserError) as e:
+            check_weights({"mismatched_keys": [(n, (4, 8), (4, 9)) for n in shuffled]}, "m")
+        messages.add(str(e.value))
+    (message,) = messages
+    assert "model.layers.0.mlp.down_proj.weight is [4, 8]" in message and "model.layers.0.mlp.up_proj" in message
+    assert "layers.1." not in message and "(and 33 more)" in message

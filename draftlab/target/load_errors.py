@@ -56,6 +56,12 @@ def check_config(cfg, model: str) -> None:
                         f"[\"LlamaForCausalLM\"], got {arch!r}; {fix_for(model)}")
 
 
+def in_layer_order(name: str) -> tuple:
+    """A sort key that puts tensor names in layer order (layers.2 before layers.10), whatever order
+    transformers listed them in (a set's: the same checkpoint named other tensors on each run)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
 def check_weights(info: dict, model: str) -> None:
     """transformers' loading info (output_loading_info=True, or draftlab.target.layout's): a tensor
     the checkpoint lacks would be left random, one of another shape would not load, checkpoint
@@ -66,8 +72,8 @@ def check_weights(info: dict, model: str) -> None:
         raise UserError(f"target.model {model!r}: the checkpoint's tensors do not combine into {'; '.join(named[:3])}"
                         + (f" (and {len(named) - 3} more)" if len(named) > 3 else "")
                         + f": a tensor is missing or of another shape; {fix_for(model)}")
-    mismatched = [f"{name} is {list(ckpt)} in the checkpoint, the config needs {list(want)}"
-                  for name, ckpt, want in info.get("mismatched_keys") or []]
+    mismatched = [f"{name} is {list(ckpt)} in the checkpoint, the config needs {list(want)}"  # in layer order:
+                  for name, ckpt, want in sorted(info.get("mismatched_keys") or [], key=lambda m: in_layer_order(m[0]))]
     if mismatched:
         raise UserError(f"target.model {model!r}: the weights do not fit config.json: {'; '.join(mismatched[:3])}"
                         + (f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else "") + f"; {fix_for(model)}")
