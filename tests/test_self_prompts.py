@@ -141,3 +141,22 @@ def test_the_stage_writes_none_by_default_keeps_its_file_and_the_prompts_stage_t
     (out / "prompts.jsonl").write_text(written + '{"messages": []}\n')
     with pytest.raises(UserError, match=r"prompts.jsonl:\d+: 'messages' must be a non-empty list"):
         prompts.read_self_prompts(out / "prompts.jsonl")
+
+
+def test_the_probe_accounts_for_every_turn_and_compares_lengths_with_a_source(target, tmp_path, capsys):
+    """benchmarks/self_prompts_probe.py: kept + left out = asked, and the source's length quartiles beside."""
+    from tests.support.micro import make_micro_tokenizer
+
+    make_micro_tokenizer().save_pretrained(target)
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q" * n}]}) + "\n" for n in (3, 5, 9, 12)))
+    spec = importlib.util.spec_from_file_location("self_prompts_probe", ROOT / "benchmarks" / "self_prompts_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    out = tmp_path / "probe.json"
+    probe.main([str(target), "--count", "6", "--batch-size", "4", "--max-new-tokens", "12", "--source", str(source),
+                "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["kept"] + sum(res["left_out"].values()) == 6 and res["distinct_kept"] <= res["kept"]
+    assert res["source_first_turn_tokens_quartiles"] == probe.quartiles([3, 5, 9, 12])
+    assert json.loads(capsys.readouterr().out) == res
