@@ -12,8 +12,9 @@ self_prompts.count 0 (the default) the file is empty and nothing is loaded. The 
 the rows to the train split (draftlab/data/self_prompts.py has the method and what is left out).
 
 Reuse: the file of the last finished run is kept while the settings that shape it (the
-self_prompts section and the target's pin) are the same, so a change to how the engine runs (server
-flags, the number of servers) writes nothing again. Interrupted? Run it again: it writes them anew.
+self_prompts section and the target's pin) are the same and the file is as written, so a change to
+how the engine runs (server flags, the number of servers) writes nothing again. Interrupted? Run it
+again: it writes them anew.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def main(out: Path) -> None:
     key = written_key(params) if sp.count else None
     (out / MANIFEST).unlink(missing_ok=True)  # a manifest vouches for complete outputs only
     earlier = _read_key(out / KEY_FILE)
-    if sp.count and earlier.get("key") == key and (out / FILE).exists():
+    if sp.count and earlier.get("key") == key and (out / FILE).exists() and earlier.get("sha256") == dir_hash(out / FILE):
         info, kept = earlier["info"], "kept from the last run (same self_prompts settings and target)"
     else:
         (out / KEY_FILE).unlink(missing_ok=True)
@@ -94,7 +95,7 @@ def main(out: Path) -> None:
         jsonl.write(out / FILE, self_prompts.rows(texts))
         info |= {"count": sp.count, "written": len(texts), "left_out": left_out}
         if sp.count:
-            atomic_write_json(out / KEY_FILE, {"key": key, "info": info})
+            atomic_write_json(out / KEY_FILE, {"key": key, "sha256": dir_hash(out / FILE), "info": info})
         kept = "written"
     used = as_dict(params)
     used["synth"] = {k: getattr(params.synth, k) for k in ENGINE_KEYS}  # the keys dvc.yaml lists

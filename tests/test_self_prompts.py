@@ -127,6 +127,11 @@ def test_the_stage_writes_none_by_default_keeps_its_file_and_the_prompts_stage_t
                                                                                          "startup_timeout_s: 30.0"))
     stage.main(out)  # an engine setting changed, not the prompts': kept
     assert (out / "prompts.jsonl").read_text() == written
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    (out / "prompts.jsonl").write_text(written.splitlines(keepends=True)[0])  # cut by hand: written again, whole
+    stage.main(out)
+    assert (out / "prompts.jsonl").read_text() == written
 
     prompts_stage.main(tmp_path / "prompts", tmp_path / "prompts.json", out)
     train = [json.loads(x) for x in (tmp_path / "prompts" / "train.jsonl").read_text().splitlines()]
