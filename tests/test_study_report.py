@@ -227,3 +227,17 @@ def test_runs_on_answers_of_another_synthesis_are_told_apart(tmp_path):
     study.report([tmp_path / "base", tmp_path / "lr-new-answers"], tmp_path / "out")
     lr = (tmp_path / "out/results.md").read_text().split("## Treatment: lr")[1]
     assert "| 99ff00aa |" in lr and "answers of different synthesis runs" in lr
+
+
+def test_self_prompts_are_a_data_treatment_whose_new_answers_are_the_point(tmp_path):
+    """self_prompts.count adds prompts, so its runs' train.jsonl differ by design: no note about mixed syntheses,
+    a slope per doubling of the training tokens, and data.png."""
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.5), answer_tokens=1000)
+    write_run(tmp_path / "more", 8, curve=(2.0, 2.6), answer_tokens=2000, answers="77aa00bb11")
+    params = yaml.safe_load((tmp_path / "more/params.yaml").read_text())
+    (tmp_path / "more/params.yaml").write_text(yaml.safe_dump({**params, "self_prompts": {"count": 20000}}))
+    study.report([tmp_path / "base", tmp_path / "more"], tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    count = md.split("## Treatment: count")[1]
+    assert "| base | 0 |" in count and "| more | 20000 |" in count and "different synthesis runs" not in count
+    assert "per doubling" in count and (tmp_path / "out/data.png").exists()

@@ -48,6 +48,7 @@ SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "trai
          "leading_assistant": "train answer tokens", "count": "train answer tokens", "max_new_tokens": "train answer tokens",
          "draft_vocab_size": "draft_vocab_size", "ttt_steps": "ttt_steps"}
 DATA = tuple(key for key, size in SIZES.items() if size == "train answer tokens")  # the keys that set the training data
+SYNTHESIZED = ("leading_assistant", "count", "max_new_tokens")  # keys whose runs' train.jsonl differ by design (other prompts or caps)
 
 
 def read_json(path: Path) -> dict:
@@ -344,7 +345,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     md += spread_md
     for col, group in treatments(rows, base).items():
         md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "answers", "train answer tokens", *figures]), ""]
-        if group["answers"].nunique() > 1:
+        if group["answers"].nunique() > 1 and col not in SYNTHESIZED:
             md += ["These runs trained on answers of different synthesis runs (column `answers`): the target's greedy "
                    "answers change from one synthesis to the next (GPU batching), so part of each difference is the "
                    "data's. Runs that reuse one synthesis (its data/synth/ in the tree) compare the recipe alone.", ""]
