@@ -165,3 +165,30 @@ def test_the_probe_accounts_for_every_turn_and_compares_lengths_with_a_source(ta
     assert res["kept"] + sum(res["left_out"].values()) == 6 and res["distinct_kept"] <= res["kept"]
     assert res["source_first_turn_tokens_quartiles"] == probe.quartiles([3, 5, 9, 12])
     assert json.loads(capsys.readouterr().out) == res
+
+
+def test_the_sglang_backend_writes_them_through_its_own_server_and_stops_it(target, tmp_path, monkeypatch):
+    """synth.backend sglang on a CPU: `python -m sglang.launch_server` is the stand-in (the reference server).
+    Sampled turns differ between engines, so the check is the accounting and the stopped server."""
+    import httpx
+
+    from tests.support.micro import make_micro_tokenizer
+
+    make_micro_tokenizer().save_pretrained(target)
+    stage = _load("self_prompts")
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'fixtures' / 'sglang_standin'}{os.pathsep}{ROOT}")
+    monkeypatch.chdir(tmp_path)
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "target": {**base["target"], "model": str(target), "device": "cpu"},
+        "synth": {**base["synth"], "backend": "sglang", "startup_timeout_s": 120.0},
+        "self_prompts": {**base["self_prompts"], "count": 5, "batch_size": 2, "max_new_tokens": 16}}))
+    out = tmp_path / "self"
+    stage.main(out)
+    info = json.loads((out / "manifest.json").read_text())["info"]
+    assert info["backend"] == "sglang" and info["written"] + sum(info["left_out"].values()) == 5
+    assert info["written"] == len((out / "prompts.jsonl").read_text().splitlines()) and info["server_startup"]
+    log = (out / ".sglang-server.log").read_text()
+    port = int(log.split("--port ", 1)[1].split(";")[0])
+    with pytest.raises(httpx.HTTPError):  # stopped with the stage
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
