@@ -147,10 +147,17 @@ def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_p
     assert names == set(files) - {"data/synth/train.jsonl", "models/draft/model.safetensors"}
     assert not (tmp_path / "results.tar.gz.tmp").exists()
     (tmp_path / "data/synth/.answers.json").write_text("{}")  # the answers' resume key, beside them
+    own = {"data/self-prompts/prompts.jsonl", "data/self-prompts/.written.json"}  # the target's own prompts and their key
+    for name in own:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    pack(out, tmp_path)
+    with tarfile.open(out) as tar:
+        assert not own & {m.name for m in tar.getmembers()}
     pack(out, tmp_path, answers=True)  # DRAFTLAB_PACK_ANSWERS=1: the answers too, for the next node to reuse
     with tarfile.open(out) as tar:
         names = {m.name for m in tar.getmembers() if m.isfile()}
-    assert names == set(files) - {"models/draft/model.safetensors"} | {"data/synth/.answers.json"}
+    assert names == set(files) - {"models/draft/model.safetensors"} | {"data/synth/.answers.json"} | own
     pack(out, tmp_path, draft=True)  # DRAFTLAB_PACK_DRAFT=1: the exported checkpoint too, each file once
     with tarfile.open(out) as tar:
         members = [m.name for m in tar.getmembers() if m.isfile()]

@@ -36,8 +36,11 @@ KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "m
 # What a GPU node packs beside them: a grid's points, the target's pin and the held-out prompts.
 PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
 # On request, the target's answers too (tools/offline_gpu_run.sh with DRAFTLAB_PACK_ANSWERS=1): unpacked
-# into the next node's tree, synthesize reuses every one of them and starts no server.
-ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json")
+# into the next node's tree, synthesize reuses every one of them and starts no server. The prompts the
+# target wrote itself travel with them (stage self_prompts keeps its file under the same settings), or the
+# next node would write other ones and answer those again.
+ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json",
+           "data/self-prompts/prompts.jsonl", "data/self-prompts/.written.json")
 # And the exported draft (DRAFTLAB_PACK_DRAFT=1): the SGLang checkpoint itself, to serve or study elsewhere.
 DRAFT = ("models/draft/*",)
 
