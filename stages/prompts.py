@@ -26,7 +26,6 @@ from draftlab.manifest import build_manifest, dir_hash, read_verified, with_line
 from draftlab.params import as_dict, load_params
 from draftlab.target.load import load_tokenizer
 
-SELF_PROMPTS_FILE = "prompts.jsonl"  # stages/self_prompts.py's file
 MAX_LISTED = 20  # bad rows printed in full; the rest are counted
 
 
@@ -68,7 +67,7 @@ def main(out: Path, metrics: Path, self_prompts: Path = Path("data/self-prompts"
     rows, dropped, long_turns = ps.rows, {"too_short": 0, "too_long": 0}, None
     # The self_prompts stage's file (none where the stage never ran: this stage run on its own)
     own_upstream = read_verified(self_prompts) if self_prompts.exists() else None
-    own = prompts.read_self_prompts(self_prompts / SELF_PROMPTS_FILE) if own_upstream else []
+    own = prompts.read_self_prompts(self_prompts) if own_upstream else []
     own_counts = {"read": len(own)}
     if pp.min_prompt_tokens is not None or pp.max_prompt_tokens is not None:
         tokenizer = load_tokenizer(params.target.model, params.target.revision)

@@ -33,8 +33,7 @@ from draftlab.manifest import MANIFEST, build_manifest, dir_hash, output_files, 
 from draftlab.params import as_dict, load_params
 from draftlab.progress import bar
 
-FILE = "prompts.jsonl"
-KEY_FILE = ".written.json"  # the key the finished prompts.jsonl was written under (reuse)
+FILE, KEY_FILE = self_prompts.FILE, self_prompts.KEY_FILE
 ENGINE_KEYS = ("backend", "base_url", "timeout_s", "server_args", "servers_per_gpu", "mem_fraction_static", "startup_timeout_s")
 
 
@@ -87,13 +86,9 @@ def main(out: Path) -> None:
         info, kept = earlier["info"], "kept from the last run (same self_prompts settings and target)"
     else:
         (out / KEY_FILE).unlink(missing_ok=True)
-        if sp.count:
-            got, info = write(params, out)
-            texts, left_out = got.texts, got.left_out
-        else:
-            texts, left_out, info = [], {"cut": 0, "empty": 0}, {}
-        jsonl.write(out / FILE, self_prompts.rows(texts))
-        info |= {"count": sp.count, "written": len(texts), "left_out": left_out}
+        got, info = write(params, out) if sp.count else (self_prompts.Written(), {})
+        jsonl.write(out / FILE, self_prompts.rows(got.texts))
+        info |= {"count": sp.count, "written": len(got.texts), "left_out": got.left_out}
         if sp.count:
             atomic_write_json(out / KEY_FILE, {"key": key, "sha256": dir_hash(out / FILE), "info": info})
         kept = "written"

@@ -145,7 +145,7 @@ def test_the_stage_writes_none_by_default_keeps_its_file_and_the_prompts_stage_t
 
     (out / "prompts.jsonl").write_text(written + '{"messages": []}\n')
     with pytest.raises(UserError, match=r"prompts.jsonl:\d+: 'messages' must be a non-empty list"):
-        prompts.read_self_prompts(out / "prompts.jsonl")
+        prompts.read_self_prompts(out)
 
 
 def test_the_probe_accounts_for_every_turn_and_compares_lengths_with_a_source(target, tmp_path, capsys):

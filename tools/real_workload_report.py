@@ -40,6 +40,7 @@ import pandas as pd
 import yaml
 
 from draftlab import jsonl, metrics
+from draftlab.experiments.run_stages import stage_order
 from draftlab.experiments.study import earlier_runs, offline_step1, step1_table
 from draftlab.bench.report import groups_markdown, headline_markdown
 from draftlab.sglang import startup
@@ -48,7 +49,7 @@ CODE_WORDS = ("code", "python", "javascript", "typescript", "java", "c\\+\\+", "
               "function", "script", "api", "json", "react", "node\\.js", "golang", "rust", "php", "swift", "kotlin", "class")
 CODE = re.compile(r"```|\b(" + "|".join(CODE_WORDS) + r")\b", re.IGNORECASE)
 REPORTS = Path("reports/real-workload")  # where a new report folder goes by default
-STAGES = ("target", "self_prompts", "prompts", "synthesize", "extract", "standardize", "train", "export", "bench", "check")  # the DAG's order
+STAGES = tuple(stage_order(yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())))  # the DAG's order
 FIELD = {"3-1-4": 2.90}  # SpecForge's Llama-3.1-8B draft, MT-bench, bs=1 (its SpecBundle dashboard)
 # An earlier measurement with SGLang 0.5.14 on one H200: SmolLM2-135M-Instruct (bf16, triton attention,
 # CUDA graphs), the 32 held-out bench prompts of reports/real-workload/real-gpu/bench-prompts.jsonl after

@@ -31,6 +31,7 @@ from draftlab.fsutil import canonical_json
 from draftlab.target.packaged import is_packaged, packaged_path
 
 ROLES = ("system", "user", "assistant")
+SELF_PROMPTS_FILE = "prompts.jsonl"  # the self_prompts stage's file in its folder (draftlab.data.self_prompts)
 
 
 @dataclass
@@ -272,11 +273,11 @@ def seeded_subset(rows: list[dict], n: int | None, seed: int) -> list[dict]:
     return [r for r in rows if r["id"] in chosen]
 
 
-def read_self_prompts(path: str | Path) -> list[dict]:
-    """The rows of the self_prompts stage's file (draftlab.data.self_prompts), each given its id; a row
+def read_self_prompts(folder: str | Path) -> list[dict]:
+    """The rows of the self_prompts stage's file in `folder` (draftlab.data.self_prompts), each given its id; a row
     that is not a user turn is a UserError naming the file and line (the file is the stage's own)."""
-    rows = []
-    for line, obj, err in _read_records(Path(path)):
+    rows, path = [], Path(folder) / SELF_PROMPTS_FILE
+    for line, obj, err in _read_records(path):
         msgs, reason = (None, err) if err else validate_row(obj)
         if reason:
             raise UserError(f"{path}:{line}: {reason}; run `dvc repro --force self_prompts` to write the file again")

@@ -24,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from draftlab.data.prompts import SELF_PROMPTS_FILE as FILE  # the stage's file, the prompts stage's input
 from draftlab.data.synth import row_seed
 from draftlab.errors import UserError
 
+KEY_FILE = ".written.json"  # beside it: the settings it was written under, for reuse (stages/self_prompts.py)
 MARK = "\u2063SELF-PROMPT\u2063"  # a text no template writes: where the user's content would go
 SOURCE = "self"  # the rows' "source"
 
@@ -43,10 +45,10 @@ class Written:
         self.completion_tokens += tokens
         if not closed:
             self.left_out["cut"] += 1
-        elif not text.strip():
+        elif not (text := text.strip()):
             self.left_out["empty"] += 1
         else:
-            self.texts.append(text.strip())
+            self.texts.append(text)
 
 
 def user_prefix(tok) -> tuple[list[int], list[int]]:

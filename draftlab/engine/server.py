@@ -176,13 +176,13 @@ def build_app(engine, served_model_name: str, server_args: dict, reasoning_parse
     def generate(body: dict):
         try:
             raw = body.get("sampling_params")
-            if not isinstance(raw, list):
-                sampling = _sampling_params(_object(raw, "sampling_params"))
+            if not isinstance(raw, list):  # one object for every prompt: its faults named before the prompts'
+                _sampling_params(_object(raw, "sampling_params"))
             if body.get("stream") not in (None, False):
                 raise ValueError(f"stream must be false: the reference server does not stream, got {short_repr(body['stream'])}.")
             prompts, batch = _prompts(body, engine, token_bytes)
             raws = _batch_sampling(raw, len(prompts), batch)
-            samplings = [_sampling_params(r) for r in raws] if isinstance(raw, list) else [sampling] * len(prompts)
+            samplings = [_sampling_params(r) for r in raws]
             for p, r, sp in zip(prompts, raws, samplings):
                 if r.get("max_new_tokens") is not None:  # SGLang checks input + max_new_tokens only when the request gives it
                     engine.check_total(len(p), sp.max_new_tokens)

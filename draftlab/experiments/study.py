@@ -39,8 +39,8 @@ from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 
 # The recipe's keys as params.yaml names them; the column is the last part (self_prompts.count: "count").
-RECIPE = ("prompts.leading_assistant", "self_prompts.count", "synth.max_new_tokens", "extract.train_conversations", "extract.train_turns",
-          "extract.loop_tokens", "standardize.draft_vocab_size", "train.epochs", "train.lr", "train.ttt_steps",
+RECIPE = ("prompts.leading_assistant", "self_prompts.count", "synth.max_new_tokens", "extract.train_conversations",
+          "extract.train_turns", "extract.loop_tokens", "standardize.draft_vocab_size", "train.epochs", "train.lr", "train.ttt_steps",
           "train.ttt_decay", "train.batch_tokens", "train.warmup_ratio", "train.seed")
 # The treatments whose curve has a slope per doubling, and of what: the data's treatments by the answer
 # tokens they train on (null, "all", has no number of its own)
