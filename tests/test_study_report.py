@@ -238,6 +238,6 @@ def test_self_prompts_are_a_data_treatment_whose_new_answers_are_the_point(tmp_p
     (tmp_path / "more/params.yaml").write_text(yaml.safe_dump({**params, "self_prompts": {"count": 20000}}))
     study.report([tmp_path / "base", tmp_path / "more"], tmp_path / "out")
     md = (tmp_path / "out/results.md").read_text()
-    count = md.split("## Treatment: count")[1]
+    count = md.split("## Treatment: self_prompts")[1]
     assert "| base | 0 |" in count and "| more | 20000 |" in count and "different synthesis runs" not in count
     assert "per doubling" in count and (tmp_path / "out/data.png").exists()

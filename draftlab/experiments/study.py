@@ -38,17 +38,26 @@ from draftlab.data.loops import in_band_order
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_text
 
-# The recipe's keys as params.yaml names them; the column is the last part (self_prompts.count: "count").
+# The recipe's keys as params.yaml names them; the column is the key's last part, or its name in NAMED where
+# the last part alone says nothing (self_prompts.count: "self_prompts", not "count")
 RECIPE = ("prompts.leading_assistant", "self_prompts.count", "synth.max_new_tokens", "extract.train_conversations",
           "extract.train_turns", "extract.loop_tokens", "standardize.draft_vocab_size", "train.epochs", "train.lr", "train.ttt_steps",
           "train.ttt_decay", "train.batch_tokens", "train.warmup_ratio", "train.seed")
+NAMED = {"self_prompts.count": "self_prompts"}
+
+
+def column(key: str) -> str:
+    """The study's column for a RECIPE key."""
+    return NAMED.get(key, key.split(".")[-1])
+
+
 # The treatments whose curve has a slope per doubling, and of what: the data's treatments by the answer
 # tokens they train on (null, "all", has no number of its own)
 SIZES = {"epochs": "epochs", "train_conversations": "train answer tokens", "train_turns": "train answer tokens",
-         "leading_assistant": "train answer tokens", "count": "train answer tokens", "max_new_tokens": "train answer tokens",
+         "leading_assistant": "train answer tokens", "self_prompts": "train answer tokens", "max_new_tokens": "train answer tokens",
          "draft_vocab_size": "draft_vocab_size", "ttt_steps": "ttt_steps"}
 DATA = tuple(key for key, size in SIZES.items() if size == "train answer tokens")  # the keys that set the training data
-SYNTHESIZED = ("leading_assistant", "count", "max_new_tokens")  # keys whose runs' train.jsonl differ by design (other prompts or caps)
+SYNTHESIZED = ("leading_assistant", "self_prompts", "max_new_tokens")  # keys whose runs' train.jsonl differ by design (other prompts or caps)
 
 
 def read_json(path: Path) -> dict:
@@ -115,7 +124,7 @@ def recipe(params: dict) -> dict:
         field = SECTIONS[section].__pydantic_fields__.get(name)
         return None if field is None or field.is_required() else field.default
     # as -S writes them (null for None): one type per column whatever the runs hold, so runs compare as text
-    return {key.split(".")[-1]: "null" if get(key) is None else str(get(key)) for key in RECIPE}
+    return {column(key): "null" if get(key) is None else str(get(key)) for key in RECIPE}
 
 
 def found(run: Path, *rels: str) -> Path:
@@ -206,7 +215,7 @@ def slope_per_doubling(xs: list[float], ys: list[float]) -> float | None:
 
 def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
     """{recipe column: the runs equal to the base run in every other recipe column} where more than one value shows."""
-    columns = [k.split(".")[-1] for k in RECIPE]
+    columns = [column(k) for k in RECIPE]
     ref = rows.set_index("run").loc[base]
     out = {}
     for col in columns:
@@ -221,7 +230,7 @@ def seed_spread(rows: pd.DataFrame) -> tuple[float | None, list[str]]:
     """The spread between seeds: over each set of runs that share every recipe key but train.seed, the
     range (max - min) of the decoded first-turn tau. (the largest such range, or None where no set has
     two seeds; results.md's section on it)."""
-    others = [k.split(".")[-1] for k in RECIPE if k != "train.seed"]
+    others = [column(k) for k in RECIPE if k != "train.seed"]
     sized = rows.dropna(subset=["decoded tau first turns"])
     sets = [group for _, group in sized.groupby(others, dropna=False) if group["seed"].nunique() > 1]
     if not sets:
@@ -282,7 +291,7 @@ def plot_data(out: Path, rows: pd.DataFrame) -> None:
     those: tau against their training answer tokens. None where no such set exists (runs on the same
     data differ a little in tokens when the target's answers were made again, on another GPU)."""
     sized = rows.dropna(subset=["train answer tokens", "decoded tau first turns"])
-    rest = [key.split(".")[-1] for key in RECIPE if key.split(".")[-1] not in DATA]
+    rest = [column(key) for key in RECIPE if column(key) not in DATA]
     curves = [group for _, group in sized.groupby(rest, dropna=False) if len(group[list(DATA)].drop_duplicates()) > 1]
     if not curves:
         (out / "data.png").unlink(missing_ok=True)  # of an earlier report into this folder
@@ -334,7 +343,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
                "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau", "mt-bench draft a_1",
                "mt-bench draft speedup", "mt-bench ngram tau", "mt-bench ngram speedup", "heldout draft speedup at 8",
                "heldout ngram speedup at 8", "mt-bench draft speedup at 8", "mt-bench ngram speedup at 8", "train s"]
-    recipe_cols = [k.split(".")[-1] for k in RECIPE]
+    recipe_cols = [column(k) for k in RECIPE]
     varying = [c for c in recipe_cols if rows[c].astype(str).nunique() > 1]
     md = ["# A recipe study (written by draftlab exp report)", "",
           f"{len(rows)} runs; the base is `{base}`. The decoded tau replays greedy chains of each run's spec.num_steps over "
