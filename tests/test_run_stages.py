@@ -234,3 +234,12 @@ def test_a_gpu_node_installs_the_wheels_once_and_again_only_when_they_change(tmp
     write_wheel(wheels, "nodepkg", "0.2")
     assert "already installed" not in node_run()
     assert "VERSION = '0.2'" in (results / "site/nodepkg/__init__.py").read_text()
+
+
+def test_a_points_folder_names_each_swept_key_as_the_study_does():
+    """runs/<point>/ names a key by its last part, unless that says nothing on its own: self_prompts.count is
+    'self_prompts' (the study's column), so a grid over it is not a folder of 'count=...'."""
+    from draftlab.experiments.grid import point_name
+
+    assert point_name(1, ["self_prompts.count=20000", "train.epochs=6"]) == "02-self_prompts=20000-epochs=6"
+    assert point_name(0, ['train.lr="0.002"']) == "01-lr=0.002"

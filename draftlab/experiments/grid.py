@@ -111,8 +111,11 @@ def points(swept: list[tuple[str, list[str]]], dvc: dict) -> list[list[str]]:
 
 
 def point_name(i: int, overrides: list[str]) -> str:
-    """'03-epochs=6-loop_tokens=skip': the point's index, then each swept key's last part and value."""
-    parts = [f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides]
+    """'03-epochs=6-loop_tokens=skip': the point's index, then each swept key's column in the study
+    (its last part, or study.NAMED's: 'self_prompts=20000') and value."""
+    from draftlab.experiments.study import column
+
+    parts = [f"{column(o.split('=', 1)[0])}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides]
     return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", f"{i + 1:02d}-" + "-".join(parts))[:120]
 
 
