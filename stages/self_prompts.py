@@ -99,9 +99,14 @@ def main(out: Path) -> None:
     if not sp.count:
         print(f"self_prompts: self_prompts.count is 0: none written -> {out / FILE}")
         return
-    cut, empty = info["left_out"]["cut"], info["left_out"]["empty"]
-    print(f"self_prompts: {info['written']} of {sp.count} user turns {kept} ({cut} cut at self_prompts.max_new_tokens, "
-          f"{empty} empty, left out) -> {out / FILE}")
+    left = info["left_out"]
+    as_answer = left.get("as_answer", 0)  # a file kept from before this count was made has none
+    print(f"self_prompts: {info['written']} of {sp.count} user turns {kept} ({left['cut']} cut at "
+          f"self_prompts.max_new_tokens, {left['empty']} empty, {as_answer} written as an answer, left out) -> {out / FILE}")
+    if as_answer > sp.count / 2:
+        print(f"self_prompts: warning: {as_answer} of {sp.count} turns hold the target's reasoning markup: asked for a "
+              "user's turn, this target writes its own answers. It was not trained to write user turns (an instruct "
+              "model tuned on whole conversations is); more of these prompts add little (set self_prompts.count: 0)")
 
 
 def _read_key(path: Path) -> dict:

@@ -94,6 +94,32 @@ def test_self_prompts_join_the_train_split_only_once_each():
     assert not any(prompts.is_eval(prompts.opening_id(r), 0.25) for r in kept)
 
 
+def test_a_turn_written_as_an_answer_is_left_out_and_most_such_turns_warn(target, tmp_path, monkeypatch, capsys):
+    """A target never trained on user turns writes its own answers when asked for one (the embedded target: its
+    reasoning markup in all 454 turns it closed). Such turns are left out and counted, and when they are most,
+    the stage says self prompts add little for this target."""
+    got = self_prompts.Written()
+    for text in ["How do I sort a list?", "Take 3 away.\n</think>\nThe answer is 0.", "<think>\nFirst add.", "  "]:
+        got.add(text, closed=True, tokens=5)
+    got.add("never closed", closed=False, tokens=12)
+    assert got.texts == ["How do I sort a list?"] and got.left_out == {"cut": 1, "empty": 1, "as_answer": 2}
+
+    stage = _load("self_prompts")
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, target, count=5)
+    monkeypatch.setattr(stage, "write", lambda params, out: (got, {}))
+    stage.main(tmp_path / "self")
+    said = capsys.readouterr().out
+    assert "1 of 5 user turns written (1 cut at self_prompts.max_new_tokens, 1 empty, 2 written as an answer" in said
+    assert "warning" not in said  # 2 of 5: not most
+    for _ in range(2):
+        got.add("It is 4.\n</think>\nThe answer is 4.", closed=True, tokens=5)
+    write_params(tmp_path, target, count=6, seed=1)
+    stage.main(tmp_path / "self")
+    assert "warning: 4 of 6 turns hold the target's reasoning markup" in capsys.readouterr().out
+    assert (tmp_path / "self/prompts.jsonl").read_text().count("\n") == 1  # only the user-like turn
+
+
 def write_params(dir, model, **self_kw):
     base = yaml.safe_load((ROOT / "params.yaml").read_text())
     params = {"target": {**base["target"], "model": str(model), "device": "cpu"},

@@ -77,9 +77,11 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     assert "02-train_turns=1" in turns_table and "01-epochs" not in turns_table
     assert "## Treatment: lr" not in md  # the lr run also changed epochs
     # the data's treatment by the answer tokens each run trained on: 1.7 at 250 tokens, 2.0 at 1000 (null: every turn)
-    assert f"per doubling of train answer tokens (least squares over these runs): {0.3 / 2:+.3f}" in turns_table
+    assert f"per doubling of train answer tokens (least squares over these runs, which span 2.00 doublings): {0.3 / 2:+.3f}." \
+        in turns_table
     # decoded tau 2.0 at 3 epochs, 2.4 at 8: per doubling of epochs, 0.4 / log2(8/3)
-    assert f"per doubling of epochs (least squares over these runs): {0.4 / 1.415:+.3f}" in md
+    assert f"per doubling of epochs (least squares over these runs, which span 1.42 doublings): {0.4 / 1.415:+.3f}." in md
+    assert "not told apart from none" not in md  # no seeds' spread measured: nothing to tell it apart from
     assert "| epoch | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |" in md  # the epoch curve of the 8-epoch run
     assert "| loop tokens | 10 | 0.800 | 5 | 0.700 |" in md  # the base's step-1 split beside its offline rounds
     assert (out / "epochs.png").stat().st_size > 0 and (out / "data.png").stat().st_size > 0
@@ -241,3 +243,24 @@ def test_self_prompts_are_a_data_treatment_whose_new_answers_are_the_point(tmp_p
     count = md.split("## Treatment: self_prompts")[1]
     assert "| base | 0 |" in count and "| more | 20000 |" in count and "different synthesis runs" not in count
     assert "per doubling" in count and (tmp_path / "out/data.png").exists()
+
+
+def test_a_size_slope_says_how_many_doublings_it_spans_and_when_every_run_is_within_the_seeds_spread(tmp_path):
+    """A slope over a quarter of a doubling magnifies noise: the line says the span, and that the slope is not told
+    apart from none when each run's difference from the base is within the seeds' spread."""
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.50), answer_tokens=1000)
+    write_run(tmp_path / "base-seed1", 8, curve=(2.0, 2.40), answer_tokens=1000, seed=1)  # spread 0.10
+    write_run(tmp_path / "more", 8, curve=(2.0, 2.45), answer_tokens=1200, answers="77aa00bb11")
+    params = yaml.safe_load((tmp_path / "more/params.yaml").read_text())
+    (tmp_path / "more/params.yaml").write_text(yaml.safe_dump({**params, "self_prompts": {"count": 480}}))
+    study.report([tmp_path / "base", tmp_path / "base-seed1", tmp_path / "more"], tmp_path / "out")
+    table = (tmp_path / "out/results.md").read_text().split("## Treatment: self_prompts")[1].split("## ")[0]
+    assert "which span 0.26 doublings): -0.190." in table
+    assert "Every run lies within the seeds' spread of the base, so the slope is not told apart from none." in table
+
+    write_run(tmp_path / "much-more", 8, curve=(2.0, 2.80), answer_tokens=4000, answers="88aa00bb11")
+    params = yaml.safe_load((tmp_path / "much-more/params.yaml").read_text())
+    (tmp_path / "much-more/params.yaml").write_text(yaml.safe_dump({**params, "self_prompts": {"count": 9000}}))
+    study.report([tmp_path / "base", tmp_path / "base-seed1", tmp_path / "more", tmp_path / "much-more"], tmp_path / "out")
+    table = (tmp_path / "out/results.md").read_text().split("## Treatment: self_prompts")[1].split("## ")[0]
+    assert "which span 2.00 doublings)" in table and "not told apart from none" not in table  # +0.30 stands out

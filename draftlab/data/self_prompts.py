@@ -7,10 +7,13 @@ after one (`<|im_end|>`). Each such turn becomes a prompt row, and the target an
 synthesize stage as it answers every prompt: the draft learns the target's answers to the questions
 the target finds likely, in any number.
 
-A turn cut at self_prompts.max_new_tokens (never closed) or empty is left out and counted. The
-prompts stage then treats the rows as it treats any source's (draftlab.data.prompts): dedupe, the
-length filter, and the content-hash split. Only the rows that hash into the train share are kept,
-so the held-out split (and the bench's prompts) stay the main source's.
+A turn cut at self_prompts.max_new_tokens (never closed), empty, or written as an answer (it holds the
+reasoning markup, <think> or </think>, that a reasoning target writes in its own turns) is left out and
+counted. The last is what a target does that never learned to write a user's turn: the embedded tiny
+target, trained on its answers alone, wrote nothing else: all 454 turns it closed of 480
+(reports/self-prompts-embedded-target/). The prompts stage then treats the rows as it treats any
+source's (draftlab.data.prompts): dedupe, the length filter, and the content-hash split. Only the
+rows that hash into the train share are kept, so the held-out split (and the bench's prompts) stay the main source's.
 
 Two engines write them, as synthesis answers (synth.backend):
   hf       in-process transformers: batches of the prefix, each batch's seed from self_prompts.seed
@@ -31,6 +34,7 @@ from draftlab.errors import UserError
 KEY_FILE = ".written.json"  # beside it: the settings it was written under, for reuse (stages/self_prompts.py)
 MARK = "\u2063SELF-PROMPT\u2063"  # a text no template writes: where the user's content would go
 SOURCE = "self"  # the rows' "source"
+REASONING_MARKUP = ("<think>", "</think>")  # in a user turn: the target wrote its own kind of turn, an answer
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Written:
     """What the target wrote: the kept user turns, and how many were left out, by reason."""
 
     texts: list[str] = field(default_factory=list)
-    left_out: dict[str, int] = field(default_factory=lambda: {"cut": 0, "empty": 0})
+    left_out: dict[str, int] = field(default_factory=lambda: {"cut": 0, "empty": 0, "as_answer": 0})
     completion_tokens: int = 0
 
     def add(self, text: str, closed: bool, tokens: int) -> None:
@@ -47,6 +51,8 @@ class Written:
             self.left_out["cut"] += 1
         elif not (text := text.strip()):
             self.left_out["empty"] += 1
+        elif any(mark in text for mark in REASONING_MARKUP):
+            self.left_out["as_answer"] += 1
         else:
             self.texts.append(text)
 

@@ -213,6 +213,25 @@ def slope_per_doubling(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
+def slope_md(group: pd.DataFrame, x: str, base: str, spread: float | None) -> list[str]:
+    """The line under a size treatment: the decoded tau gained per doubling of x, over how many doublings the runs
+    span (a slope over a fraction of one magnifies the noise), and whether any run stands out of the seeds' spread."""
+    xs = pd.to_numeric(group[x], errors="coerce").tolist()
+    slope = slope_per_doubling(xs, group["decoded tau first turns"].tolist())
+    if slope is None:
+        return []
+    span = math.log2(max(v for v in xs if v and v > 0) / min(v for v in xs if v and v > 0))
+    line = (f"Decoded tau gained per doubling of {x} (least squares over these runs, which span {span:.2f} "
+            f"doubling{'' if round(span, 2) == 1 else 's'}): {slope:+.3f}.")
+    figure = "decoded tau first turns"
+    at_base = group.loc[group["run"] == base, figure]
+    others = group.loc[(group["run"] != base) & group[figure].notna(), figure]
+    if spread is not None and not at_base.empty and pd.notna(at_base.iloc[0]) and len(others) \
+            and ((others - at_base.iloc[0]).abs() <= spread).all():
+        line += " Every run lies within the seeds' spread of the base, so the slope is not told apart from none."
+    return [line, ""]
+
+
 def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
     """{recipe column: the runs equal to the base run in every other recipe column} where more than one value shows."""
     columns = [column(k) for k in RECIPE]
@@ -361,10 +380,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
         if col != "seed":
             md += within_spread(group, base, spread)
         if x := SIZES.get(col):
-            slope = slope_per_doubling(pd.to_numeric(group[x], errors="coerce").tolist(),
-                                       group["decoded tau first turns"].tolist())
-            if slope is not None:
-                md += [f"Decoded tau gained per doubling of {x} (least squares over these runs): {slope:+.3f}.", ""]
+            md += slope_md(group, x, base, spread)
     for name, curve in curves.items():
         md += [f"## After each epoch: {name}", "", "| epoch | " + " | ".join(str(e) for e, _ in curve) + " |",
                "|---|" + "---|" * len(curve), "| decoded tau, first turns | " + " | ".join(f"{t:.3f}" for _, t in curve) + " |", ""]
