@@ -6,7 +6,7 @@ draftlab/data/self_prompts.py), before any GPU time is spent on them.
 
 Method: the stage's own in-process path (self_prompts.write_hf), on whatever device torch picks.
 It prints the share of turns kept (closed with the end-of-turn token), cut (not closed within
---max-new-tokens) and empty; distinct kept turns; the kept turns' length in target tokens
+--max-new-tokens), empty and written as an answer (the target's reasoning markup); distinct kept turns; the kept turns' length in target tokens
 (quartiles); how many open like a question or a request; tokens/s; and the first kept turns
 as written. With --source (a prompts-stage jsonl), the same length quartiles of its first turns
 beside them: whether the target's own prompts look like the source's.

@@ -38,10 +38,12 @@ ENGINE_KEYS = ("backend", "base_url", "timeout_s", "server_args", "servers_per_g
 
 
 def written_key(params) -> str:
-    """What the file depends on: the self_prompts section and the target (not the engine's flags)."""
+    """What the file depends on: the self_prompts section, the target (not the engine's flags) and what is left
+    out as an answer (a file written before that rule changed is written again)."""
     from draftlab.target.load import target_fingerprint
 
-    shaped = {"self_prompts": dataclasses.asdict(params.self_prompts), "target": target_fingerprint(params.target)}
+    shaped = {"self_prompts": dataclasses.asdict(params.self_prompts), "target": target_fingerprint(params.target),
+              "left_out_as_answer": self_prompts.REASONING_MARKUP}
     return hashlib.sha256(canonical_json(shaped).encode()).hexdigest()
 
 
@@ -100,7 +102,7 @@ def main(out: Path) -> None:
         print(f"self_prompts: self_prompts.count is 0: none written -> {out / FILE}")
         return
     left = info["left_out"]
-    as_answer = left.get("as_answer", 0)  # a file kept from before this count was made has none
+    as_answer = left["as_answer"]
     print(f"self_prompts: {info['written']} of {sp.count} user turns {kept} ({left['cut']} cut at "
           f"self_prompts.max_new_tokens, {left['empty']} empty, {as_answer} written as an answer, left out) -> {out / FILE}")
     if as_answer > sp.count / 2:

@@ -119,6 +119,14 @@ def test_a_turn_written_as_an_answer_is_left_out_and_most_such_turns_warn(target
     assert "warning: 4 of 6 turns hold the target's reasoning markup" in capsys.readouterr().out
     assert (tmp_path / "self/prompts.jsonl").read_text().count("\n") == 1  # only the user-like turn
 
+    calls = []
+    monkeypatch.setattr(stage, "write", lambda params, out: calls.append(1) or (got, {}))
+    stage.main(tmp_path / "self")
+    assert calls == []  # the same settings, target and rule: kept
+    monkeypatch.setattr(self_prompts, "REASONING_MARKUP", ("<think>", "</think>", "<reflect>"))
+    stage.main(tmp_path / "self")
+    assert calls == [1]  # another rule for what is an answer: a file written under the old one is written again
+
 
 def write_params(dir, model, **self_kw):
     base = yaml.safe_load((ROOT / "params.yaml").read_text())

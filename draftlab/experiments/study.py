@@ -223,11 +223,8 @@ def slope_md(group: pd.DataFrame, x: str, base: str, spread: float | None) -> li
     span = math.log2(max(v for v in xs if v and v > 0) / min(v for v in xs if v and v > 0))
     line = (f"Decoded tau gained per doubling of {x} (least squares over these runs, which span {span:.2f} "
             f"doubling{'' if round(span, 2) == 1 else 's'}): {slope:+.3f}.")
-    figure = "decoded tau first turns"
-    at_base = group.loc[group["run"] == base, figure]
-    others = group.loc[(group["run"] != base) & group[figure].notna(), figure]
-    if spread is not None and not at_base.empty and pd.notna(at_base.iloc[0]) and len(others) \
-            and ((others - at_base.iloc[0]).abs() <= spread).all():
+    diffs = from_base(group, base)
+    if spread is not None and diffs is not None and len(diffs) and (diffs.abs() <= spread).all():
         line += " Every run lies within the seeds' spread of the base, so the slope is not told apart from none."
     return [line, ""]
 
@@ -263,16 +260,24 @@ def seed_spread(rows: pd.DataFrame) -> tuple[float | None, list[str]]:
                     "difference from its base no larger than this is not told apart from a change of seed.", ""]
 
 
-def within_spread(group: pd.DataFrame, base: str, spread: float | None) -> list[str]:
-    """The line under a treatment table: which runs differ from the base by no more than the seeds' spread."""
+def from_base(group: pd.DataFrame, base: str) -> pd.Series | None:
+    """Each other run's decoded tau minus the base's, by run (None where the base has none)."""
     figure = "decoded tau first turns"
     at_base = group.loc[group["run"] == base, figure]
     if at_base.empty or pd.isna(at_base.iloc[0]):
+        return None
+    others = group[(group["run"] != base) & group[figure].notna()]
+    return (others[figure] - at_base.iloc[0]).set_axis(others["run"])
+
+
+def within_spread(group: pd.DataFrame, base: str, spread: float | None) -> list[str]:
+    """The line under a treatment table: which runs differ from the base by no more than the seeds' spread."""
+    diffs = from_base(group, base)
+    if diffs is None:
         return []
     if spread is None:
         return ["One seed per run: the spread between seeds is not measured, so these differences may be noise.", ""]
-    close = [f"{r['run']} ({r[figure] - at_base.iloc[0]:+.3f})" for _, r in group.iterrows()
-             if r["run"] != base and pd.notna(r[figure]) and abs(r[figure] - at_base.iloc[0]) <= spread]
+    close = [f"{run} ({d:+.3f})" for run, d in diffs.items() if abs(d) <= spread]
     return [f"Within the seeds' spread ({spread:.3f}) of the base's decoded tau, so not told apart from it: {', '.join(close)}.", ""] \
         if close else []
 
