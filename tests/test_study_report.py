@@ -55,7 +55,7 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     write_run(tmp_path / "base", 3, bench=bench(2.0))
     write_run(tmp_path / "runs/01-epochs=8", 8, curve=(1.5, 1.8, 2.0, 2.1, 2.2, 2.3, 2.35, 2.4), bench=bench(2.4))
     write_run(tmp_path / "runs/02-train_turns=1", 3, turns=1, answer_tokens=250, curve=(1.4, 1.6, 1.7))
-    write_run(tmp_path / "runs/03-lr=0.003-epochs=8", 8, lr=0.003)  # two keys away from the base: in no treatment table
+    write_run(tmp_path / "runs/03-lr=0.003-epochs=8", 8, lr=0.003)  # two keys from the base, one from 01-epochs=8
     write_run(tmp_path / "runs/04-lr=0.01.tmp", 3, lr=0.01)  # a point cut short while it was being kept: not a run
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as done:
@@ -75,7 +75,10 @@ def test_runs_are_set_side_by_side_with_a_table_per_treatment_and_the_curves(tmp
     assert "| base | 3 |" in epochs_table and "| 01-epochs=8 | 8 |" in epochs_table and "03-lr" not in epochs_table
     turns_table = md.split("## Treatment: train_turns")[1].split("## ")[0]
     assert "02-train_turns=1" in turns_table and "01-epochs" not in turns_table
-    assert "## Treatment: lr" not in md  # the lr run also changed epochs
+    # the lr run also changed epochs: its treatment is against the run one key away, and says so
+    lr_table = md.split("## Treatment: lr, against `01-epochs=8`")[1].split("## ")[0]
+    assert "| 01-epochs=8 | 0.001 |" in lr_table and "| 03-lr=0.003-epochs=8 | 0.003 |" in lr_table and "| base |" not in lr_table
+    assert md.index("## Treatment: epochs") < md.index("## Treatment: lr")  # the base's own treatments first
     # the data's treatment by the answer tokens each run trained on: 1.7 at 250 tokens, 2.0 at 1000 (null: every turn)
     assert f"per doubling of train answer tokens (least squares over these runs, which span 2.00 doublings): {0.3 / 2:+.3f}." \
         in turns_table
@@ -264,3 +267,28 @@ def test_a_size_slope_says_how_many_doublings_it_spans_and_when_every_run_is_wit
     study.report([tmp_path / "base", tmp_path / "base-seed1", tmp_path / "more", tmp_path / "much-more"], tmp_path / "out")
     table = (tmp_path / "out/results.md").read_text().split("## Treatment: self_prompts")[1].split("## ")[0]
     assert "which span 2.00 doublings)" in table and "not told apart from none" not in table  # +0.30 stands out
+
+
+def test_a_data_curve_at_another_setting_is_measured_against_its_own_point_and_says_if_it_still_rises(tmp_path):
+    """A data curve run at a higher lr than the base's (each run two keys from the base) is still a treatment: its
+    differences are taken from its full-data run, and the gain between its two largest sizes is set beside the
+    seeds' spread, the question of whether more prompts would pay."""
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.5), answer_tokens=8000)
+    write_run(tmp_path / "lr-hi", 8, curve=(2.0, 2.6), answer_tokens=8000, lr=0.002)
+    for name, turns, tokens, tau, seed in (("quarter", 2000, 2000, 1.8, 0), ("quarter-seed-1", 2000, 2000, 1.85, 1),
+                                           ("half", 4000, 4000, 2.3, 0)):
+        write_run(tmp_path / name, 8, curve=(1.5, tau), turns=turns, answer_tokens=tokens, lr=0.002, seed=seed)
+    study.report([tmp_path / n for n in ("base", "lr-hi", "quarter", "quarter-seed-1", "half")], tmp_path / "out", base="base")
+    md = (tmp_path / "out/results.md").read_text()
+    data = md.split("## Treatment: train_turns, against `lr-hi`")[1].split("## ")[0]
+    assert "| quarter | 2000 |" in data and "| half | 4000 |" in data and "| lr-hi | null |" in data
+    assert "quarter-seed-1" not in data  # another seed: the spread's, not the curve's
+    # 1.8 at 2000 tokens, 2.3 at 4000, 2.6 at 8000: the top doubling gained 0.3, more than the seeds' 0.05
+    assert "Between the two largest train answer tokens (4,000 and 8,000): +0.300 per doubling. Still rising at the top" in data
+    assert "seeds of one recipe: 0.050" in md
+    assert (tmp_path / "out/data.png").stat().st_size > 0
+    # the same curve flat at the top: within the spread
+    write_run(tmp_path / "half-flat", 8, curve=(1.5, 2.58), turns=4000, answer_tokens=4000, lr=0.002)
+    study.report([tmp_path / n for n in ("base", "lr-hi", "quarter", "quarter-seed-1", "half-flat")], tmp_path / "out")
+    data = (tmp_path / "out/results.md").read_text().split("## Treatment: train_turns")[1].split("## ")[0]
+    assert "(4,000 and 8,000): +0.020 per doubling. Flat at the top: within the seeds' spread." in data

