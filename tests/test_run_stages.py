@@ -63,9 +63,10 @@ def test_a_profile_runs_the_stages_then_only_what_changed(tmp_path):
         assert ran(out) == ["target"] and json.loads((root / ".run-stages.json").read_text())["target"]["seconds"] >= 0
 
 
-def test_a_node_without_dvc_runs_profiles_and_names_what_minus_s_needs(tmp_path):
+def test_a_node_without_dvc_runs_profiles_and_plain_minus_s_and_names_what_a_sweep_needs(tmp_path):
     """A GPU node with no git/DVC (tools/offline_gpu_run.sh) has no hydra-core either: a profile
-    still runs; only -S, read in Hydra's grammar as DVC reads it, needs it, and says so."""
+    still runs, and so does -S with one plain value; a sweep, read in Hydra's grammar as DVC reads
+    it, needs hydra-core, and says so."""
     root = reduced_project(tmp_path / "p")
     blocked = tmp_path / "blocked" / "hydra"
     blocked.mkdir(parents=True)
@@ -75,8 +76,13 @@ def test_a_node_without_dvc_runs_profiles_and_names_what_minus_s_needs(tmp_path)
                                    capture_output=True, text=True)
     r = go("--until", "target")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
-    r = go("-S", "prompts.num_prompts=16", "--until", "target")
-    assert r.returncode == 2 and "pip install hydra-core" in r.stderr + r.stdout and "Traceback" not in r.stderr
+    r = go("-S", "prompts.num_prompts=16", "-S", "target.dtype=float32", "--until", "target")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    assert params["prompts"]["num_prompts"] == 16 and params["target"]["dtype"] == "float32"
+    r = go("-S", "prompts.num_prompts=16,32", "--until", "target")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "-S prompts.num_prompts=16,32: " in r.stderr + r.stdout and "pip install hydra-core" in r.stderr + r.stdout
 
 
 def test_a_stage_that_fails_stops_the_run_naming_it(tmp_path, monkeypatch):

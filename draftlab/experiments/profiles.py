@@ -72,21 +72,61 @@ def hydra_value(v) -> str:
     raise UserError(f"{shown(v)} ({type(v).__name__}) is no params value: use a string, number, true/false, null or a list")
 
 
-def hydra_parser():
+def hydra_parser(text: str | None = None):
     """(OverridesParser, HydraException): -S values are read by Hydra's grammar, as DVC reads them.
-    hydra-core comes with DVC; a GPU node that runs run-stages without DVC needs it for -S only."""
+    hydra-core comes with DVC; a GPU node that runs run-stages without DVC needs it for what
+    plain_set does not read (sweeps, lists, quoted strings). `text`: the -S that needs it, named."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.errors import HydraException
     except ImportError:
-        raise UserError("-S values are read with Hydra's grammar, as dvc exp run reads them, and hydra-core is not "
-                        "installed: pip install hydra-core (it comes with dvc), or put the values in a profile file") from None
+        raise UserError((f"-S {text}: " if text else "") + "-S values are read with Hydra's grammar, as dvc exp run "
+                        "reads them, and hydra-core is not installed: pip install hydra-core (it comes with dvc), or put "
+                        "the values in a profile file. Without it, -S takes one plain value per key: a number, true, "
+                        "false, null, or a word or path (letters, digits and _ - . / : @ +)") from None
     return OverridesParser, HydraException
 
 
+# The -S values read without hydra-core (a GPU node without DVC): one plain scalar per key, read as
+# Hydra's grammar reads it (tests/test_profiles.py holds the two readers side by side). Sweeps,
+# lists, quotes, spaces and interpolations need Hydra.
+PLAIN_SET = re.compile(r"(?P<section>[A-Za-z_]\w*)\.(?P<key>[A-Za-z_]\w*)=(?P<value>[\w./:@+-]+)")
+PLAIN_INT = re.compile(r"[+-]?(0|[1-9]\d*)")
+PLAIN_FLOAT = re.compile(r"[+-]?((\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+|inf|nan)", re.IGNORECASE)
+PLAIN_WORD = re.compile(r"[A-Za-z_/:@][\w./:@+-]*")  # Hydra joins such tokens into one string, as written
+
+
+def plain_set(text: str):
+    """`-S section.key=VALUE` with a plain VALUE as (section, key, value), as parse_set reads it; None
+    for any other (the caller needs Hydra for it)."""
+    m = PLAIN_SET.fullmatch(text)
+    if not m:
+        return None
+    v = m["value"]
+    if PLAIN_INT.fullmatch(v):
+        value = int(v)
+    elif PLAIN_FLOAT.fullmatch(v):
+        value = float(v)
+    elif v.lower() in ("true", "false"):
+        value = v.lower() == "true"
+    elif v.lower() == "null":
+        value = None
+    elif PLAIN_WORD.fullmatch(v):
+        value = v
+    else:  # 007, 1.5x: what Hydra makes of these is its own business
+        return None
+    return m["section"], m["key"], value
+
+
 def parse_set(text: str):
-    """`-S section.key=VALUE` as DVC reads it: (section, key, value), VALUE in Hydra's grammar."""
-    OverridesParser, HydraException = hydra_parser()
+    """`-S section.key=VALUE` as DVC reads it: (section, key, value), VALUE in Hydra's grammar (a plain
+    VALUE without hydra-core: plain_set)."""
+    try:
+        OverridesParser, HydraException = hydra_parser(text)
+    except UserError:
+        if (plain := plain_set(text)) is not None:
+            return plain
+        raise
 
     try:
         (override,) = OverridesParser.create().parse_overrides([text])
