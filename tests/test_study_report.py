@@ -12,7 +12,7 @@ from draftlab.main import main
 
 
 def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001, seed=0,
-              answers="ab12cd34ef"):
+              answers="ab12cd34ef", losses=None):
     """A run's kept files (grid.KEPT): params, train metrics and manifest history, extract counts, the bench."""
     folder.mkdir(parents=True)
     params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3, "seed": seed},
@@ -27,7 +27,8 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
         "tau_pred": curve[-1] + 0.5, "accept": {"step_1": 0.7}, "seconds": 100.0, "tokens_per_s": 1e5,
         "tau_decoded_first_turns_by_steps": {"steps_3": curve[-1]},
         "step1_by_kind": {"loop": {"tokens": 10, "a_1": 0.8}, "other": {"tokens": 20, "a_1": 0.5}},
-        "step1_by_position": {"0-63": {"tokens": 30, "a_1": 0.6}}}))
+        "step1_by_position": {"0-63": {"tokens": 30, "a_1": 0.6}},
+        **({"train_loss": losses[0], "eval_loss": losses[1], "optimizer_steps": answer_tokens // 10} if losses else {})}))
     (folder / "data/hidden").mkdir(parents=True)
     (folder / "data/hidden/manifest.json").write_text(json.dumps(
         {"config_hash": "x", "info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
@@ -277,7 +278,8 @@ def test_a_data_curve_at_another_setting_is_measured_against_its_own_point_and_s
     write_run(tmp_path / "lr-hi", 8, curve=(2.0, 2.6), answer_tokens=8000, lr=0.002)
     for name, turns, tokens, tau, seed in (("quarter", 2000, 2000, 1.8, 0), ("quarter-seed-1", 2000, 2000, 1.85, 1),
                                            ("half", 4000, 4000, 2.3, 0)):
-        write_run(tmp_path / name, 8, curve=(1.5, tau), turns=turns, answer_tokens=tokens, lr=0.002, seed=seed)
+        write_run(tmp_path / name, 8, curve=(1.5, tau), turns=turns, answer_tokens=tokens, lr=0.002, seed=seed,
+                  losses=(5.0, 8.5 if turns == 2000 else 7.0))
     study.report([tmp_path / n for n in ("base", "lr-hi", "quarter", "quarter-seed-1", "half")], tmp_path / "out", base="base")
     md = (tmp_path / "out/results.md").read_text()
     data = md.split("## Treatment: train_turns, against `lr-hi`")[1].split("## ")[0]
@@ -287,6 +289,12 @@ def test_a_data_curve_at_another_setting_is_measured_against_its_own_point_and_s
     assert "Between the two largest train answer tokens (4,000 and 8,000): +0.300 per doubling. Still rising at the top" in data
     assert "seeds of one recipe: 0.050" in md
     assert (tmp_path / "out/data.png").stat().st_size > 0
+    # each run's steps and loss gap beside it: the quarter trained fewer steps, and its eval loss sits further above
+    rows = pd.read_csv(tmp_path / "out/points.csv").set_index("run")
+    assert rows.loc["quarter", "optimizer steps"] == 200 and rows.loc["half", "optimizer steps"] == 400
+    assert rows.loc["quarter", "eval/train loss"] == pytest.approx(1.7) and rows.loc["half", "eval/train loss"] == pytest.approx(1.4)
+    assert pd.isna(rows.loc["base", "eval/train loss"])  # a run whose metrics hold no losses: blank, not an error
+    assert "| 200 | 1.700 |" in data
     # the same curve flat at the top: within the spread
     write_run(tmp_path / "half-flat", 8, curve=(1.5, 2.58), turns=4000, answer_tokens=4000, lr=0.002)
     study.report([tmp_path / n for n in ("base", "lr-hi", "quarter", "quarter-seed-1", "half-flat")], tmp_path / "out")

@@ -13,8 +13,9 @@ before the bench keeps an earlier run's: earlier_runs leaves it out).
 DIR gets
 - points.csv: one row per run: its recipe (RECIPE's keys), its training data (`answers`: which
   synthesis made them, the first 8 hex of train.jsonl's sha256), the training-side figures (tau
-  teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps, a_1) and, where it was served, served tau, a_1 and speedup of the draft and of the best n-gram
-  lookup per prompt set, at bs=1 and at each concurrency measured;
+  teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps, a_1, optimizer steps,
+  the last epoch's eval loss over its train loss) and, where it was served, served tau, a_1 and speedup of
+  the draft and of the best n-gram lookup per prompt set, at bs=1 and at each concurrency measured;
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
   schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
 - data.png: the decoded first-turn tau against the training answer tokens (once runs differ in their data alone);
@@ -197,6 +198,10 @@ def read_run(run: Path) -> tuple[dict, list[tuple[int, float]], list[str]]:
            "decoded tau first turns": (train.get("tau_decoded_first_turns_by_steps") or {}).get(f"steps_{depth}")
            or (curve[-1][1] if curve else None),
            "a_1 teacher-forced": (train.get("accept") or {}).get("step_1"),
+           # steps and the loss gap tell a data curve's two causes apart: fewer steps, or a draft that learned its
+           # own conversations rather than the target (eval loss ever further above train loss as the data shrinks)
+           "optimizer steps": train.get("optimizer_steps"),
+           "eval/train loss": train["eval_loss"] / train["train_loss"] if train.get("eval_loss") and train.get("train_loss") else None,
            "train s": train.get("seconds"), "train tok/s": train.get("tokens_per_s")}
     if bench.get("config_hash"):
         row |= {"offline tau": bench.get("offline_tau"), **served(bench)}
@@ -380,7 +385,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
         raise UserError("no runs given")
     points = [read_run(run) for run in runs]
     rows = pd.DataFrame([row for row, _, _ in points])
-    for count in ("train conversations", "train answer tokens"):  # whole numbers, blank where a run lacks them
+    for count in ("train conversations", "train answer tokens", "optimizer steps"):  # whole numbers, blank where a run lacks them
         rows[count] = rows[count].astype("Int64")
     if rows["run"].duplicated().any():
         raise UserError(f"two runs are named {rows['run'][rows['run'].duplicated()].iloc[0]!r}: give each run a folder of its own name")
@@ -395,7 +400,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     if curves:
         plot_epochs(out, curves, served_at)
     plot_data(out, rows)
-    figures = ["tau_pred", "decoded tau first turns", "a_1 teacher-forced", "heldout draft tau", "heldout draft a_1",
+    figures = ["tau_pred", "decoded tau first turns", "a_1 teacher-forced", "optimizer steps", "eval/train loss", "heldout draft tau", "heldout draft a_1",
                "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau", "mt-bench draft a_1",
                "mt-bench draft speedup", "mt-bench ngram tau", "mt-bench ngram speedup", "heldout draft speedup at 8",
                "heldout ngram speedup at 8", "mt-bench draft speedup at 8", "mt-bench ngram speedup at 8", "train s"]
