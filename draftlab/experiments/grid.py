@@ -68,14 +68,11 @@ def split_sets(sets: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
     """(-S overrides that set one value, [(key, one override per value)] for each sweep)."""
     if not sets:  # no -S: nothing for Hydra's parser (a GPU node may run without DVC, which brings it)
         return [], []
-    from draftlab.experiments.profiles import hydra_parser, hydra_value, plain_set
+    from draftlab.experiments.profiles import hydra_parser, hydra_value
 
     try:
         OverridesParser, HydraException = hydra_parser()
-    except UserError:  # no hydra-core: plain values only, so no sweep
-        for text in sets:
-            if plain_set(text) is None:
-                hydra_parser(text)  # raises, naming it
+    except UserError:  # no hydra-core: no sweep; profiles.parse_set reads plain values and names any other
         return list(sets), []
 
     fixed, swept = [], []

@@ -222,8 +222,8 @@ def slope_per_doubling(xs: list[float], ys: list[float]) -> float | None:
 def slope_md(group: pd.DataFrame, x: str, base: str, spread: float | None) -> list[str]:
     """The line under a size treatment: the decoded tau gained per doubling of x, over how many doublings the runs
     span (a slope over a fraction of one magnifies the noise), and whether any run stands out of the seeds' spread."""
-    xs = pd.to_numeric(group[x], errors="coerce").tolist()
-    slope = slope_per_doubling(xs, group["decoded tau first turns"].tolist())
+    xs, ys = pd.to_numeric(group[x], errors="coerce").tolist(), group["decoded tau first turns"].tolist()
+    slope = slope_per_doubling(xs, ys)
     if slope is None:
         return []
     span = math.log2(max(v for v in xs if v and v > 0) / min(v for v in xs if v and v > 0))
@@ -232,7 +232,7 @@ def slope_md(group: pd.DataFrame, x: str, base: str, spread: float | None) -> li
     diffs = from_base(group, base)
     if spread is not None and diffs is not None and len(diffs) and (diffs.abs() <= spread).all():
         line += " Every run lies within the seeds' spread of the base, so the slope is not told apart from none."
-    return [line + top_md(xs, group["decoded tau first turns"].tolist(), x, spread), ""]
+    return [line + top_md(xs, ys, x, spread), ""]
 
 
 def top_md(xs: list, ys: list, x: str, spread: float | None) -> str:
