@@ -116,6 +116,22 @@ def test_stage_times_come_from_the_stage_manifests(tmp_path):
     assert kept["seconds"]["bench"] == 390.0 and kept["extract"]["counts"]["train"]["answer_tokens"] == 900
 
 
+def test_the_data_line_counts_the_targets_own_prompts_and_says_when_the_state_cache_was_off(tmp_path):
+    run = run_from_report(tmp_path)
+    for rel, manifest in (("data/prompts", {"stage": "prompts", "config_hash": "x", "info": {"train": 40, "eval": 2, "usable": 15,
+                                                                         "self_prompts_used": 27}}),
+                          ("models/draft-ckpt", {"stage": "train", "config_hash": "x", "info": {"state_cache": {"kept": False,
+                                                                                            "bytes": 95 * 2**30}}})):
+        (run / rel).mkdir(parents=True, exist_ok=True)
+        (run / rel / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "out"
+    rwr.main([str(run), str(out), "--prompts", str(REPORT / "bench-prompts.jsonl")])
+    data = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Data: "))
+    assert data.startswith("Data: 40 train and 2 eval prompts of 15 usable and 27 the target wrote itself (self_prompts); ")
+    assert "; state cache off (95.0 GiB of states: the target ran in every epoch)" in data
+    assert "states kept" not in data
+
+
 def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_groups():
     cell = {"tokens": 10, "a_1": 0.5}
     # as metrics.json holds them: sorted as text, 128-255 before 64-127

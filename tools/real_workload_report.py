@@ -288,7 +288,9 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
     if times:
         plot_stage_times(out_dir, times)
     out = ["# Figures of this run (written by tools/real_workload_report.py)", "",
-           f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable; "
+           f"Data: {prompts.get('train')} train and {prompts.get('eval')} eval prompts of {prompts.get('usable')} usable"
+           + (f" and {prompts['self_prompts_used']} the target wrote itself (self_prompts)" if prompts.get("self_prompts_used") else "")
+           + "; "
            f"{synth.get('completion_tokens')} answer tokens synthesized"
            + (f" at {synth['tokens_per_s']} tok/s" if synth.get("tokens_per_s") else "")
            + (f", {synth['reused']} conversations reused from the run before" if synth.get("reused") else "") + " "
@@ -297,6 +299,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
+           f"{'; state cache off (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB of states: the target ran in every epoch)' if kept.get('kept') is False and kept.get('bytes') else ''}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench or {}),
            *step_profile_md(run),
