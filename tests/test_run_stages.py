@@ -50,6 +50,16 @@ def test_a_profile_runs_the_stages_then_only_what_changed(tmp_path):
     rc, out = run(root, "-S", "standardize.draft_vocab_size=40", "--until", "standardize")  # one param: its stage only
     assert rc == 0 and ran(out) == ["standardize"], out
 
+    # An output written over after its stage completed (a checkout laid over the run's tree): the stage runs
+    # again, as dvc repro would, and not the ones whose outputs are as they were left.
+    manifest = root / "data/prompts/manifest.json"
+    manifest.write_text(manifest.read_text())
+    rc, out = run(root, "--until", "standardize")
+    assert rc == 0 and "prompts: its outputs changed since it completed" in out and ran(out)[0] == "prompts", out
+    assert "target: unchanged, skipped" in out and "self_prompts: unchanged, skipped" in out
+    rc, out = run(root, "--until", "standardize")
+    assert rc == 0 and ran(out) == [], out
+
     rc, out = run(root, "-S", "standardize.draft_vocab_sise=40")
     assert rc == 2 and "did you mean standardize.draft_vocab_size?" in out and "Traceback" not in out
     rc, out = run(root, "--until", "nope")

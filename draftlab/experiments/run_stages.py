@@ -5,8 +5,9 @@
 The profiles are merged over params.yaml and written into it (as `dvc exp run -S` would), then
 every stage of dvc.yaml runs in dependency order, its own `cmd`, from the project root. A stage is
 skipped when its command, the params it lists and the contents of its deps are what they were
-when it last completed here (recorded in .run-stages.json), and its outputs exist: what `dvc repro`
-would skip, so a re-run after a crash or a timeout goes on where it stopped (the stages
+when it last completed here (recorded in .run-stages.json), and its outputs are the files it left
+(each file's size and modification time: an output copied over, say by a code checkout laid over
+the run's tree, or removed makes the stage run again): what `dvc repro` would skip, so a re-run after a crash or a timeout goes on where it stopped (the stages
 themselves also resume inside: synthesize per row, extract per shard, train per checkpoint). As
 DVC does, outputs not marked `persist` are removed before their stage runs. Each stage's wall
 time is printed and recorded. With DVC at hand, prefer `draftlab exp run`: it also caches and
@@ -94,6 +95,20 @@ def stage_key(stage: dict, params: dict) -> str:
                                           "deps": deps}).encode()).hexdigest()
 
 
+def outputs_stamp(outs: list[tuple[str, dict]]) -> str:
+    """A fingerprint of a stage's outputs as they lie: every file's path, size and modification time
+    (ns), none read. Cheap on a 25 GB shard folder, and it changes when a file is written over or
+    removed after the stage completed, as DVC's own check of the outputs would notice."""
+    seen = []
+    for out, _ in outs:
+        path = Path(out)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.exists() else []
+        for f in files:
+            st = f.stat()
+            seen.append((str(f), st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(canonical_json(seen).encode()).hexdigest()
+
+
 def write_params(applied, params_file: Path) -> dict:
     """params.yaml with the merged values (comments are not kept); returns the written mapping."""
     from draftlab.params import read_yaml
@@ -145,10 +160,15 @@ def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = No
         stage = dvc["stages"][name]
         key = stage_key(stage, params)
         outs = _paths(stage.get("outs")) + _paths(stage.get("metrics"))
-        if name not in force and (state.get(name) or {}).get("key") == key and all(Path(p).exists() for p, _ in outs):
-            print(f"run-stages: {name}: unchanged, skipped")
-            records.append({"stage": name, "skipped": True})
-            continue
+        record = state.get(name) or {}
+        if name not in force and record.get("key") == key and all(Path(p).exists() for p, _ in outs):
+            # A record from before outputs were stamped is trusted as it was then.
+            if record.get("outputs") in (None, outputs_stamp(outs)):
+                print(f"run-stages: {name}: unchanged, skipped")
+                records.append({"stage": name, "skipped": True})
+                continue
+            print(f"run-stages: {name}: its outputs changed since it completed (a file written over or removed: "
+                  f"{', '.join(p for p, _ in outs)}); it runs again", flush=True)
         for path, opts in outs:  # as DVC: outputs are made anew unless persist
             if not opts.get("persist") and Path(path).exists():
                 shutil.rmtree(path) if Path(path).is_dir() else Path(path).unlink()
@@ -163,7 +183,8 @@ def run_stages(profiles: list[str], sets: list[str] = (), until: str | None = No
         if rc != 0:
             raise UserError(f"stage {name} failed (exit {rc}) after {seconds} s; fix what it printed and run again: "
                             f"the stages done are skipped, and {name} resumes where it can")
-        state[name] = {"key": stage_key(stage, params), "seconds": seconds, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        state[name] = {"key": stage_key(stage, params), "outputs": outputs_stamp(outs), "seconds": seconds,
+                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_json(STATE, state)
         print(f"run-stages: {name}: done in {seconds} s", flush=True)
     return records
