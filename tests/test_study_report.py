@@ -12,7 +12,7 @@ from draftlab.main import main
 
 
 def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(1.5, 1.8, 2.0), bench=None, lr=0.001, seed=0,
-              answers="ab12cd34ef", losses=None):
+              answers="ab12cd34ef", losses=None, eval_rows=48):
     """A run's kept files (grid.KEPT): params, train metrics and manifest history, extract counts, the bench."""
     folder.mkdir(parents=True)
     params = {"spec": {"num_steps": 3, "topk": 1}, "train": {"epochs": epochs, "lr": lr, "ttt_steps": 3, "seed": seed},
@@ -31,7 +31,8 @@ def write_run(folder: Path, epochs: int, turns=None, answer_tokens=1000, curve=(
         **({"train_loss": losses[0], "eval_loss": losses[1], "optimizer_steps": answer_tokens // 10} if losses else {})}))
     (folder / "data/hidden").mkdir(parents=True)
     (folder / "data/hidden/manifest.json").write_text(json.dumps(
-        {"config_hash": "x", "info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens}}}}))
+        {"config_hash": "x", "info": {"counts": {"train": {"rows": answer_tokens // 100, "answer_tokens": answer_tokens},
+                                                 "eval": {"rows": eval_rows, "answer_tokens": 40 * eval_rows}}}}))
     (folder / "data/synth").mkdir(parents=True)  # which synthesis made the answers: train.jsonl's hash
     (folder / "data/synth/manifest.json").write_text(json.dumps(
         {"config_hash": "s", "info": {"files": {"train.jsonl": {"rows": 9, "sha256": answers}}}}))
@@ -247,6 +248,23 @@ def test_self_prompts_are_a_data_treatment_whose_new_answers_are_the_point(tmp_p
     count = md.split("## Treatment: self_prompts")[1]
     assert "| base | 0 |" in count and "| more | 20000 |" in count and "different synthesis runs" not in count
     assert "per doubling" in count and (tmp_path / "out/data.png").exists()
+
+
+def test_a_treatment_whose_runs_hold_out_other_conversations_says_so(tmp_path):
+    """prompts.leading_assistant drop adds conversations to the eval share too: the decoded tau of its runs is over
+    other conversations, and the report says so where they are compared (and not where the eval splits agree)."""
+    write_run(tmp_path / "base", 8, curve=(2.0, 2.5), answer_tokens=1000, bench=bench(2.4))
+    write_run(tmp_path / "drop", 8, curve=(2.0, 2.6), answer_tokens=1500, answers="77aa00bb11", eval_rows=73,
+              bench=bench(2.45))
+    params = yaml.safe_load((tmp_path / "drop/params.yaml").read_text())
+    (tmp_path / "drop/params.yaml").write_text(yaml.safe_dump({**params, "prompts": {"leading_assistant": "drop"}}))
+    write_run(tmp_path / "lr", 8, curve=(2.0, 2.55), lr=0.002)
+    study.report([tmp_path / "base", tmp_path / "drop", tmp_path / "lr"], tmp_path / "out")
+    md = (tmp_path / "out/results.md").read_text()
+    drop = md.split("## Treatment: leading_assistant")[1].split("## ")[0]
+    assert "| drop | drop | 77aa00bb | 1500 | 73 |" in drop and "eval splits differ" in drop
+    assert "eval splits differ" not in md.split("## Treatment: lr")[1].split("## ")[0]
+    assert pd.read_csv(tmp_path / "out/points.csv")["eval conversations"].tolist() == [48, 73, 48]
 
 
 def test_a_size_slope_says_how_many_doublings_it_spans_and_when_every_run_is_within_the_seeds_spread(tmp_path):

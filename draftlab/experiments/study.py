@@ -12,7 +12,8 @@ before the bench keeps an earlier run's: earlier_runs leaves it out).
 
 DIR gets
 - points.csv: one row per run: its recipe (RECIPE's keys), its training data (`answers`: which
-  synthesis made them, the first 8 hex of train.jsonl's sha256), the training-side figures (tau
+  synthesis made them, the first 8 hex of train.jsonl's sha256; the eval conversations the training-side figures
+  are measured over), the training-side figures (tau
   teacher-forced, tau decoded over the eval first turns at the run's spec.num_steps, a_1, optimizer steps,
   the last epoch's eval loss over its train loss) and, where it was served, served tau, a_1 and speedup of
   the draft and of the best n-gram lookup per prompt set, at bs=1 and at each concurrency measured;
@@ -194,6 +195,8 @@ def read_run(run: Path) -> tuple[dict, list[tuple[int, float]], list[str]]:
     row = {"run": run.name, **recipe(params),
            "answers": answers,  # which synthesis made the training answers: the first 8 hex of train.jsonl's sha256
            "train conversations": counts.get("rows"), "train answer tokens": counts.get("answer_tokens"),
+           # the conversations the training-side figures are measured over: a prompts treatment moves some into the eval share
+           "eval conversations": (extract.get("eval") or {}).get("rows"),
            "tau_pred": train.get("tau_pred"),
            "decoded tau first turns": (train.get("tau_decoded_first_turns_by_steps") or {}).get(f"steps_{depth}")
            or (curve[-1][1] if curve else None),
@@ -410,16 +413,21 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
           f"{len(rows)} runs; the base is `{base}`. The decoded tau replays greedy chains of each run's spec.num_steps over "
           "the eval split's first answers: the training-side figure closest to what a bench of first turns serves. "
           "Served figures are SGLang's, at bs=1 unless a column says otherwise (`at 8`: 8 requests in flight).", "",
-          "## Every run", "", markdown(rows, ["run", *varying, "answers", "train conversations", "train answer tokens", *figures]), ""]
+          "## Every run", "", markdown(rows, ["run", *varying, "answers", "train conversations", "train answer tokens",
+                                             "eval conversations", *figures]), ""]
     spread, spread_md = seed_spread(rows)
     md += spread_md
     for col, own, group in treatments(rows, base):
         md += [f"## Treatment: {col}" + ("" if own == base else f", against `{own}`"), "",
-               markdown(group, ["run", col, "answers", "train answer tokens", *figures]), ""]
+               markdown(group, ["run", col, "answers", "train answer tokens", "eval conversations", *figures]), ""]
         if group["answers"].nunique() > 1 and col not in SYNTHESIZED:
             md += ["These runs trained on answers of different synthesis runs (column `answers`): the target's greedy "
                    "answers change from one synthesis to the next (GPU batching), so part of each difference is the "
                    "data's. Runs that reuse one synthesis (its data/synth/ in the tree) compare the recipe alone.", ""]
+        if group["eval conversations"].dropna().nunique() > 1:
+            md += ["These runs' eval splits differ (column `eval conversations`: other prompts move conversations into "
+                   "the eval share too), so their teacher-forced and decoded tau are measured over other conversations. "
+                   "Their served tau, over the bench's prompts, compares them on the same prompts.", ""]
         md += within_spread(group, own, spread)
         if x := SIZES.get(col):
             md += slope_md(group, x, own, spread)
