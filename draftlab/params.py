@@ -317,10 +317,11 @@ class TrainParams:
     # The TTT attention's kernel (draftlab.train.draft.TTTCache): auto = flex on CUDA (FlexAttention,
     # compiled: no [T, T] scores in memory), eager elsewhere; flex needs CUDA (no CPU backward).
     attention: Literal["auto", "eager", "flex"] = "auto"
-    # train.features online: auto keeps every sequence's states once the target has computed them
-    # (first epoch) and reads them back after, when both splits fit 60% of the training device's free
-    # memory and one process trains (draftlab.features.online.cache_states); off: the target runs
-    # on every batch of every epoch.
+    # train.features online: auto keeps sequences' states once the target has computed them (first
+    # epoch) and reads them back after, when one process trains: every sequence's where both splits
+    # fit 60% of the training device's free memory, else as many as fit (the eval split whole, then
+    # train's in index order; the target computes the rest every epoch;
+    # draftlab.features.online.cache_states); off: the target runs on every batch of every epoch.
     state_cache: Literal["auto", "off"] = "off"
 
 

@@ -112,6 +112,20 @@ def write_plots(reports: Path, history: list[dict]) -> None:
     plt.close("all")
 
 
+def state_cache_info(train_ds, eval_ds, features: str) -> dict:
+    """The train manifest's state_cache (train.state_cache): kept, whether any sequence's states were kept
+    after the first epoch (at the end of the run: a cache given back for memory counts as none); bytes, what
+    every sequence's states take (0 offline); kept_bytes, what the kept ones take; kept_sequences and
+    sequences, per split (a partial cache keeps some of them: draftlab.features.online.cache_states)."""
+    splits = {"train": train_ds, "eval": eval_ds}
+    online = features == "online"
+    kept = {name: ds.kept_sequences() if online else 0 for name, ds in splits.items()}
+    return {"kept": any(kept.values()),
+            "bytes": sum(ds.state_bytes() for ds in splits.values()) if online else 0,
+            "kept_bytes": sum(ds.state_bytes(kept[name]) for name, ds in splits.items()) if online else 0,
+            "kept_sequences": kept, "sequences": {name: len(ds) for name, ds in splits.items()}}
+
+
 def cuda_memory(device) -> dict | None:
     """This process's peak CUDA memory and how often the caching allocator ran short (a retry frees
     its cached blocks and synchronizes the device: the GPU idles meanwhile); None off a GPU."""
@@ -200,10 +214,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
                             "throughput": rate,  # draftlab.train.flops: FLOPs of the target and the draft, MFU, padding
                             # online: the target's states are computed per batch; none are stored or read
                             "hidden_bytes_written": 0,
-                            # online: whether the states were kept after the first epoch (train.state_cache), and their bytes
-                            "state_cache": {"kept": getattr(train_ds, "cache", None) is not None,
-                                            "bytes": sum(ds.state_bytes() for ds in (train_ds, eval_ds))
-                                            if train_params.features == "online" else 0},
+                            "state_cache": state_cache_info(train_ds, eval_ds, train_params.features),
                             "cuda_memory": cuda_memory(device)}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)

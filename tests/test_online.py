@@ -82,7 +82,9 @@ def test_online_training_matches_offline(runs):
     target = OnlineTarget(None)
     splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
     # params.yaml's train.state_cache auto: the micro splits fit, so their states were kept after the first epoch
-    assert manifest["state_cache"] == {"kept": True, "bytes": sum(ds.state_bytes() for ds in splits)}
+    every = sum(ds.state_bytes() for ds in splits)
+    assert manifest["state_cache"] == {"kept": True, "bytes": every, "kept_bytes": every, "kept_sequences": {"train": N_TRAIN, "eval": N_EVAL},
+                                       "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
     by = manifest["throughput"]["by_states"]  # the first epoch's steps ran the target, the later ones read states back
     assert by["computed"]["steps"] > 0 and by["cached"]["steps"] == 2 * by["computed"]["steps"] and by["cached"]["tokens_per_s"] > 0
     assert manifest["cuda_memory"] is None  # trained on a CPU: no allocator to report
@@ -202,8 +204,11 @@ def test_online_training_refuses_a_tensor_parallel_capture_engine(runs, tmp_path
         datasets(runs / "features-online", online, load_params(["target", "train"]))
 
 
-def _fit_online(runs, tmp_path, cache: bool, stop=None, path=None):
-    """(draft weights, history, tokens the target ran on) of train.fit over the online features of `runs`."""
+def _fit_online(runs, tmp_path, cache: bool | int, stop=None, path=None, meter=None):
+    """(draft weights, history, tokens the target ran on, tokens of both splits) of train.fit over the
+    online features of `runs`; cache: True keeps every sequence's states, False none, a number of
+    bytes what cache_states keeps within that budget."""
+    from draftlab.features import online
     from draftlab.train import loop as train
     from draftlab.train.draft import DraftConfig
     from draftlab.target.weights import load_target_head
@@ -215,25 +220,29 @@ def _fit_online(runs, tmp_path, cache: bool, stop=None, path=None):
     capture = target.capture
     target.capture = lambda ids, mask, physical, device: ran.append(int(mask.sum())) or capture(ids, mask, physical, device)
     train_ds, eval_ds = (OnlineFeatures(feat / s, tp.max_length, target) for s in ("train", "eval"))
-    if cache:
+    if cache is True:
         for ds in (train_ds, eval_ds):
             ds.keep_states("cpu")
+    elif cache is not False:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(online, "free_memory", lambda device: cache / online.STATE_CACHE_SHARE)
+            online.cache_states([train_ds, eval_ds], "auto", "cpu")
     info = json.loads((feat / "manifest.json").read_text())["info"]["target"]
     d2t, t2d = load_draft_vocab(feat)
     embed, head = load_target_head(str(runs / "micro"))
     draft = train.init_draft(DraftConfig.from_target(info, 3, len(d2t)), embed, head, d2t, t2d, tp.seed)
     history = train.fit(draft, head.float(), train_ds, eval_ds, tp, path or tmp_path / f"cache-{cache}.pt", "k",
-                        torch.device("cpu"), stop_after_steps=stop)
+                        torch.device("cpu"), stop_after_steps=stop, meter=meter)
     tokens = sum(train_ds.length(i) for i in range(len(train_ds))) + sum(eval_ds.length(i) for i in range(len(eval_ds)))
-    return draft.state_dict(), history, sum(ran), tokens
+    return draft.state_dict(), history, sum(ran), tokens, (train_ds, eval_ds)
 
 
 def test_the_state_cache_runs_the_target_once_per_sequence_and_trains_as_without_it(runs, tmp_path):
     """train.state_cache: three epochs cost one pass of the target over both splits, not three; the
     states read back are those it computed, so the run learns as the uncached one does (the target's
     rounding under other batch shapes aside)."""
-    cached, h_cached, ran_cached, tokens = _fit_online(runs, tmp_path, cache=True)
-    plain, h_plain, ran_plain, _ = _fit_online(runs, tmp_path, cache=False)
+    cached, h_cached, ran_cached, tokens, _ = _fit_online(runs, tmp_path, cache=True)
+    plain, h_plain, ran_plain, *_ = _fit_online(runs, tmp_path, cache=False)
     assert ran_cached == tokens  # every sequence of both splits once
     assert ran_plain == 3 * tokens  # three epochs, each split every epoch
     for a, b in zip(h_cached, h_plain):
@@ -253,22 +262,138 @@ def test_a_resumed_run_with_the_state_cache_gives_the_uninterrupted_weights(runs
         assert torch.equal(w, resumed[name]), name
 
 
-def test_the_state_cache_is_kept_only_where_both_splits_fit_and_one_process_trains(runs, monkeypatch):
+def test_the_state_cache_is_kept_whole_where_both_splits_fit_and_off_where_not_one_sequence_does(runs, monkeypatch):
     from draftlab.features import online
 
     target = OnlineTarget(None)
     splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
     need = sum(ds.state_bytes() for ds in splits)
     assert need == sum(sum(ds.length(i) for i in range(len(ds))) for ds in splits) * 4 * 64 * 2  # (k+1) x H x bf16
-    monkeypatch.setattr(online, "free_memory", lambda device: int(need / online.STATE_CACHE_SHARE) - 1)
+    first = min(ds.length(0) for ds in splits) * 4 * 64 * 2  # the smaller split is tried first, from its sequence 0
+    monkeypatch.setattr(online, "free_memory", lambda device: int(first / online.STATE_CACHE_SHARE) - 1)
     line = online.cache_states(splits, "auto", "cpu")
     assert "state cache off" in line and "more than 60% of the" in line and all(ds.cache is None for ds in splits)
+    from stages.train import state_cache_info
+
+    assert state_cache_info(*splits, "online")["kept"] is False
     assert "off" in online.cache_states(splits, "auto", "cpu", world=2) and splits[0].cache is None
     assert "off (train.state_cache)" in online.cache_states(splits, "off", "cpu")
     monkeypatch.setattr(online, "free_memory", lambda device: int(need / online.STATE_CACHE_SHARE) + 1)
-    assert "state cache on cpu" in online.cache_states(splits, "auto", "cpu") and all(ds.cache is not None for ds in splits)
+    assert "state cache on cpu:" in online.cache_states(splits, "auto", "cpu")
+    assert [ds.kept_sequences() for ds in splits] == [N_TRAIN, N_EVAL] and sum(ds.cache.nbytes() for ds in splits) == need
     monkeypatch.setattr(online, "free_memory", lambda device: None)
     assert "cannot be read" in online.cache_states([OnlineFeatures(runs / "features-online" / "eval", 512, target)], "auto", "cpu")
+
+
+def test_a_partial_state_cache_keeps_the_eval_split_whole_and_a_prefix_of_train_and_allocates_only_that(runs, monkeypatch):
+    """Where not every state fits, the cache keeps what does: the eval split whole (small, read after
+    every epoch), then train's sequences in index order up to the first that would pass the budget;
+    its tensors hold the kept sequences' tokens only."""
+    from draftlab.features import online
+
+    target = OnlineTarget(None)
+    train_ds, eval_ds = splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
+    per_token = 4 * 64 * 2  # (k+1) x H x bf16
+    lengths = [train_ds.length(i) for i in range(N_TRAIN)]
+    need = (sum(lengths) + sum(eval_ds.length(i) for i in range(N_EVAL))) * per_token
+    free = int((eval_ds.state_bytes() + train_ds.state_bytes() // 2) / online.STATE_CACHE_SHARE)
+    monkeypatch.setattr(online, "free_memory", lambda device: free)
+    line = online.cache_states(splits, "auto", "cpu")
+    room = online.STATE_CACHE_SHARE * free
+    k = train_ds.kept_sequences()
+    assert eval_ds.kept_sequences() == N_EVAL and all(eval_ds.cache.keeps(i) for i in range(N_EVAL))
+    assert 0 < k < N_TRAIN and [train_ds.cache.keeps(i) for i in range(N_TRAIN)] == [True] * k + [False] * (N_TRAIN - k)
+    assert train_ds.cache.nbytes() == sum(lengths[:k]) * per_token < train_ds.state_bytes()  # the kept tokens only
+    assert eval_ds.cache.nbytes() == eval_ds.state_bytes()
+    kept = train_ds.cache.nbytes() + eval_ds.cache.nbytes()
+    assert kept <= room < kept + lengths[k] * per_token  # as many as fit: the next one would pass the budget
+    assert line == (f"train: state cache on cpu for {k} of {N_TRAIN} train sequences ({kept / 2**30:.1f} of {need / 2**30:.1f} GiB; "
+                    f"the eval split whole): all that fits 60% of the {free / 2**30:.1f} GiB free, computed by the target in the "
+                    "first epoch and read back after it; the target computes the rest every epoch")
+    from stages.train import state_cache_info
+
+    assert state_cache_info(train_ds, eval_ds, "online") == {  # the train manifest's: bytes stays every state's
+        "kept": True, "bytes": need, "kept_bytes": kept, "kept_sequences": {"train": k, "eval": N_EVAL},
+        "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
+    aux, final = torch.ones(lengths[k], 3 * 64), torch.ones(lengths[k], 64)
+    train_ds.cache.put(k, aux, final)  # a sequence past the prefix: never kept
+    assert not train_ds.cache.has(k) and not train_ds.cache.has(N_TRAIN - 1)
+    # Less than the eval split: a prefix of it, and none of train.
+    monkeypatch.setattr(online, "free_memory", lambda device: int(eval_ds.state_bytes() / 2 / online.STATE_CACHE_SHARE))
+    line = online.cache_states(splits, "auto", "cpu")
+    assert 0 < eval_ds.kept_sequences() < N_EVAL and train_ds.cache is None
+    assert f"for {eval_ds.kept_sequences()} of {N_EVAL} eval sequences" in line and "none of the train split" in line
+
+
+def test_a_batch_of_kept_and_unkept_sequences_takes_each_row_from_where_it_is(runs):
+    """With a partial cache the target runs on the rows not kept and the kept rows are read back: each
+    row's values are those a batch without a cache gives for the same rows and shape, to the bit."""
+    p = load_params(["target"], runs / "params.yaml")
+    target = OnlineTarget(p.target)
+    plain = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part.keep_states("cpu", 10)
+    idx = [3, 15, 0, 20]  # kept, not kept, kept, not kept
+    first = part.batch(idx, "cpu")
+    assert part.target_ran and part.target_lengths == [part.length(i) for i in idx]
+    for name, t in plain.batch(idx, "cpu").items():
+        assert torch.equal(first[name], t), name
+    assert [part.cache.has(i) for i in idx] == [True, False, True, False]
+    again = part.batch(idx, "cpu")  # 3 and 0 read back, 15 and 20 from the target in their own batch
+    assert part.target_ran and part.target_lengths == [part.length(15), part.length(20)]
+    fresh = plain.batch([15, 20], "cpu")
+    for name in ("aux_hidden", "final_hidden"):
+        assert torch.equal(again[name][[0, 2]], first[name][[0, 2]]), name
+        for row, j in ((1, 0), (3, 1)):
+            n = part.length(idx[row])
+            assert torch.equal(again[name][row, :n], fresh[name][j, :n]) and not again[name][row, n:].any(), name
+        assert again[name][[1, 3]].abs().sum() > 0, name
+    part.batch([0, 3], "cpu")
+    assert not part.target_ran and part.target_lengths == []
+
+
+def test_a_partial_state_cache_trains_as_without_it_and_runs_the_target_on_the_unkept_sequences_only(runs, tmp_path):
+    """The target computes the kept sequences' states once and the others' every epoch: fewer target
+    tokens than with the cache off, more than with every state kept; the run learns as without a cache."""
+    target = OnlineTarget(None)
+    train_ds, eval_ds = (OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval"))
+    budget = eval_ds.state_bytes() + train_ds.state_bytes() // 2
+    partial, h_partial, ran_partial, tokens, (train_kept, eval_kept) = _fit_online(runs, tmp_path, cache=budget)
+    plain, h_plain, ran_plain, *_ = _fit_online(runs, tmp_path, cache=False)
+    _, _, ran_all, *_ = _fit_online(runs, tmp_path, cache=True)
+    assert ran_all < ran_partial < ran_plain
+    kept = sum(ds.length(i) for ds in (train_kept, eval_kept) for i in range(len(ds)) if ds.cache.keeps(i))
+    assert 0 < kept < tokens and ran_partial == tokens + 2 * (tokens - kept)  # the unkept ones in epochs 2 and 3 again
+    for a, b in zip(h_partial, h_plain):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=2e-2)
+    for name, w in partial.items():
+        assert torch.allclose(w, plain[name], rtol=5e-2, atol=5e-3), name
+
+
+def test_a_resumed_run_with_a_partial_state_cache_gives_the_uninterrupted_weights(runs, tmp_path, monkeypatch):
+    """The restart refills the kept sequences only: a step whose sequences are kept, or never kept, is
+    not made again."""
+    from draftlab.train import loop as train
+
+    target = OnlineTarget(load_params(["target"], runs / "params.yaml").target)
+    train_ds, eval_ds = (OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval"))
+    budget = eval_ds.state_bytes() + train_ds.state_bytes() // 2
+    straight, *_ = _fit_online(runs, tmp_path, cache=budget, path=tmp_path / "a.pt")
+    _fit_online(runs, tmp_path, cache=budget, stop=9, path=tmp_path / "b.pt")  # stopped in epoch 2, after step 8's checkpoint
+    resumed, *_ = _fit_online(runs, tmp_path, cache=budget, path=tmp_path / "b.pt")
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
+    # Every kept sequence has its states: refilling runs the target for none of the steps.
+    made = []
+    train_ds.keep_states("cpu", 10)
+    train_ds.batch(list(range(10)), "cpu")
+    monkeypatch.setattr(train_ds, "batch", lambda rows, device: made.append(rows))
+    tp = load_params(["train"], runs / "params.yaml").train
+    train.refill_state_cache(train_ds, train.epoch_plans(train_ds, tp, 1)[0], False, "cpu", 1, 0)
+    assert made == []
+    train_ds.keep_states("cpu", 11)  # sequence 10 kept but not computed: only the step holding it is made again
+    train.refill_state_cache(train_ds, train.epoch_plans(train_ds, tp, 1)[0], False, "cpu", 1, 0)
+    assert len(made) == len(train.epoch_plans(train_ds, tp, 1)[0]) and [10 in rows for rows in made].count(True) == 1
 
 
 def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():
@@ -283,6 +408,24 @@ def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():
         m.step([30, 20], [40, 38, 36], 1.0, slots=50, target_ran=target_ran)
     assert cached.target == stored.target < ran.target  # the soft labels' head only, as with stored states
     assert cached.draft == ran.draft
+
+
+def test_a_step_whose_target_ran_on_some_sequences_counts_their_forward_only():
+    """A partial state cache: the target runs on the step's rows not kept; their forward is counted,
+    the soft labels' head on every token."""
+    from draftlab.train.draft import DraftConfig
+    from draftlab.train.flops import Meter, target_flops
+
+    info = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 320, "max_position_embeddings": 512, "architecture": "LlamaForCausalLM"}
+    ran, part, cached = (Meter(info, DraftConfig.from_target(info, 3, 96), True) for _ in range(3))
+    ran.step([30, 20], [40, 38, 36], 1.0, slots=60)
+    part.step([30, 20], [40, 38, 36], 1.0, slots=60, target_lengths=[20])
+    cached.step([30, 20], [40, 38, 36], 1.0, slots=60, target_ran=False)
+    assert cached.target < part.target < ran.target and part.draft == ran.draft
+    forward = target_flops(info, [20], True) - target_flops(info, [20], False)  # the 20-token sequence through the target
+    assert part.target - cached.target == pytest.approx(forward)
+    assert part.summary(None)["by_states"] is None  # a step the target ran in, for part of it: no cached step
 
 
 def test_the_rates_of_computed_and_cached_steps_are_reported_apart():
@@ -318,7 +461,7 @@ def test_a_step_out_of_memory_beside_the_state_cache_drops_the_cache_and_the_run
         return forward(self, *args, **kw)
 
     monkeypatch.setattr(train.TTT, "forward", short_of_memory_once)
-    weights, history, ran, tokens = _fit_online(runs, tmp_path, cache=True)
+    weights, history, ran, tokens, _ = _fit_online(runs, tmp_path, cache=True)
     assert "ran out of memory beside the state cache" in capsys.readouterr().out
     assert len(history) == 3 and all(torch.isfinite(w).all() for w in weights.values())
     assert ran > tokens  # after the drop the target computed states again, as with train.state_cache off
@@ -336,3 +479,4 @@ def test_the_allocators_shortfalls_come_from_cudas_memory_stats(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
     assert stage.cuda_memory(torch.device("cuda", 0)) == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 5.5, "alloc_retries": 7, "ooms": 0}
     assert stage.cuda_memory(torch.device("cpu")) is None
+

@@ -69,11 +69,13 @@ class OnlineFeatures(Sequences):
 
     tokens_served / seconds: real tokens of the batches made so far and the seconds spent
     making them (target forward included), for the stage's online rate. target_ran: whether the
-    last batch ran the target (with a state cache, a batch of sequences seen before does not).
+    last batch ran the target for any of its sequences (with a state cache, a batch of sequences
+    kept before does not); target_lengths: the lengths of those it ran for.
 
-    keep_states(device) gives the split a StateCache: each sequence's states are kept, in the
-    storage dtype, once the target has computed them, and later epochs read them back instead of
-    running the target again (train.state_cache; draftlab.features.online.cache_states decides).
+    keep_states(device, n) gives the split a StateCache of its first n sequences (all by default):
+    their states are kept, in the storage dtype, once the target has computed them, and later
+    epochs read them back instead of running the target again; the target computes the other
+    sequences' states every time (train.state_cache; draftlab.features.online.cache_states decides).
     """
 
     def __init__(self, split_dir: str | Path, max_length: int | None, target: OnlineTarget):
@@ -91,15 +93,24 @@ class OnlineFeatures(Sequences):
         self.tokens_served, self.seconds = 0, 0.0
         self.cache: StateCache | None = None
         self.target_ran = False
+        self.target_lengths: list[int] = []
 
-    def state_bytes(self) -> int:
-        """Bytes a StateCache of this split takes: every token's captured and final states."""
-        width = (len(self.physical_layers) + 1) * int(self.metadata["hidden_size"])
-        return sum(self.length(i) for i in range(len(self))) * width * self.storage.itemsize
+    def token_bytes(self) -> int:
+        """Bytes a StateCache takes per token: its captured and final states, in the storage dtype."""
+        return (len(self.physical_layers) + 1) * int(self.metadata["hidden_size"]) * self.storage.itemsize
 
-    def keep_states(self, device) -> None:
+    def state_bytes(self, n: int | None = None) -> int:
+        """Bytes a StateCache of this split's first `n` sequences (None: all) takes."""
+        return sum(self.length(i) for i in range(len(self) if n is None else n)) * self.token_bytes()
+
+    def keep_states(self, device, n: int | None = None) -> None:
+        """A StateCache on `device` for the first `n` sequences (None: every one), sized to their tokens."""
         self.cache = StateCache([self.length(i) for i in range(len(self))], len(self.physical_layers),
-                                int(self.metadata["hidden_size"]), self.storage, device)
+                                int(self.metadata["hidden_size"]), self.storage, device, keep=n)
+
+    def kept_sequences(self) -> int:
+        """How many sequences the state cache keeps (0: none, or no cache)."""
+        return 0 if self.cache is None else self.cache.keep
 
     def span(self, i: int) -> tuple[int, int]:
         return self.index[i]
@@ -128,21 +139,24 @@ class OnlineFeatures(Sequences):
         cache = self.cache
         todo = list(range(len(indices))) if cache is None else [j for j, i in enumerate(indices) if not cache.has(i)]
         self.target_ran = bool(todo)
+        self.target_lengths = [len(seqs[j][0]) for j in todo]
         # Every index and mask is made on the host and copied without a wait (to_device): the host
         # goes on to the next batch while the GPU runs the target and the draft's step.
         on_device = to_device(ids, device), to_device(real, device)
-        if cache is None:
+        if cache is None or len(todo) == len(indices):  # every row computed now (the first epoch, mostly): the copies already made
             aux, final = self._states(*on_device, device)
-        else:  # the target runs on the sequences not seen before (their own padded batch); then all are read back
-            if todo:
-                n = [len(seqs[j][0]) for j in todo]
-                if len(todo) == len(indices):  # every row new (the first epoch, mostly): the copies already made
-                    aux, final = self._states(*on_device, device)
-                else:
-                    aux, final = self._states(to_device(ids[todo, : max(n)], device), to_device(real[todo, : max(n)], device), device)
-                for k, j in enumerate(todo):
-                    cache.put(indices[j], aux[k, : n[k]], final[k, : n[k]])
+        elif todo:  # the target runs on the rows not kept (their own padded batch); the kept rows are read back
+            n = self.target_lengths
+            new_aux, new_final = self._states(to_device(ids[todo, : max(n)], device), to_device(real[todo, : max(n)], device), device)
+            fresh = set(todo)
+            aux, final = cache.read([None if j in fresh else i for j, i in enumerate(indices)], T)
+            for k, j in enumerate(todo):
+                aux[j, : n[k]], final[j, : n[k]] = new_aux[k, : n[k]], new_final[k, : n[k]]
+        else:
             aux, final = cache.read(indices, T)
+        if cache is not None:
+            for k, j in enumerate(todo):  # a no-op for a sequence the cache never keeps
+                cache.put(indices[j], aux[j, : self.target_lengths[k]], final[j, : self.target_lengths[k]])
         ids, real = on_device
         out = {
             "input_ids": ids,
@@ -167,13 +181,14 @@ class OnlineFeatures(Sequences):
         flat = [i for row in rows for i in row]
         lengths = [self.length(i) for i in flat]
         parts: list[dict[str, torch.Tensor] | None] = [None] * len(flat)
-        ran = False
+        ran, ran_lengths = False, []
         for group in length_groups(lengths, len(rows) * max(sum(self.length(i) for i in row) for row in rows)):
             b = self.batch([flat[j] for j in group], device)
             ran |= self.target_ran
+            ran_lengths += self.target_lengths
             for k, j in enumerate(group):
                 parts[j] = {name: x[k, : lengths[j]] for name, x in b.items()}
-        self.target_ran = ran
+        self.target_ran, self.target_lengths = ran, ran_lengths
         longest = max(lengths)
         padded = {name: torch.stack([F.pad(p[name], (0, 0) * (p[name].ndim - 1) + (0, longest - len(p[name]))) for p in parts])
                   for name in parts[0]}
@@ -186,35 +201,47 @@ class OnlineFeatures(Sequences):
 
 
 class StateCache:
-    """Every sequence's states, once computed, in one pair of flat tensors on one device (the
-    storage dtype: what a stored shard would hold): sequence i's tokens at offsets[i]:offsets[i+1]."""
+    """The states of a split's first `keep` sequences (None: all), once computed, in one pair of flat
+    tensors on one device sized to those sequences' tokens (the storage dtype: what a stored shard
+    would hold): sequence i's tokens at offsets[i]:offsets[i+1]. A sequence from `keep` on is never
+    kept (keeps(i) False, put a no-op): the target computes its states every time."""
 
-    def __init__(self, lengths: list[int], layers: int, hidden: int, dtype: torch.dtype, device):
+    def __init__(self, lengths: list[int], layers: int, hidden: int, dtype: torch.dtype, device, keep: int | None = None):
+        self.keep = len(lengths) if keep is None else min(keep, len(lengths))
         self.offsets = [0]
-        for n in lengths:
+        for n in lengths[: self.keep]:
             self.offsets.append(self.offsets[-1] + n)
         total = self.offsets[-1]
         self.aux = torch.empty((total, layers * hidden), dtype=dtype, device=device)
         self.final = torch.empty((total, hidden), dtype=dtype, device=device)
-        self.kept = [False] * len(lengths)
+        self.kept = [False] * self.keep
+
+    def keeps(self, i: int) -> bool:
+        """Whether sequence i's states are kept once computed."""
+        return i < self.keep
 
     def has(self, i: int) -> bool:
-        return self.kept[i]
+        return i < self.keep and self.kept[i]
 
     def nbytes(self) -> int:
         return self.aux.nbytes + self.final.nbytes
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        if not self.keeps(i):
+            return
         a, b = self.offsets[i], self.offsets[i + 1]
         self.aux[a:b].copy_(aux)
         self.final[a:b].copy_(final)
         self.kept[i] = True
 
-    def read(self, indices: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [B, T, k*H], final [B, T, H]) of `indices`, zero past each sequence's end."""
+    def read(self, indices: list[int | None], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [B, T, k*H], final [B, T, H]) of `indices`, zero past each sequence's end and in the
+        rows whose index is None (the caller fills those)."""
         aux = torch.zeros((len(indices), T, self.aux.shape[1]), dtype=self.aux.dtype, device=self.aux.device)
         final = torch.zeros((len(indices), T, self.final.shape[1]), dtype=self.final.dtype, device=self.final.device)
         for j, i in enumerate(indices):
+            if i is None:
+                continue
             a, b = self.offsets[i], self.offsets[i + 1]
             aux[j, : b - a], final[j, : b - a] = self.aux[a:b], self.final[a:b]
         return aux, final
@@ -223,9 +250,32 @@ class StateCache:
 STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for the state caches of both splits
 
 
+def plan_states(splits: list[OnlineFeatures], budget: float) -> tuple[list[int], int | None]:
+    """(how many of each split's sequences to keep within `budget` bytes, a prefix in index order;
+    the split cut short, None where all fit). The splits smallest first (the eval split: small, and
+    read after every epoch), each whole while it fits; the first that does not fit keeps its
+    sequences in index order up to the first that would pass the budget, and the splits after it
+    keep none. A rule of the lengths alone: every run, resumed or not, keeps the same sequences."""
+    keep, left = [0] * len(splits), budget
+    for s in sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s)):
+        ds = splits[s]
+        if ds.state_bytes() <= left:
+            keep[s], left = len(ds), left - ds.state_bytes()
+            continue
+        per_token = ds.token_bytes()
+        while ds.length(keep[s]) * per_token <= left:  # stops before the end: the whole split did not fit
+            left -= ds.length(keep[s]) * per_token
+            keep[s] += 1
+        return keep, s
+    return keep, None
+
+
 def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int = 1) -> str:
-    """train.state_cache: give every split a StateCache (auto: when they fit STATE_CACHE_SHARE of the
-    device's free memory, one training process); returns the line that says what was decided.
+    """train.state_cache: give the splits StateCaches (auto: one training process) holding as many
+    sequences' states as fit STATE_CACHE_SHARE of the device's free memory (plan_states: every
+    sequence where all fit, else the smaller splits whole and a prefix of the next); returns the line
+    that says what was decided. Every sequence kept saves the target's forward over it in each epoch
+    after the first.
 
     The rest of the free memory is the training step's: at SmolLM2's shape (32,768-token packed
     steps, 7 TTT steps, draft vocab 16,384) its peak was 17.5 GB, 22% of an 80 GB GPU."""
@@ -239,13 +289,26 @@ def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int 
     if free is None:
         return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB and the memory free on {device} "
                 "cannot be read; the target runs on every batch of every epoch")
-    if need > STATE_CACHE_SHARE * free:
+    keep, cut = plan_states(splits, STATE_CACHE_SHARE * free)
+    if not any(keep):
         return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB, more than {STATE_CACHE_SHARE:.0%} of "
                 f"the {free / 2**30:.1f} GiB free on {device}; the target runs on every batch of every epoch")
-    for ds in splits:
-        ds.keep_states(device)
-    return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by the "
-            "target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
+    for ds, n in zip(splits, keep):
+        if n:
+            ds.keep_states(device, n)
+        else:
+            ds.cache = None
+    if cut is None:
+        return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by "
+                "the target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
+    kept = sum(ds.state_bytes(n) for ds, n in zip(splits, keep))
+    others = "; ".join(f"the {ds.dir.name} split whole" if n == len(ds) else f"none of the {ds.dir.name} split"
+                       for s, (ds, n) in enumerate(zip(splits, keep)) if s != cut)
+    ds = splits[cut]
+    return (f"train: state cache on {device} for {keep[cut]:,} of {len(ds):,} {ds.dir.name} sequences ({kept / 2**30:.1f} of "
+            f"{need / 2**30:.1f} GiB{'; ' + others if others else ''}): all that fits {STATE_CACHE_SHARE:.0%} of the "
+            f"{free / 2**30:.1f} GiB free, computed by the target in the first epoch and read back after it; the target "
+            "computes the rest every epoch")
 
 
 def free_memory(device) -> int | None:

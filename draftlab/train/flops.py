@@ -103,8 +103,10 @@ class Meter:
         self.eval_s = {}  # epoch -> seconds its evaluation took (the first compiles for evaluation)
 
     def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None,
-             target_ran: bool = True) -> None:
-        """target_ran: False for an online step whose states came from the state cache (no target forward)."""
+             target_ran: bool = True, target_lengths: list[int] | None = None) -> None:
+        """target_ran: False for an online step whose states came from the state cache (no target forward).
+        target_lengths: the sequences the target ran on where only some of the step's were (a partial
+        state cache); None: all of `lengths`. The soft labels' head runs on every token either way."""
         self.steps += 1
         if self.first_step_s is None:
             self.first_step_s = seconds
@@ -113,7 +115,10 @@ class Meter:
             slots = sum(len(lengths[r::world]) * max(lengths[r::world], default=0) for r in range(world))
         self.slots += slots
         if self.countable:
-            self.target += target_flops(self.target_cfg, lengths, self.online and target_ran)
+            self.target += target_flops(self.target_cfg, lengths, False)  # the soft labels' head
+            if self.online and target_ran:  # the target's forward, on the sequences it ran on
+                ran = lengths if target_lengths is None else target_lengths
+                self.target += target_flops(self.target_cfg, ran, True) - target_flops(self.target_cfg, ran, False)
             self.draft += draft_flops(self.draft_cfg, lengths, [int(n) for n in scored])
         self.seconds += seconds
         got = self.by_states["computed" if target_ran else "cached"]
@@ -144,7 +149,10 @@ class Meter:
             "first_step_s": round(self.first_step_s, 2) if self.first_step_s is not None else None,
             "eval_s_by_epoch": dict(self.eval_s),
             # online with train.state_cache: the steps whose states the target computed (the first epoch) apart
-            # from those read back from the cache, each with its own rate; None where no step was cached
+            # from those read back from the cache, each with its own rate; None where no step was cached.
+            # "computed" is any step the target ran in: with a partial cache, most later steps too (the
+            # target on the rows not kept), so its rate lies between a full target step's and a cached one's
+            # and "cached" counts only the steps whose every row was kept
             "by_states": {k: {"steps": n, "tokens_per_s": round(t / sec, 1) if sec else None}
                           for k, (n, t, sec) in self.by_states.items()} if self.by_states["cached"][0] else None,
         }

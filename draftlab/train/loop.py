@@ -405,7 +405,9 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
     """A resumed run with a state cache (draftlab.features.online.StateCache) starts with it empty:
     the states the steps before it kept are computed again, batch by batch as those steps made
     them (each sequence in the step it first appeared in), so that later epochs read what the
-    uninterrupted run read, to the bit."""
+    uninterrupted run read, to the bit. Only the steps holding a sequence the cache keeps and has
+    not yet are made again: a partial cache never keeps the others, and their states are computed
+    when a step needs them."""
     cache = getattr(train_ds, "cache", None)
     if cache is None or not steps:
         return
@@ -413,7 +415,7 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
         print(f"state cache: the target computes again the states the {len(steps)} steps before the checkpoint kept", flush=True)
     for plan in steps:
         mine = plan[rank::world]
-        if all(cache.has(i) for i in ([i for row in mine for i in row] if packed else mine)):
+        if all(cache.has(i) or not cache.keeps(i) for i in ([i for row in mine for i in row] if packed else mine)):
             continue
         train_ds.packed_batch(mine, device) if packed else train_ds.batch(mine, device)
 
@@ -579,8 +581,10 @@ def fit(
             if meter is not None:  # after the .item() above: the counts are ready, no extra wait
                 seqs = [i for row in batches[b] for i in row] if packed else batches[b]
                 slots = packed_slots(batches[b], lengths, world) if packed else None
+                # a partial state cache (one process): the target ran on some of the step's sequences only
+                ran = getattr(train_ds, "target_lengths", None) if getattr(train_ds, "cache", None) is not None else None
                 meter.step([lengths[i] for i in seqs], counts.tolist(), seconds, world, slots,
-                           target_ran=getattr(train_ds, "target_ran", True))
+                           target_ran=getattr(train_ds, "target_ran", True), target_lengths=ran)
             tokens = int(batch["input_ids"].numel()) * world
             if on_step is not None:
                 on_step(step, loss_value, seconds)
