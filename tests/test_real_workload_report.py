@@ -130,6 +130,15 @@ def test_the_data_line_counts_the_targets_own_prompts_and_says_when_the_state_ca
     assert data.startswith("Data: 40 train and 2 eval prompts of 15 usable and 27 the target wrote itself (self_prompts); ")
     assert "; state cache off (95.0 GiB of states: the target ran in every epoch)" in data
     assert "states kept" not in data
+    # the states that fit kept (train.state_cache auto on a GPU too small for all of them)
+    partial = {"kept": True, "bytes": 95 * 2**30, "kept_bytes": 47 * 2**30, "kept_sequences": {"train": 14203, "eval": 728},
+               "sequences": {"train": 40022, "eval": 728}}
+    (run / "models/draft-ckpt/manifest.json").write_text(json.dumps({"stage": "train", "config_hash": "x",
+                                                                    "info": {"state_cache": partial}}))
+    rwr.main([str(run), str(out), "--force", "--prompts", str(REPORT / "bench-prompts.jsonl")])
+    data = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Data: "))
+    assert ("; states of 14,203 of 40,022 train, 728 of 728 eval sequences kept after the first epoch (47.0 of 95.0 GiB): "
+            "the target ran on the rest in every epoch") in data and "state cache off" not in data
 
 
 def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_groups():

@@ -298,8 +298,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
-           f"{'; states kept after the first epoch (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB)' if kept.get('kept') else ''}"
-           f"{'; state cache off (' + format(kept['bytes'] / 2**30, '.1f') + ' GiB of states: the target ran in every epoch)' if kept.get('kept') is False and kept.get('bytes') else ''}"
+           f"{cache_kept(kept)}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
            *startups_md(synth, bench or {}),
            *step_profile_md(run),
@@ -315,6 +314,22 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
     if times and missing:
         out[-1:] = ["", f"Not recorded: {', '.join(missing)} (no manifest with a wall time in this run's files).", ""]
     return "\n".join(out)
+
+
+def cache_kept(cache: dict) -> str:
+    """The data line's words on train.state_cache (the train manifest's info.state_cache): what was kept after the
+    first epoch, all of it or the sequences that fit, or that the target ran in every epoch."""
+    if not cache.get("bytes"):
+        return ""
+    whole = cache["bytes"] / 2**30
+    if not cache.get("kept"):
+        return f"; state cache off ({whole:.1f} GiB of states: the target ran in every epoch)"
+    part, kept, seqs = cache.get("kept_bytes"), cache.get("kept_sequences") or {}, cache.get("sequences") or {}
+    if part is None or part >= cache["bytes"]:
+        return f"; states kept after the first epoch ({whole:.1f} GiB)"
+    split = ", ".join(f"{kept.get(name, 0):,} of {n:,} {name}" for name, n in seqs.items())
+    return (f"; states of {split} sequences kept after the first epoch ({part / 2**30:.1f} of {whole:.1f} GiB): "
+            "the target ran on the rest in every epoch")
 
 
 def served_md(train: dict, bench: dict, by_kind: dict, out_dir: Path, steps: int) -> list[str]:
