@@ -320,8 +320,9 @@ class TrainParams:
     # train.features online: auto keeps sequences' states once the target has computed them (first
     # epoch) and reads them back after, when one process trains: every sequence's where both splits
     # fit 60% of the training device's free memory, else as many as fit (the eval split whole, then
-    # train's in index order; the target computes the rest every epoch;
-    # draftlab.features.online.cache_states); off: the target runs on every batch of every epoch.
+    # train's in index order), and on a GPU the next ones in host memory up to 50% of what it has
+    # available; the target computes the rest every epoch (draftlab.features.online.cache_states);
+    # off: the target runs on every batch of every epoch.
     state_cache: Literal["auto", "off"] = "off"
 
 

@@ -115,15 +115,19 @@ def write_plots(reports: Path, history: list[dict]) -> None:
 def state_cache_info(train_ds, eval_ds, features: str) -> dict:
     """The train manifest's state_cache (train.state_cache): kept, whether any sequence's states were kept
     after the first epoch (at the end of the run: a cache given back for memory counts as none); bytes, what
-    every sequence's states take (0 offline); kept_bytes, what the kept ones take; kept_sequences and
-    sequences, per split (a partial cache keeps some of them: draftlab.features.online.cache_states)."""
+    every sequence's states take (0 offline); kept_bytes, what the kept ones take, both tiers; host_bytes,
+    those of them in host memory (the tier past the device's budget); kept_sequences, host_sequences (of
+    those) and sequences, per split (a partial cache keeps some of them: draftlab.features.online.cache_states)."""
     splits = {"train": train_ds, "eval": eval_ds}
     online = features == "online"
+    caches = {name: getattr(ds, "cache", None) if online else None for name, ds in splits.items()}
     kept = {name: ds.kept_sequences() if online else 0 for name, ds in splits.items()}
     return {"kept": any(kept.values()),
             "bytes": sum(ds.state_bytes() for ds in splits.values()) if online else 0,
-            "kept_bytes": sum(ds.state_bytes(kept[name]) for name, ds in splits.items()) if online else 0,
-            "kept_sequences": kept, "sequences": {name: len(ds) for name, ds in splits.items()}}
+            "kept_bytes": sum(c.nbytes() for c in caches.values() if c is not None),
+            "host_bytes": sum(c.host_nbytes() for c in caches.values() if c is not None),
+            "kept_sequences": kept, "host_sequences": {name: ds.host_sequences() if online else 0 for name, ds in splits.items()},
+            "sequences": {name: len(ds) for name, ds in splits.items()}}
 
 
 def cuda_memory(device) -> dict | None:

@@ -83,7 +83,8 @@ def test_online_training_matches_offline(runs):
     splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
     # params.yaml's train.state_cache auto: the micro splits fit, so their states were kept after the first epoch
     every = sum(ds.state_bytes() for ds in splits)
-    assert manifest["state_cache"] == {"kept": True, "bytes": every, "kept_bytes": every, "kept_sequences": {"train": N_TRAIN, "eval": N_EVAL},
+    assert manifest["state_cache"] == {"kept": True, "bytes": every, "kept_bytes": every, "host_bytes": 0,
+                                       "kept_sequences": {"train": N_TRAIN, "eval": N_EVAL}, "host_sequences": {"train": 0, "eval": 0},
                                        "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
     by = manifest["throughput"]["by_states"]  # the first epoch's steps ran the target, the later ones read states back
     assert by["computed"]["steps"] > 0 and by["cached"]["steps"] == 2 * by["computed"]["steps"] and by["cached"]["tokens_per_s"] > 0
@@ -204,10 +205,12 @@ def test_online_training_refuses_a_tensor_parallel_capture_engine(runs, tmp_path
         datasets(runs / "features-online", online, load_params(["target", "train"]))
 
 
-def _fit_online(runs, tmp_path, cache: bool | int, stop=None, path=None, meter=None):
+def _fit_online(runs, tmp_path, cache, stop=None, path=None, meter=None):
     """(draft weights, history, tokens the target ran on, tokens of both splits) of train.fit over the
     online features of `runs`; cache: True keeps every sequence's states, False none, a number of
-    bytes what cache_states keeps within that budget."""
+    bytes what cache_states keeps within that budget, a pair of numbers (device bytes, host bytes)
+    what it keeps within those two budgets (two tiers, both on the CPU), a function of the two
+    splits what it makes them keep."""
     from draftlab.features import online
     from draftlab.train import loop as train
     from draftlab.train.draft import DraftConfig
@@ -223,6 +226,13 @@ def _fit_online(runs, tmp_path, cache: bool | int, stop=None, path=None, meter=N
     if cache is True:
         for ds in (train_ds, eval_ds):
             ds.keep_states("cpu")
+    elif callable(cache):
+        cache(train_ds, eval_ds)
+    elif isinstance(cache, tuple):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(online, "free_memory", lambda device: cache[0] / online.STATE_CACHE_SHARE)
+            mp.setattr(online, "host_memory", lambda: cache[1] / online.HOST_SHARE)
+            online.cache_states([train_ds, eval_ds], "auto", "cpu", host="cpu")
     elif cache is not False:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(online, "free_memory", lambda device: cache / online.STATE_CACHE_SHARE)
@@ -231,7 +241,8 @@ def _fit_online(runs, tmp_path, cache: bool | int, stop=None, path=None, meter=N
     d2t, t2d = load_draft_vocab(feat)
     embed, head = load_target_head(str(runs / "micro"))
     draft = train.init_draft(DraftConfig.from_target(info, 3, len(d2t)), embed, head, d2t, t2d, tp.seed)
-    history = train.fit(draft, head.float(), train_ds, eval_ds, tp, path or tmp_path / f"cache-{cache}.pt", "k",
+    path = path or tmp_path / f"cache-{cache}.pt"  # a function of the splits: the caller names the path
+    history = train.fit(draft, head.float(), train_ds, eval_ds, tp, path, "k",
                         torch.device("cpu"), stop_after_steps=stop, meter=meter)
     tokens = sum(train_ds.length(i) for i in range(len(train_ds))) + sum(eval_ds.length(i) for i in range(len(eval_ds)))
     return draft.state_dict(), history, sum(ran), tokens, (train_ds, eval_ds)
@@ -313,8 +324,8 @@ def test_a_partial_state_cache_keeps_the_eval_split_whole_and_a_prefix_of_train_
     from stages.train import state_cache_info
 
     assert state_cache_info(train_ds, eval_ds, "online") == {  # the train manifest's: bytes stays every state's
-        "kept": True, "bytes": need, "kept_bytes": kept, "kept_sequences": {"train": k, "eval": N_EVAL},
-        "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
+        "kept": True, "bytes": need, "kept_bytes": kept, "host_bytes": 0, "kept_sequences": {"train": k, "eval": N_EVAL},
+        "host_sequences": {"train": 0, "eval": 0}, "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
     aux, final = torch.ones(lengths[k], 3 * 64), torch.ones(lengths[k], 64)
     train_ds.cache.put(k, aux, final)  # a sequence past the prefix: never kept
     assert not train_ds.cache.has(k) and not train_ds.cache.has(N_TRAIN - 1)
@@ -394,6 +405,199 @@ def test_a_resumed_run_with_a_partial_state_cache_gives_the_uninterrupted_weight
     train_ds.keep_states("cpu", 11)  # sequence 10 kept but not computed: only the step holding it is made again
     train.refill_state_cache(train_ds, train.epoch_plans(train_ds, tp, 1)[0], False, "cpu", 1, 0)
     assert len(made) == len(train.epoch_plans(train_ds, tp, 1)[0]) and [10 in rows for rows in made].count(True) == 1
+
+
+def _two_tier_budgets(runs):
+    """(device bytes, host bytes) that keep the eval split and about a quarter of train's tokens on the
+    device and about a third more in host memory: the rest of train is never kept."""
+    train_ds, eval_ds = (OnlineFeatures(runs / "features-online" / s, 512, OnlineTarget(None)) for s in ("train", "eval"))
+    return eval_ds.state_bytes() + train_ds.state_bytes() // 4, train_ds.state_bytes() // 3
+
+
+def test_a_state_cache_past_the_device_budget_keeps_the_next_sequences_in_host_memory(runs, monkeypatch):
+    """Where the device's budget ends, a host tier takes the sequences after its prefix, in the same
+    order, up to HOST_SHARE of the host's available memory: the eval split whole and a prefix of train
+    on the device, the next run of train in host memory, the rest never kept. Each tier's tensors hold
+    its own sequences' tokens only, and the line names both with their figures."""
+    from draftlab.features import online
+    from stages.train import state_cache_info
+
+    target = OnlineTarget(None)
+    train_ds, eval_ds = splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
+    per_token = 4 * 64 * 2  # (k+1) x H x bf16
+    lengths = [train_ds.length(i) for i in range(N_TRAIN)]
+    need = train_ds.state_bytes() + eval_ds.state_bytes()
+    on_device, in_host = _two_tier_budgets(runs)
+    free, available = int(on_device / online.STATE_CACHE_SHARE), int(in_host / online.HOST_SHARE)
+    monkeypatch.setattr(online, "free_memory", lambda device: free)
+    monkeypatch.setattr(online, "host_memory", lambda: available)
+    line = online.cache_states(splits, "auto", "cpu")  # a CPU training device: one tier, no second CPU tier on top of it
+    assert train_ds.cache.on_host is None and eval_ds.cache.on_host is None and "host memory" not in line
+    alone = train_ds.kept_sequences()
+    line = online.cache_states(splits, "auto", "cpu", host="cpu")
+    k, m = train_ds.kept_sequences() - train_ds.host_sequences(), train_ds.host_sequences()
+    assert k == alone and m > 0 and k + m < N_TRAIN  # the device tier as before; the host tier after it
+    assert eval_ds.kept_sequences() == N_EVAL and eval_ds.cache.on_host is None and eval_ds.host_sequences() == 0
+    assert [train_ds.cache.keeps(i) for i in range(N_TRAIN)] == [True] * (k + m) + [False] * (N_TRAIN - k - m)
+    assert [i in train_ds.cache.on_host for i in range(N_TRAIN)] == [False] * k + [True] * m + [False] * (N_TRAIN - k - m)
+    dev, host = eval_ds.state_bytes() + sum(lengths[:k]) * per_token, sum(lengths[k : k + m]) * per_token
+    assert train_ds.cache.device_nbytes() + eval_ds.cache.device_nbytes() == dev  # each tier sized to its sequences' tokens
+    assert train_ds.cache.host_nbytes() == train_ds.cache.on_host.aux.nbytes + train_ds.cache.on_host.final.nbytes == host
+    assert dev <= online.STATE_CACHE_SHARE * free < dev + lengths[k] * per_token  # each tier up to the first that would pass it
+    assert host <= online.HOST_SHARE * available < host + lengths[k + m] * per_token
+    kept = dev + host
+    assert line == (f"train: state cache for {k + m} of {N_TRAIN} train sequences ({kept / 2**30:.1f} of {need / 2**30:.1f} GiB; "
+                    f"the eval split whole): {dev / 2**30:.1f} GiB on cpu (60% of its {free / 2**30:.1f} GiB free), "
+                    f"{host / 2**30:.1f} GiB in host memory (50% of its {available / 2**30:.1f} GiB available); computed by the "
+                    "target in the first epoch and read back after it; the target computes the rest every epoch")
+    assert state_cache_info(train_ds, eval_ds, "online") == {
+        "kept": True, "bytes": need, "kept_bytes": kept, "host_bytes": host, "kept_sequences": {"train": k + m, "eval": N_EVAL},
+        "host_sequences": {"train": m, "eval": 0}, "sequences": {"train": N_TRAIN, "eval": N_EVAL}}
+    # Room for every state in the two tiers: all kept, no rest to compute.
+    monkeypatch.setattr(online, "host_memory", lambda: int(need / online.HOST_SHARE))
+    line = online.cache_states(splits, "auto", "cpu", host="cpu")
+    assert train_ds.kept_sequences() == N_TRAIN and train_ds.host_sequences() == N_TRAIN - k
+    assert line.startswith(f"train: state cache for {N_TRAIN} of {N_TRAIN} train sequences ({need / 2**30:.1f} GiB; the eval "
+                           "split whole): ") and "the rest" not in line
+    # No room on the device for one sequence: the host tier starts at the eval split's first.
+    monkeypatch.setattr(online, "free_memory", lambda device: 1)
+    line = online.cache_states(splits, "auto", "cpu", host="cpu")
+    assert eval_ds.host_sequences() == N_EVAL and train_ds.host_sequences() == N_TRAIN and train_ds.cache.device_nbytes() == 0
+    assert "0.0 GiB on cpu" in line
+
+
+def test_two_state_cache_tiers_train_as_without_a_cache_and_run_the_target_on_fewer_tokens_than_the_device_tier_alone(runs, tmp_path):
+    """Three epochs with a host tier behind the device tier: the target computes the kept sequences once
+    and the others every epoch, on fewer tokens than with the device tier alone; the states read back
+    from host memory are those a device tier holds, so the weights are those of one tier keeping the
+    same sequences, to the bit, and the run learns as without a cache."""
+    budgets = _two_tier_budgets(runs)
+    two, h_two, ran_two, tokens, (train_kept, eval_kept) = _fit_online(runs, tmp_path, cache=budgets)
+    assert train_kept.host_sequences() > 0 and all(train_kept.cache.has(i) for i in range(train_kept.kept_sequences()))
+    _, _, ran_device, *_ = _fit_online(runs, tmp_path, cache=budgets[0])  # the device tier alone
+    plain, h_plain, ran_plain, *_ = _fit_online(runs, tmp_path, cache=False)
+    kept = sum(ds.length(i) for ds in (train_kept, eval_kept) for i in range(len(ds)) if ds.cache.keeps(i))
+    assert ran_two == tokens + 2 * (tokens - kept) and ran_two < ran_device < ran_plain
+    n = train_kept.kept_sequences(), eval_kept.kept_sequences()
+    one_tier, *_ = _fit_online(runs, tmp_path, cache=lambda tr, ev: (tr.keep_states("cpu", n[0]), ev.keep_states("cpu", n[1])),
+                               path=tmp_path / "one-tier.pt")
+    for name, w in two.items():
+        assert torch.equal(w, one_tier[name]), name
+        assert torch.allclose(w, plain[name], rtol=5e-2, atol=5e-3), name
+    for a, b in zip(h_two, h_plain):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=2e-2)
+
+
+def test_a_resumed_run_with_two_state_cache_tiers_gives_the_uninterrupted_weights(runs, tmp_path, monkeypatch):
+    """The restart refills both tiers from the steps before the checkpoint, as they first filled them."""
+    from draftlab.train import loop as train
+
+    budgets = _two_tier_budgets(runs)
+    straight, *_ = _fit_online(runs, tmp_path, cache=budgets, path=tmp_path / "a.pt")
+    _fit_online(runs, tmp_path, cache=budgets, stop=9, path=tmp_path / "b.pt")  # stopped in epoch 2, after step 8's checkpoint
+    resumed, *_ = _fit_online(runs, tmp_path, cache=budgets, path=tmp_path / "b.pt")
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
+    # A sequence of the host tier kept but not computed yet: the step holding it is made again, and only it.
+    target = OnlineTarget(load_params(["target"], runs / "params.yaml").target)
+    train_ds = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    train_ds.keep_states("cpu", 5, host_n=6, host="cpu")
+    train_ds.batch(list(range(11)), "cpu")
+    made = []
+    monkeypatch.setattr(train_ds, "batch", lambda rows, device: made.append(rows))
+    tp = load_params(["train"], runs / "params.yaml").train
+    plan = train.epoch_plans(train_ds, tp, 1)[0]
+    train.refill_state_cache(train_ds, plan, False, "cpu", 1, 0)
+    assert made == []
+    train_ds.keep_states("cpu", 5, host_n=7, host="cpu")
+    train_ds.cache.on_device.kept = [True] * 5
+    train_ds.cache.on_host.kept = [True] * 6 + [False]  # sequence 11, in host memory
+    train.refill_state_cache(train_ds, plan, False, "cpu", 1, 0)
+    assert made == [rows for rows in plan if 11 in rows]
+
+
+def test_a_batch_from_both_tiers_and_the_target_is_the_batch_without_a_cache(runs):
+    """Rows read back from the device tier, rows copied from host memory and rows the target computes
+    now, in one batch: each is what a batch without a cache gives for the same rows, to the bit."""
+    p = load_params(["target"], runs / "params.yaml")
+    target = OnlineTarget(p.target)
+    plain = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part.keep_states("cpu", 6, host_n=8, host="cpu")  # 0-5 on the device, 6-13 in host memory, 14 on never kept
+    idx = [3, 9, 20, 0, 12]  # device, host, computed, device, host
+    first = part.batch(idx, "cpu")
+    without = plain.batch(idx, "cpu")
+    for name, t in without.items():
+        assert torch.equal(first[name], t), name
+    assert [part.cache.has(i) for i in idx] == [True, True, False, True, True]
+    assert [i in part.cache.on_host for i in idx] == [False, True, False, False, True]
+    kept_aux, kept_final = part.cache.on_host.rows(9)  # what the host tier holds: the batch's row, in the storage dtype
+    assert torch.equal(kept_aux.float(), first["aux_hidden"][1, : part.length(9)])
+    assert torch.equal(kept_final.float(), first["final_hidden"][1, : part.length(9)])
+    again = part.batch(idx, "cpu")  # 3, 9, 0, 12 read back; 20 from the target in its own batch
+    assert part.target_ran and part.target_lengths == [part.length(20)]
+    alone = plain.batch([20], "cpu")
+    n = part.length(20)
+    for name in ("aux_hidden", "final_hidden"):
+        assert torch.equal(again[name][[0, 1, 3, 4]], without[name][[0, 1, 3, 4]]), name
+        assert torch.equal(again[name][2, :n], alone[name][0, :n]) and not again[name][2, n:].any(), name
+    assert torch.equal(again["input_ids"], without["input_ids"]) and torch.equal(again["loss_mask"], without["loss_mask"])
+    part.batch([12, 0, 7], "cpu")  # 7 computed and kept in host memory; then every row read back
+    assert part.cache.has(7)
+    part.batch([7, 3, 12], "cpu")
+    assert not part.target_ran
+
+
+def test_out_of_memory_gives_back_the_device_tier_and_keeps_the_host_tier(runs, capsys):
+    """A step short of the device's memory beside the cache: what the device tier holds is counted and
+    given back; the host tier takes none of the device's memory and stays."""
+    from draftlab.train import loop as train
+
+    target = OnlineTarget(None)
+    train_ds, eval_ds = splits = [OnlineFeatures(runs / "features-online" / s, 512, target) for s in ("train", "eval")]
+    train_ds.keep_states("cpu", 6, host_n=8, host="cpu")
+    eval_ds.keep_states("cpu", 0, host_n=N_EVAL, host="cpu")  # all in host memory
+    held = train.held_states(splits)
+    assert held == sum(train_ds.length(i) for i in range(6)) * 4 * 64 * 2 < train_ds.cache.nbytes()
+    train.give_back_states(splits, held, torch.device("cpu"), 0)
+    assert "ran out of memory beside the state cache" in capsys.readouterr().out
+    assert train_ds.cache.on_device is None and train_ds.kept_sequences() == 8 and eval_ds.kept_sequences() == N_EVAL
+    assert [train_ds.cache.keeps(i) for i in (0, 5, 6, 13, 14)] == [False, False, True, True, False]
+    assert train.held_states(splits) == 0  # nothing left on the device: a second shortfall is the run's error
+    train_ds.keep_states("cpu", 6)
+    train.give_back_states(splits, train.held_states(splits), torch.device("cpu"), 0)
+    assert train_ds.cache is None  # a device tier alone: nothing kept after it
+
+
+def test_host_memory_is_meminfos_available_memory_within_the_cgroups_limits(tmp_path, monkeypatch):
+    """The host tier's budget: MemAvailable (not the free pages alone), bounded by what this process's
+    cgroup and those above it leave under their limits (a container's), v2 or v1."""
+    from draftlab.features import online
+
+    gib = 2**30
+    (tmp_path / "meminfo").write_text(f"MemTotal: {128 * 2**20} kB\nMemFree: {4 * 2**20} kB\nMemAvailable: {100 * 2**20} kB\n")
+    (tmp_path / "cgroup").write_text("0::/job/step\n")
+    fs = tmp_path / "fs"
+    (fs / "job" / "step").mkdir(parents=True)
+    (fs / "job" / "step" / "memory.max").write_text("max\n")
+    (fs / "job" / "step" / "memory.current").write_text(f"{2 * gib}\n")
+    (fs / "job" / "memory.max").write_text(f"{64 * gib}\n")
+    (fs / "job" / "memory.current").write_text(f"{28 * gib}\n")
+    (fs / "job" / "memory.stat").write_text(f"anon {20 * gib}\nfile {8 * gib}\ninactive_file {4 * gib}\n")
+    monkeypatch.setattr(online, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(online, "PROC_CGROUP", tmp_path / "cgroup")
+    monkeypatch.setattr(online, "CGROUP", fs)
+    # the parent group's limit less its usage (the inactive page cache, reclaimed first, not counted), under the 100 GiB available
+    assert online.host_memory() == 40 * gib
+    assert online.free_memory("cpu") == 40 * gib
+    (fs / "job" / "memory.max").write_text("max\n")
+    assert online.host_memory() == 100 * gib  # no limit: MemAvailable, not the 4 GiB free
+    (tmp_path / "cgroup").write_text("4:memory:/docker/abc\n0::/\n")  # v1; the container's own group at the mount's root
+    (fs / "memory").mkdir()
+    (fs / "memory" / "memory.limit_in_bytes").write_text(f"{8 * gib}\n")
+    (fs / "memory" / "memory.usage_in_bytes").write_text(f"{gib}\n")
+    (fs / "memory" / "memory.stat").write_text("cache 0\ntotal_inactive_file 0\n")
+    assert online.host_memory() == 7 * gib
 
 
 def test_a_step_that_read_its_states_from_the_cache_counts_no_target_forward():

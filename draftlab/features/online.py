@@ -72,10 +72,11 @@ class OnlineFeatures(Sequences):
     last batch ran the target for any of its sequences (with a state cache, a batch of sequences
     kept before does not); target_lengths: the lengths of those it ran for.
 
-    keep_states(device, n) gives the split a StateCache of its first n sequences (all by default):
-    their states are kept, in the storage dtype, once the target has computed them, and later
-    epochs read them back instead of running the target again; the target computes the other
-    sequences' states every time (train.state_cache; draftlab.features.online.cache_states decides).
+    keep_states(device, n, host_n) gives the split a StateCache of its first n sequences (all by
+    default) on the training device and the host_n after them in host memory: their states are
+    kept, in the storage dtype, once the target has computed them, and later epochs read them back
+    instead of running the target again; the target computes the other sequences' states every time
+    (train.state_cache; draftlab.features.online.cache_states decides).
     """
 
     def __init__(self, split_dir: str | Path, max_length: int | None, target: OnlineTarget):
@@ -103,14 +104,19 @@ class OnlineFeatures(Sequences):
         """Bytes a StateCache of this split's first `n` sequences (None: all) takes."""
         return sum(self.length(i) for i in range(len(self) if n is None else n)) * self.token_bytes()
 
-    def keep_states(self, device, n: int | None = None) -> None:
-        """A StateCache on `device` for the first `n` sequences (None: every one), sized to their tokens."""
+    def keep_states(self, device, n: int | None = None, host_n: int = 0, host="cpu") -> None:
+        """A StateCache of the first `n` sequences (None: every one) on `device` and the `host_n` after
+        them on `host` (host memory), sized to their tokens."""
         self.cache = StateCache([self.length(i) for i in range(len(self))], len(self.physical_layers),
-                                int(self.metadata["hidden_size"]), self.storage, device, keep=n)
+                                int(self.metadata["hidden_size"]), self.storage, device, keep=n, host_keep=host_n, host=host)
 
     def kept_sequences(self) -> int:
-        """How many sequences the state cache keeps (0: none, or no cache)."""
+        """How many sequences the state cache keeps, both tiers (0: none, or no cache)."""
         return 0 if self.cache is None else self.cache.keep
+
+    def host_sequences(self) -> int:
+        """How many of them it keeps in host memory."""
+        return 0 if self.cache is None else self.cache.host_keep
 
     def span(self, i: int) -> tuple[int, int]:
         return self.index[i]
@@ -141,7 +147,8 @@ class OnlineFeatures(Sequences):
         self.target_ran = bool(todo)
         self.target_lengths = [len(seqs[j][0]) for j in todo]
         # Every index and mask is made on the host and copied without a wait (to_device): the host
-        # goes on to the next batch while the GPU runs the target and the draft's step.
+        # goes on to the next batch while the GPU runs the target and the draft's step (a host
+        # tier's reads and puts do wait: pageable copies, StateCache).
         on_device = to_device(ids, device), to_device(real, device)
         if cache is None or len(todo) == len(indices):  # every row computed now (the first epoch, mostly): the copies already made
             aux, final = self._states(*on_device, device)
@@ -200,82 +207,162 @@ class OnlineFeatures(Sequences):
         return torch.where(real[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-class StateCache:
-    """The states of a split's first `keep` sequences (None: all), once computed, in one pair of flat
-    tensors on one device sized to those sequences' tokens (the storage dtype: what a stored shard
-    would hold): sequence i's tokens at offsets[i]:offsets[i+1]. A sequence from `keep` on is never
-    kept (keeps(i) False, put a no-op): the target computes its states every time."""
+class StateTier:
+    """The states of sequences [start, stop) of a split on one device, in one pair of flat tensors sized to
+    those sequences' tokens (the storage dtype: what a stored shard would hold): sequence i's tokens at
+    offsets[i - start]:offsets[i - start + 1]. kept[i - start]: whether its states are in yet."""
 
-    def __init__(self, lengths: list[int], layers: int, hidden: int, dtype: torch.dtype, device, keep: int | None = None):
-        self.keep = len(lengths) if keep is None else min(keep, len(lengths))
+    def __init__(self, lengths: list[int], start: int, stop: int, layers: int, hidden: int, dtype: torch.dtype, device):
+        self.start, self.stop = start, stop
         self.offsets = [0]
-        for n in lengths[: self.keep]:
+        for n in lengths[start:stop]:
             self.offsets.append(self.offsets[-1] + n)
         total = self.offsets[-1]
         self.aux = torch.empty((total, layers * hidden), dtype=dtype, device=device)
         self.final = torch.empty((total, hidden), dtype=dtype, device=device)
-        self.kept = [False] * self.keep
+        self.kept = [False] * (stop - start)
 
-    def keeps(self, i: int) -> bool:
-        """Whether sequence i's states are kept once computed."""
-        return i < self.keep
+    def __contains__(self, i: int) -> bool:
+        return self.start <= i < self.stop
 
-    def has(self, i: int) -> bool:
-        return i < self.keep and self.kept[i]
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux, final) of sequence i: views of this tier's tensors."""
+        a, b = self.offsets[i - self.start], self.offsets[i - self.start + 1]
+        return self.aux[a:b], self.final[a:b]
 
     def nbytes(self) -> int:
         return self.aux.nbytes + self.final.nbytes
 
+
+class StateCache:
+    """The states of a split's first `keep` sequences (None: all) on the training `device`, and of the
+    `host_keep` after them on `host` (host memory: a second tier where the device's budget ends), once
+    computed: a StateTier each. Every read lands on `device`: a host row is copied there, and put
+    copies a computed row to its tier; bf16 in, bf16 out, so the values are the target's to the bit
+    either way. The host tier is pageable memory, not pinned (a pinned allocation of tens of GiB can
+    be slow, or refused under a container's memlock limit), so its copies block the host until done:
+    a step's 32,768 tokens at 4.5 KiB are ~150 MB, an estimated 10-30 ms against a ~290 ms step. A sequence
+    past both tiers is never kept (keeps(i) False, put a no-op): the target computes its states
+    every time. keep: how many sequences the cache keeps, both tiers."""
+
+    def __init__(self, lengths: list[int], layers: int, hidden: int, dtype: torch.dtype, device, keep: int | None = None,
+                 host_keep: int = 0, host="cpu"):
+        self.device, self.dtype, self.widths = torch.device(device), dtype, (layers * hidden, hidden)
+        n = len(lengths) if keep is None else min(keep, len(lengths))
+        m = max(0, min(host_keep, len(lengths) - n))
+        self.on_device: StateTier | None = StateTier(lengths, 0, n, layers, hidden, dtype, self.device)
+        self.on_host: StateTier | None = StateTier(lengths, n, n + m, layers, hidden, dtype, host) if m else None
+
+    @property
+    def tiers(self) -> list[StateTier]:
+        return [t for t in (self.on_device, self.on_host) if t is not None]
+
+    @property
+    def keep(self) -> int:
+        return sum(len(t) for t in self.tiers)
+
+    @property
+    def host_keep(self) -> int:
+        return 0 if self.on_host is None else len(self.on_host)
+
+    def _tier(self, i: int) -> StateTier | None:
+        return next((t for t in self.tiers if i in t), None)
+
+    def keeps(self, i: int) -> bool:
+        """Whether sequence i's states are kept once computed."""
+        return self._tier(i) is not None
+
+    def has(self, i: int) -> bool:
+        tier = self._tier(i)
+        return tier is not None and tier.kept[i - tier.start]
+
+    def nbytes(self) -> int:
+        """Bytes of both tiers."""
+        return sum(t.nbytes() for t in self.tiers)
+
+    def device_nbytes(self) -> int:
+        """Bytes on the training device: what giving back the device tier frees there."""
+        return 0 if self.on_device is None else self.on_device.nbytes()
+
+    def host_nbytes(self) -> int:
+        return 0 if self.on_host is None else self.on_host.nbytes()
+
+    def drop_device(self) -> None:
+        """Give back the device tier (a training step ran out of memory beside it): its sequences are
+        computed by the target from here; the host tier stays."""
+        self.on_device = None
+
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        if not self.keeps(i):
+        tier = self._tier(i)
+        if tier is None:
             return
-        a, b = self.offsets[i], self.offsets[i + 1]
-        self.aux[a:b].copy_(aux)
-        self.final[a:b].copy_(final)
-        self.kept[i] = True
+        kept_aux, kept_final = tier.rows(i)
+        kept_aux.copy_(aux)  # device to host for the host tier: waits for the target's forward
+        kept_final.copy_(final)
+        tier.kept[i - tier.start] = True
 
     def read(self, indices: list[int | None], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [B, T, k*H], final [B, T, H]) of `indices`, zero past each sequence's end and in the
-        rows whose index is None (the caller fills those)."""
-        aux = torch.zeros((len(indices), T, self.aux.shape[1]), dtype=self.aux.dtype, device=self.aux.device)
-        final = torch.zeros((len(indices), T, self.final.shape[1]), dtype=self.final.dtype, device=self.final.device)
+        """(aux [B, T, k*H], final [B, T, H]) of `indices` on the training device, zero past each
+        sequence's end and in the rows whose index is None (the caller fills those)."""
+        aux = torch.zeros((len(indices), T, self.widths[0]), dtype=self.dtype, device=self.device)
+        final = torch.zeros((len(indices), T, self.widths[1]), dtype=self.dtype, device=self.device)
         for j, i in enumerate(indices):
             if i is None:
                 continue
-            a, b = self.offsets[i], self.offsets[i + 1]
-            aux[j, : b - a], final[j, : b - a] = self.aux[a:b], self.final[a:b]
+            kept_aux, kept_final = self._tier(i).rows(i)
+            aux[j, : len(kept_aux)].copy_(kept_aux)
+            final[j, : len(kept_final)].copy_(kept_final)
         return aux, final
 
 
 STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for the state caches of both splits
+# Of the host's available memory, at most, for the host tier (sequences past the device's budget).
+# Half, not more: the rest is the process's own growth after the cache is sized (torch.compile's
+# worker processes, a GiB or so each; the pinned buffers of the batches' copies) and other
+# processes', and running the host out of memory gets the process killed (the kernel's OOM killer),
+# where a GPU short of memory raises an error the run survives (draftlab.train.loop.give_back_states).
+HOST_SHARE = 0.5
 
 
-def plan_states(splits: list[OnlineFeatures], budget: float) -> tuple[list[int], int | None]:
-    """(how many of each split's sequences to keep within `budget` bytes, a prefix in index order;
-    the split cut short, None where all fit). The splits smallest first (the eval split: small, and
-    read after every epoch), each whole while it fits; the first that does not fit keeps its
-    sequences in index order up to the first that would pass the budget, and the splits after it
-    keep none. A rule of the lengths alone: every run, resumed or not, keeps the same sequences."""
-    keep, left = [0] * len(splits), budget
-    for s in sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s)):
-        ds = splits[s]
-        if ds.state_bytes() <= left:
-            keep[s], left = len(ds), left - ds.state_bytes()
-            continue
-        per_token = ds.token_bytes()
-        while ds.length(keep[s]) * per_token <= left:  # stops before the end: the whole split did not fit
-            left -= ds.length(keep[s]) * per_token
-            keep[s] += 1
-        return keep, s
-    return keep, None
+def plan_states(splits: list[OnlineFeatures], budgets: list[float]) -> list[list[int]]:
+    """How many of each split's sequences each tier keeps ([tier][split]), tier t within budgets[t]
+    bytes (the device's, then the host's). The sequences in one order: the splits smallest first
+    (the eval split: small, and read after every epoch), each in index order. Each tier takes them
+    in that order, from where the tier before it stopped, up to the first that would pass its
+    budget: the device tier the smaller splits whole (while they fit) and then a prefix of the next,
+    the host tier the run of sequences after it; the sequences after both are never kept. A rule of
+    the lengths alone: every run, resumed or not, keeps the same sequences in the same tier."""
+    order = sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s))
+    plan = [[0] * len(splits) for _ in budgets]
+    k, i = 0, 0  # the next sequence: order[k]'s sequence i
+    for t, left in enumerate(budgets):
+        while k < len(order):
+            ds = splits[order[k]]
+            if i == len(ds):
+                k, i = k + 1, 0
+                continue
+            size = ds.length(i) * ds.token_bytes()
+            if size > left:
+                break
+            left -= size
+            plan[t][order[k]] += 1
+            i += 1
+    return plan
 
 
-def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int = 1) -> str:
+def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int = 1, host=None) -> str:
     """train.state_cache: give the splits StateCaches (auto: one training process) holding as many
-    sequences' states as fit STATE_CACHE_SHARE of the device's free memory (plan_states: every
-    sequence where all fit, else the smaller splits whole and a prefix of the next); returns the line
-    that says what was decided. Every sequence kept saves the target's forward over it in each epoch
-    after the first.
+    sequences' states as fit STATE_CACHE_SHARE of the device's free memory and, on a GPU, the next
+    ones up to HOST_SHARE of the host's available memory (plan_states: every sequence on the device
+    where all fit, else the smaller splits whole and a prefix of the next there, then the sequences
+    after it in host memory); returns the line that says what was decided. Every sequence kept
+    saves the target's forward over it in each epoch after the first.
+
+    host: the host tier's device; None: the CPU, for a training device that is not the CPU itself
+    (a CPU device has one tier, its own). A test passes "cpu" to get two tiers on a CPU.
 
     The rest of the free memory is the training step's: at SmolLM2's shape (32,768-token packed
     steps, 7 TTT steps, draft vocab 16,384) its peak was 17.5 GB, 22% of an 80 GB GPU."""
@@ -284,39 +371,119 @@ def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int 
     if world > 1:
         return (f"train: state cache off: {world} processes see other sequences every epoch (train.state_cache auto keeps "
                 "states for one process)")
+    device = torch.device(device)
+    if host is None and device.type != "cpu":
+        host = "cpu"
     need = sum(ds.state_bytes() for ds in splits)
     free = free_memory(device)
     if free is None:
         return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB and the memory free on {device} "
                 "cannot be read; the target runs on every batch of every epoch")
-    keep, cut = plan_states(splits, STATE_CACHE_SHARE * free)
+    budgets = [STATE_CACHE_SHARE * free]
+    available = host_memory() if host is not None and need > budgets[0] else None  # a host tier only where the device's ends
+    if available is not None:
+        budgets.append(HOST_SHARE * available)
+    plan = plan_states(splits, budgets)
+    on_device, on_host = plan[0], plan[1] if len(plan) > 1 else [0] * len(splits)
+    keep = [a + b for a, b in zip(on_device, on_host)]
     if not any(keep):
+        host_too = f" and {HOST_SHARE:.0%} of the {available / 2**30:.1f} GiB available in host memory" if available is not None else ""
         return (f"train: state cache off: the splits' states take {need / 2**30:.1f} GiB, more than {STATE_CACHE_SHARE:.0%} of "
-                f"the {free / 2**30:.1f} GiB free on {device}; the target runs on every batch of every epoch")
-    for ds, n in zip(splits, keep):
-        if n:
-            ds.keep_states(device, n)
+                f"the {free / 2**30:.1f} GiB free on {device}{host_too}; the target runs on every batch of every epoch")
+    for ds, n, m in zip(splits, on_device, on_host):
+        if n + m:
+            ds.keep_states(device, n, host_n=m, host=host)
         else:
             ds.cache = None
-    if cut is None:
+    if all(n == len(ds) for ds, n in zip(splits, on_device)):
         return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by "
                 "the target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
     kept = sum(ds.state_bytes(n) for ds, n in zip(splits, keep))
+    order = sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s))
+    cut = next((s for s in order if keep[s] < len(splits[s])), order[-1])  # the split kept in part (plan_states: one at most)
     others = "; ".join(f"the {ds.dir.name} split whole" if n == len(ds) else f"none of the {ds.dir.name} split"
                        for s, (ds, n) in enumerate(zip(splits, keep)) if s != cut)
-    ds = splits[cut]
-    return (f"train: state cache on {device} for {keep[cut]:,} of {len(ds):,} {ds.dir.name} sequences ({kept / 2**30:.1f} of "
-            f"{need / 2**30:.1f} GiB{'; ' + others if others else ''}): all that fits {STATE_CACHE_SHARE:.0%} of the "
-            f"{free / 2**30:.1f} GiB free, computed by the target in the first epoch and read back after it; the target "
-            "computes the rest every epoch")
+    ds, others = splits[cut], "; " + others if others else ""
+    rest = "" if kept == need else "; the target computes the rest every epoch"
+    if not any(on_host):
+        return (f"train: state cache on {device} for {keep[cut]:,} of {len(ds):,} {ds.dir.name} sequences ({kept / 2**30:.1f} of "
+                f"{need / 2**30:.1f} GiB{others}): all that fits {STATE_CACHE_SHARE:.0%} of the {free / 2**30:.1f} GiB free, "
+                f"computed by the target in the first epoch and read back after it{rest}")
+    in_host = sum(ds.state_bytes(n + m) - ds.state_bytes(n) for ds, n, m in zip(splits, on_device, on_host))
+    share = f"{kept / 2**30:.1f} of {need / 2**30:.1f} GiB" if rest else f"{need / 2**30:.1f} GiB"
+    return (f"train: state cache for {keep[cut]:,} of {len(ds):,} {ds.dir.name} sequences ({share}{others}): "
+            f"{(kept - in_host) / 2**30:.1f} GiB on {device} ({STATE_CACHE_SHARE:.0%} of its {free / 2**30:.1f} GiB free), "
+            f"{in_host / 2**30:.1f} GiB in host memory ({HOST_SHARE:.0%} of its {available / 2**30:.1f} GiB available); "
+            f"computed by the target in the first epoch and read back after it{rest}")
 
 
 def free_memory(device) -> int | None:
-    """Bytes free on `device`: the GPU's (CUDA), the host's available memory (CPU, Linux); None if unknown."""
+    """Bytes free on `device`: the GPU's (CUDA), the host's available memory (CPU: host_memory); None if unknown."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
+    return host_memory()
+
+
+MEMINFO, PROC_CGROUP, CGROUP = Path("/proc/meminfo"), Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
+
+
+def host_memory() -> int | None:
+    """Bytes of host memory this process can still take (Linux); None if unknown. /proc/meminfo's
+    MemAvailable: the free pages and the page cache the kernel gives back on demand (the free pages
+    alone, SC_AVPHYS_PAGES, where it cannot be read: on a machine up for a while the page cache holds
+    most of the memory, and the free pages can be a few GiB). At most what this process's cgroups
+    leave under their memory limits (a container's): the kernel kills a process past such a limit,
+    however much the machine has free."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        available = next(int(line.split()[1]) * 1024 for line in MEMINFO.read_text().splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def cgroup_room() -> int | None:
+    """The least that this process's cgroup and those above it leave under their memory limits, in
+    bytes (cgroup v2's memory.max, v1's memory.limit_in_bytes, less the usage: memory.current or
+    memory.usage_in_bytes less the inactive page cache the kernel reclaims first, as `docker stats`
+    counts it); None where no limit is set or none can be read."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
         return None
+    room = None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            root, limit, usage, cache = CGROUP, "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            root, limit, usage, cache = CGROUP / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        group = root / path.strip().lstrip("/")
+        group = group if group.is_dir() else root  # a container's own group mounted at the root
+        for d in [group, *group.parents]:
+            try:
+                cap, used = (d / limit).read_text().strip(), (d / usage).read_text().strip()
+            except OSError:
+                cap = used = ""
+            if cap.isdigit() and used.isdigit():  # v2's "max": no limit
+                left = int(cap) - int(used) + _memory_stat(d, cache)
+                room = left if room is None else min(room, left)
+            if d == root:
+                break
+    return None if room is None else max(0, room)
+
+
+def _memory_stat(group: Path, key: str) -> int:
+    """A cgroup's memory.stat entry, in bytes (0 where missing)."""
+    try:
+        return next(int(line.split()[1]) for line in (group / "memory.stat").read_text().splitlines()
+                    if line.split()[:1] == [key])
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0

@@ -421,24 +421,30 @@ def refill_state_cache(train_ds, steps: list, packed: bool, device, world: int, 
 
 
 def held_states(splits) -> int:
-    """Bytes the state caches of `splits` hold (draftlab.features.online.StateCache; 0: none, as for
-    stored states). Here by duck typing: the stages that import this module (export, check) must
-    not depend on the target's code that draftlab.features.online imports."""
-    return sum(ds.cache.nbytes() for ds in splits if getattr(ds, "cache", None) is not None)
+    """Bytes the state caches of `splits` hold on the training device (draftlab.features.online.StateCache's
+    device tier; 0: none, as for stored states): what giving them back frees there. The host tier
+    is not counted: a step short of the device's memory gains nothing from it. Here by duck typing:
+    the stages that import this module (export, check) must not depend on the target's code that
+    draftlab.features.online imports."""
+    return sum(ds.cache.device_nbytes() for ds in splits if getattr(ds, "cache", None) is not None)
 
 
 def give_back_states(splits, held: int, device, rank: int) -> None:
-    """A step that ran out of memory beside the state caches (`held` bytes): they are given back, and
-    the target runs on every batch from here (as train.state_cache off), rather than the run failing."""
+    """A step that ran out of memory beside the state caches' `held` bytes on the device: those are
+    given back, and the target computes their sequences on every batch from here (as train.state_cache
+    off), rather than the run failing. A host tier stays: it takes none of the device's memory."""
     for ds in splits:
         if getattr(ds, "cache", None) is not None:
-            ds.cache = None
+            ds.cache.drop_device()
+            if not ds.cache.keep:
+                ds.cache = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if rank == 0:
-        print(f"warning: a training step ran out of memory beside the state cache ({held / 2**30:.1f} GiB): the cache is "
-              "dropped and the target runs on every batch from here; set train.state_cache: off to start without it",
-              flush=True)
+        print(f"warning: a training step ran out of memory beside the state cache ({held / 2**30:.1f} GiB on the device): "
+              "those states are dropped and the target computes them on every batch from here"
+              + (" (the states in host memory stay)" if any(getattr(ds, "cache", None) is not None for ds in splits) else "")
+              + "; set train.state_cache: off to start without it", flush=True)
 
 
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
