@@ -243,8 +243,10 @@ class StateCache:
     computed: a StateTier each. Every read lands on `device`: a host row is copied there, and put
     copies a computed row to its tier; bf16 in, bf16 out, so the values are the target's to the bit
     either way. The host tier is pageable memory, not pinned (a pinned allocation of tens of GiB can
-    be slow, or refused under a container's memlock limit), so its copies block the host until done:
-    a step's 32,768 tokens at 4.5 KiB are ~150 MB, an estimated 10-30 ms against a ~290 ms step. A sequence
+    be slow, or refused under a container's memlock limit): a read gathers a batch's host rows and
+    copies them over in one piece through pinned memory, queued without a wait; a put to the host
+    waits for the target's forward (the first epoch only). A step's 32,768 tokens at 4.5 KiB are
+    ~150 MB, an estimated 10-30 ms of host copying against a ~290 ms step. A sequence
     past both tiers is never kept (keeps(i) False, put a no-op): the target computes its states
     every time. keep: how many sequences the cache keeps, both tiers."""
 
@@ -309,12 +311,26 @@ class StateCache:
         sequence's end and in the rows whose index is None (the caller fills those)."""
         aux = torch.zeros((len(indices), T, self.widths[0]), dtype=self.dtype, device=self.device)
         final = torch.zeros((len(indices), T, self.widths[1]), dtype=self.dtype, device=self.device)
+        far = []  # (row, aux, final) of the host tier's rows: copied over in one piece
         for j, i in enumerate(indices):
             if i is None:
                 continue
-            kept_aux, kept_final = self._tier(i).rows(i)
+            tier = self._tier(i)
+            kept_aux, kept_final = tier.rows(i)
+            if tier is self.on_host:
+                far.append((j, kept_aux, kept_final))
+                continue
             aux[j, : len(kept_aux)].copy_(kept_aux)
             final[j, : len(kept_final)].copy_(kept_final)
+        if far:
+            # One gathered copy through pinned memory, queued without a wait (to_device): a pageable copy per
+            # row would block the host until the GPU finished every kernel queued before it, each time.
+            sizes = [len(a) for _, a, _ in far]
+            moved_aux = to_device(torch.cat([a for _, a, _ in far]), self.device).split(sizes)
+            moved_final = to_device(torch.cat([f for _, _, f in far]), self.device).split(sizes)
+            for (j, _, _), a, f in zip(far, moved_aux, moved_final):
+                aux[j, : len(a)].copy_(a)
+                final[j, : len(f)].copy_(f)
         return aux, final
 
 
