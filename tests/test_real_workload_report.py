@@ -139,6 +139,13 @@ def test_the_data_line_counts_the_targets_own_prompts_and_says_when_the_state_ca
     data = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Data: "))
     assert ("; states of 14,203 of 40,022 train, 728 of 728 eval sequences kept after the first epoch (47.0 of 95.0 GiB): "
             "the target ran on the rest in every epoch") in data and "state cache off" not in data
+    # and the rest in host memory (a second tier where the GPU's budget ends)
+    both = {**partial, "kept_bytes": 95 * 2**30, "host_bytes": 48 * 2**30, "kept_sequences": {"train": 40022, "eval": 728}}
+    (run / "models/draft-ckpt/manifest.json").write_text(json.dumps({"stage": "train", "config_hash": "x",
+                                                                    "info": {"state_cache": both}}))
+    rwr.main([str(run), str(out), "--force", "--prompts", str(REPORT / "bench-prompts.jsonl")])
+    data = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Data: "))
+    assert "; states kept after the first epoch (95.0 GiB, 48.0 GiB of them in host memory)" in data
 
 
 def test_the_step1_table_sets_the_offline_rounds_beside_training_in_the_same_groups():

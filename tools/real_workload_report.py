@@ -325,10 +325,11 @@ def cache_kept(cache: dict) -> str:
     if not cache.get("kept"):
         return f"; state cache off ({whole:.1f} GiB of states: the target ran in every epoch)"
     part, kept, seqs = cache.get("kept_bytes"), cache.get("kept_sequences") or {}, cache.get("sequences") or {}
+    host = f", {cache['host_bytes'] / 2**30:.1f} GiB of them in host memory" if cache.get("host_bytes") else ""
     if part is None or part >= cache["bytes"]:
-        return f"; states kept after the first epoch ({whole:.1f} GiB)"
+        return f"; states kept after the first epoch ({whole:.1f} GiB{host})"
     split = ", ".join(f"{kept.get(name, 0):,} of {n:,} {name}" for name, n in seqs.items())
-    return (f"; states of {split} sequences kept after the first epoch ({part / 2**30:.1f} of {whole:.1f} GiB): "
+    return (f"; states of {split} sequences kept after the first epoch ({part / 2**30:.1f} of {whole:.1f} GiB{host}): "
             "the target ran on the rest in every epoch")
 
 
