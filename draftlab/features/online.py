@@ -147,8 +147,8 @@ class OnlineFeatures(Sequences):
         self.target_ran = bool(todo)
         self.target_lengths = [len(seqs[j][0]) for j in todo]
         # Every index and mask is made on the host and copied without a wait (to_device): the host
-        # goes on to the next batch while the GPU runs the target and the draft's step (a host
-        # tier's reads and puts do wait: pageable copies, StateCache).
+        # goes on to the next batch while the GPU runs the target and the draft's step (a put into
+        # the host tier does wait for the target's forward: StateCache.put_rows).
         on_device = to_device(ids, device), to_device(real, device)
         if cache is None or len(todo) == len(indices):  # every row computed now (the first epoch, mostly): the copies already made
             aux, final = self._states(*on_device, device)
@@ -161,9 +161,8 @@ class OnlineFeatures(Sequences):
                 aux[j, : n[k]], final[j, : n[k]] = new_aux[k, : n[k]], new_final[k, : n[k]]
         else:
             aux, final = cache.read(indices, T)
-        if cache is not None:
-            for k, j in enumerate(todo):  # a no-op for a sequence the cache never keeps
-                cache.put(indices[j], aux[j, : self.target_lengths[k]], final[j, : self.target_lengths[k]])
+        if cache is not None and todo:  # a no-op for a sequence the cache never keeps
+            cache.put_rows([(indices[j], aux[j, :n], final[j, :n]) for j, n in zip(todo, self.target_lengths)])
         ids, real = on_device
         out = {
             "input_ids": ids,
@@ -244,8 +243,8 @@ class StateCache:
     copies a computed row to its tier; bf16 in, bf16 out, so the values are the target's to the bit
     either way. The host tier is pageable memory, not pinned (a pinned allocation of tens of GiB can
     be slow, or refused under a container's memlock limit): a read gathers a batch's host rows and
-    copies them over in one piece through pinned memory, queued without a wait; a put to the host
-    waits for the target's forward (the first epoch only). A step's 32,768 tokens at 4.5 KiB are
+    copies them over in one piece through pinned memory, queued without a wait; put_rows copies a
+    batch's host rows back in one piece, which waits for the target's forward (the first epoch only). A step's 32,768 tokens at 4.5 KiB are
     ~150 MB, an estimated 10-30 ms of host copying against a ~290 ms step. A sequence
     past both tiers is never kept (keeps(i) False, put a no-op): the target computes its states
     every time. keep: how many sequences the cache keeps, both tiers."""
@@ -305,6 +304,20 @@ class StateCache:
         kept_aux.copy_(aux)  # device to host for the host tier: waits for the target's forward
         kept_final.copy_(final)
         tier.kept[i - tier.start] = True
+
+    def put_rows(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """put for each (i, aux, final), the host tier's rows copied over in one piece: one wait for the
+        device's queued work, not one per row."""
+        far = [(i, a, f) for i, a, f in rows if self.on_host is not None and i in self.on_host]
+        for i, a, f in rows:
+            if not far or i not in self.on_host:
+                self.put(i, a, f)
+        if far:
+            sizes = [len(a) for _, a, _ in far]
+            host = self.on_host.aux.device
+            for (i, _, _), a, f in zip(far, torch.cat([a for _, a, _ in far]).to(host).split(sizes),
+                                       torch.cat([f for _, _, f in far]).to(host).split(sizes)):
+                self.put(i, a, f)
 
     def read(self, indices: list[int | None], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, k*H], final [B, T, H]) of `indices` on the training device, zero past each
