@@ -318,3 +318,14 @@ def test_a_data_curve_at_another_setting_is_measured_against_its_own_point_and_s
     study.report([tmp_path / n for n in ("base", "lr-hi", "quarter", "quarter-seed-1", "half-flat")], tmp_path / "out")
     data = (tmp_path / "out/results.md").read_text().split("## Treatment: train_turns")[1].split("## ")[0]
     assert "(4,000 and 8,000): +0.020 per doubling. Flat at the top: within the seeds' spread." in data
+
+
+def test_the_steps_axis_puts_each_epoch_at_its_share_of_the_runs_optimizer_steps():
+    """epochs.png's second panel: a run of 3 epochs and 1,977 steps ends epoch 1 at step 659, one of 8 epochs and
+    2,304 steps at 288: more data per epoch shows as more steps per epoch. A run without its steps is left out."""
+    rows = pd.DataFrame([{"run": "more-prompts", "epochs": "3", "optimizer steps": 1977},
+                         {"run": "all-sharegpt", "epochs": 8, "optimizer steps": 2304},
+                         {"run": "old", "epochs": 3, "optimizer steps": None}])
+    rows["optimizer steps"] = rows["optimizer steps"].astype("Int64")
+    assert study.steps_per_epoch(rows) == {"more-prompts": 659.0, "all-sharegpt": 288.0}
+

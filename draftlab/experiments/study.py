@@ -18,7 +18,8 @@ DIR gets
   the last epoch's eval loss over its train loss) and, where it was served, served tau, a_1 and speedup of
   the draft and of the best n-gram lookup per prompt set, at bs=1 and at each concurrency measured;
 - epochs.png: the decoded first-turn tau after each epoch, one line per run (each on its own lr
-  schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not);
+  schedule: a 3-epoch run's third epoch ends its decay, an 8-epoch run's does not), and beside it the
+  same curves against optimizer steps (runs of other data sizes at equal compute);
 - data.png: the decoded first-turn tau against the training answer tokens (once runs differ in their data alone);
 - results.md: every run, the spread between seeds (runs that differ in train.seed alone), a table per
   treatment (runs that differ from each other in that key alone, with the tau gained per doubling
@@ -325,20 +326,39 @@ def markdown(frame: pd.DataFrame, columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at: dict[str, tuple[int, float]]) -> None:
+def steps_per_epoch(rows: pd.DataFrame) -> dict[str, float]:
+    """Each run's optimizer steps per epoch (every epoch the same batches' count): epoch e of a run ends at
+    step e times this. On that axis runs of other data sizes meet on one measure of compute: at equal
+    steps, more data against more epochs. A run without its step count is left out."""
+    epochs = pd.to_numeric(rows["epochs"], errors="coerce")  # a recipe key: as params.yaml spells it
+    return {r["run"]: float(r["optimizer steps"]) / e for (_, r), e in zip(rows.iterrows(), epochs)
+            if pd.notna(r.get("optimizer steps")) and pd.notna(e) and e > 0}
+
+
+def plot_epochs(out: Path, curves: dict[str, list[tuple[int, float]]], served_at: dict[str, tuple[int, float]],
+                per_epoch: dict[str, float] | None = None) -> None:
+    """epochs.png: the decoded tau after each epoch, one line per run (a star where it was served); beside
+    it, where the runs' step counts are known, the same curves against optimizer steps (steps_per_epoch)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6 + (2 if len(curves) > 4 else 0), 3.8))  # many runs: the legend beside the plot
-    for name, curve in curves.items():
-        line, = ax.plot(*zip(*curve), marker=".", label=name)
-        if name in served_at:
-            ax.plot(*served_at[name], marker="*", markersize=11, color=line.get_color(), linestyle="none")
-    ax.set(xlabel="epoch", ylabel="tau (tokens per round)",
-           title="greedy chains replayed over the eval first turns\n(star: served on the held-out first turns)")
-    ax.legend(fontsize="x-small", **({"loc": "center left", "bbox_to_anchor": (1.01, 0.5)} if len(curves) > 4 else {}))
+    panels = [("epoch", {name: 1.0 for name in curves})] + ([("optimizer steps", per_epoch)] if per_epoch else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + (2 if len(curves) > 4 else 0), 3.8), sharey=True,
+                             squeeze=False)
+    for ax, (xlabel, scale) in zip(axes[0], panels):
+        for name, curve in curves.items():
+            if name not in scale:
+                continue
+            line, = ax.plot([e * scale[name] for e, _ in curve], [t for _, t in curve], marker=".", label=name)
+            if name in served_at:
+                epoch, tau = served_at[name]
+                ax.plot(epoch * scale[name], tau, marker="*", markersize=11, color=line.get_color(), linestyle="none")
+        ax.set(xlabel=xlabel)
+    axes[0][0].set(ylabel="tau (tokens per round)")
+    fig.suptitle("greedy chains replayed over the eval first turns (star: served on the held-out first turns)", fontsize="medium")
+    axes[0][-1].legend(fontsize="x-small", **({"loc": "center left", "bbox_to_anchor": (1.01, 0.5)} if len(curves) > 4 else {}))
     fig.tight_layout()
     fig.savefig(out / "epochs.png", dpi=100)
     plt.close(fig)
@@ -401,7 +421,7 @@ def report(paths: list[Path], out: Path, base: str | None = None) -> pd.DataFram
     served_at = {row["run"]: (int(row["epochs"]), row["heldout draft tau"]) for row, curve, _ in points
                  if curve and pd.notna(row.get("heldout draft tau"))}
     if curves:
-        plot_epochs(out, curves, served_at)
+        plot_epochs(out, curves, served_at, steps_per_epoch(rows))
     plot_data(out, rows)
     figures = ["tau_pred", "decoded tau first turns", "a_1 teacher-forced", "optimizer steps", "eval/train loss", "heldout draft tau", "heldout draft a_1",
                "heldout draft speedup", "heldout ngram tau", "heldout ngram speedup", "mt-bench draft tau", "mt-bench draft a_1",
