@@ -308,15 +308,14 @@ class StateCache:
     def put_rows(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """put for each (i, aux, final), the host tier's rows copied over in one piece: one wait for the
         device's queued work, not one per row."""
-        far = [(i, a, f) for i, a, f in rows if self.on_host is not None and i in self.on_host]
+        host = self.on_host
+        far = [(i, a, f) for i, a, f in rows if host is not None and i in host]
         for i, a, f in rows:
-            if not far or i not in self.on_host:
+            if host is None or i not in host:
                 self.put(i, a, f)
         if far:
-            sizes = [len(a) for _, a, _ in far]
-            host = self.on_host.aux.device
-            for (i, _, _), a, f in zip(far, torch.cat([a for _, a, _ in far]).to(host).split(sizes),
-                                       torch.cat([f for _, _, f in far]).to(host).split(sizes)):
+            move = lambda t: t.to(host.aux.device)  # noqa: E731
+            for i, a, f in zip([i for i, _, _ in far], *moved(far, move)):
                 self.put(i, a, f)
 
     def read(self, indices: list[int | None], T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,15 +335,19 @@ class StateCache:
             aux[j, : len(kept_aux)].copy_(kept_aux)
             final[j, : len(kept_final)].copy_(kept_final)
         if far:
-            # One gathered copy through pinned memory, queued without a wait (to_device): a pageable copy per
-            # row would block the host until the GPU finished every kernel queued before it, each time.
-            sizes = [len(a) for _, a, _ in far]
-            moved_aux = to_device(torch.cat([a for _, a, _ in far]), self.device).split(sizes)
-            moved_final = to_device(torch.cat([f for _, _, f in far]), self.device).split(sizes)
-            for (j, _, _), a, f in zip(far, moved_aux, moved_final):
+            # Through pinned memory, queued without a wait (to_device): a pageable copy per row would block
+            # the host until the GPU finished every kernel queued before it, each time.
+            for j, a, f in zip([j for j, _, _ in far], *moved(far, lambda t: to_device(t, self.device))):
                 aux[j, : len(a)].copy_(a)
                 final[j, : len(f)].copy_(f)
         return aux, final
+
+
+def moved(rows: list[tuple[int, torch.Tensor, torch.Tensor]], move) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The aux and final rows of (i, aux, final) moved by `move` in one piece each (one copy, not one
+    per row), split back into rows."""
+    sizes = [len(a) for _, a, _ in rows]
+    return (move(torch.cat([a for _, a, _ in rows])).split(sizes), move(torch.cat([f for _, _, f in rows])).split(sizes))
 
 
 STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for the state caches of both splits
@@ -356,6 +359,11 @@ STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for th
 HOST_SHARE = 0.5
 
 
+def smallest_first(splits: list[OnlineFeatures]) -> list[int]:
+    """The splits' positions, the one whose states take fewest bytes first: the order plan_states keeps them in."""
+    return sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s))
+
+
 def plan_states(splits: list[OnlineFeatures], budgets: list[float]) -> list[list[int]]:
     """How many of each split's sequences each tier keeps ([tier][split]), tier t within budgets[t]
     bytes (the device's, then the host's). The sequences in one order: the splits smallest first
@@ -364,7 +372,7 @@ def plan_states(splits: list[OnlineFeatures], budgets: list[float]) -> list[list
     budget: the device tier the smaller splits whole (while they fit) and then a prefix of the next,
     the host tier the run of sequences after it; the sequences after both are never kept. A rule of
     the lengths alone: every run, resumed or not, keeps the same sequences in the same tier."""
-    order = sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s))
+    order = smallest_first(splits)
     plan = [[0] * len(splits) for _ in budgets]
     k, i = 0, 0  # the next sequence: order[k]'s sequence i
     for t, left in enumerate(budgets):
@@ -428,7 +436,7 @@ def cache_states(splits: list[OnlineFeatures], setting: str, device, world: int 
         return (f"train: state cache on {device}: {need / 2**30:.1f} GiB of states (of {free / 2**30:.1f} GiB free), computed by "
                 "the target in the first epoch and read back after it (train.state_cache off: the target runs every epoch)")
     kept = sum(ds.state_bytes(n) for ds, n in zip(splits, keep))
-    order = sorted(range(len(splits)), key=lambda s: (splits[s].state_bytes(), s))
+    order = smallest_first(splits)
     cut = next((s for s in order if keep[s] < len(splits[s])), order[-1])  # the split kept in part (plan_states: one at most)
     others = "; ".join(f"the {ds.dir.name} split whole" if n == len(ds) else f"none of the {ds.dir.name} split"
                        for s, (ds, n) in enumerate(zip(splits, keep)) if s != cut)
