@@ -121,12 +121,12 @@ def state_cache_info(train_ds, eval_ds, features: str) -> dict:
     splits = {"train": train_ds, "eval": eval_ds}
     online = features == "online"
     caches = {name: getattr(ds, "cache", None) if online else None for name, ds in splits.items()}
-    kept = {name: ds.kept_sequences() if online else 0 for name, ds in splits.items()}
+    kept = {name: 0 if c is None else c.keep for name, c in caches.items()}
     return {"kept": any(kept.values()),
             "bytes": sum(ds.state_bytes() for ds in splits.values()) if online else 0,
             "kept_bytes": sum(c.nbytes() for c in caches.values() if c is not None),
             "host_bytes": sum(c.host_nbytes() for c in caches.values() if c is not None),
-            "kept_sequences": kept, "host_sequences": {name: ds.host_sequences() if online else 0 for name, ds in splits.items()},
+            "kept_sequences": kept, "host_sequences": {name: 0 if c is None else c.host_keep for name, c in caches.items()},
             "sequences": {name: len(ds) for name, ds in splits.items()}}
 
 
