@@ -268,6 +268,9 @@ class ExtractParams:
     # own ModelRunner in this process (draftlab.features.engines), the kernels that will serve the draft.
     engine: Literal["transformers", "sglang"] = "transformers"
     tp_size: Annotated[Int, Field(ge=1)] = 1  # tensor-parallel ranks per engine (sglang only)
+    # sglang only: more fields of SGLang's ServerArgs for its ModelRunner, as keyword arguments (attention_backend:
+    # triton where SGLang's default kernel is not installed, say). The engine sets the model, dtype and parallelism.
+    engine_args: dict[str, str | Int | float | bool] = Field(default_factory=dict)
     # A data curve from one synthesis: the train split's conversations sampled by id (each smaller sample inside every
     # larger one), and each cut after its first answers the target wrote; None = all. The eval split is kept whole.
     train_conversations: Annotated[Int, Field(ge=1)] | None = None
@@ -277,7 +280,20 @@ class ExtractParams:
         if self.tp_size > 1 and self.engine != "sglang":
             return (f"key extract.tp_size {self.tp_size} needs extract.engine sglang: the transformers engine runs the "
                     "whole target on one device; set extract.tp_size 1 or extract.engine sglang")
+        if self.engine_args and self.engine != "sglang":
+            return (f"key extract.engine_args {dict(self.engine_args)} is for extract.engine sglang (SGLang's ServerArgs); "
+                    "set extract.engine_args {} or extract.engine sglang")
+        own = sorted(set(self.engine_args) & set(ENGINE_OWN_ARGS))
+        if own:
+            return (f"key extract.engine_args.{own[0]}: the engine sets it itself ({ENGINE_OWN_ARGS[own[0]]}); "
+                    "leave it out of extract.engine_args")
         return None
+
+
+# ServerArgs fields extract.engine sglang sets itself, and from what (draftlab.features.engines.sglang_engine).
+ENGINE_OWN_ARGS = {"model_path": "target.model", "revision": "target.revision", "dtype": "target.dtype",
+                   "tp_size": "extract.tp_size", "pp_size": "one pipeline stage",
+                   "disable_cuda_graph": "every batch has its own shape", "chunked_prefill_size": "one forward per batch"}
 
 
 @dataclass(frozen=True, config=STRICT)

@@ -193,7 +193,8 @@ def main(synth: Path, out: Path) -> None:
     rank, world = parallel.setup_distributed(torch.device(device).type)
     device = parallel.local_device(device)
     layout = parallel.rank_layout(world, extract_params.tp_size, rank)
-    engine = open_engine(target_params, extract_params, device, layout, layer_ids=ids_for_physical)
+    engine = open_engine(target_params, extract_params, device, layout, layer_ids=ids_for_physical,
+                         max_tokens=extract_params.batch_size * extract_params.max_length)  # one forward's rows
     tok = engine.tokenizer
     info = target_info(engine.config, target_params)
     # Refuse a layer spec the SGLang release that will serve the draft cannot capture, before any compute.

@@ -58,12 +58,13 @@ def datasets(features: Path, features_manifest: dict, params):
     max_length = params.train.max_length
     if mode == "offline":
         return FeatureDataset(features / "train", max_length), FeatureDataset(features / "eval", max_length)
-    extract = load_params(["extract"]).extract  # of it, only engine and tp_size: what computes the states online
+    extract = load_params(["extract"]).extract  # of it, only engine, tp_size and engine_args: what computes the states online
     if extract.tp_size > 1:  # one target per training process: DDP ranks are not TP groups
         raise UserError(f"params.yaml: extract.tp_size {extract.tp_size} with train.features online: online training "
                         "runs one whole target per process; set train.features offline (extract captures tensor-parallel) "
                         "or extract.tp_size 1")
-    target = OnlineTarget(params.target, extract, ids_for_physical)  # the states from extract.engine, as extract's
+    batch_tokens = params.train.batch_tokens or params.train.batch_size * max_length  # the most one batch holds
+    target = OnlineTarget(params.target, extract, ids_for_physical, batch_tokens)  # the states from extract.engine, as extract's
     return OnlineFeatures(features / "train", max_length, target), OnlineFeatures(features / "eval", max_length, target)
 
 

@@ -30,10 +30,12 @@ class OnlineTarget:
 
     extract_params: None or extract.engine transformers, the target in this process as extract
     captures it; extract.engine sglang, the states come from SGLang's engine instead (layer_ids:
-    draftlab.sglang.layers.ids_for_physical, passed by the caller)."""
+    draftlab.sglang.layers.ids_for_physical, passed by the caller); max_tokens: the most tokens one
+    batch holds, which SGLang's engine sizes its KV pool for."""
 
-    def __init__(self, target_params, extract_params=None, layer_ids=None):
+    def __init__(self, target_params, extract_params=None, layer_ids=None, max_tokens: int | None = None):
         self.params, self.extract_params, self.layer_ids = target_params, extract_params, layer_ids
+        self.max_tokens = max_tokens
         self.device: torch.device | None = None
         self._model = None
         self._engine = None
@@ -45,7 +47,9 @@ class OnlineTarget:
         if self._engine is None:
             from draftlab.features.engines import open_engine
 
-            self._engine, self.device = open_engine(self.params, self.extract_params, str(device), layer_ids=self.layer_ids), torch.device(device)
+            self._engine = open_engine(self.params, self.extract_params, str(device), layer_ids=self.layer_ids,
+                                       max_tokens=self.max_tokens)
+            self.device = torch.device(device)
         return self._engine.capture(ids, attention_mask, physical)
 
     def load(self, device) -> None:

@@ -16,8 +16,12 @@ from draftlab.errors import UserError
 from draftlab.parallel import RankLayout
 
 
-def open_engine(target_params, extract_params, device: str, layout: RankLayout | None = None, layer_ids=None):
+def open_engine(target_params, extract_params, device: str, layout: RankLayout | None = None, layer_ids=None,
+                max_tokens: int | None = None):
     """The engine extract.engine names, with its target loaded on `device`.
+
+    max_tokens: the most tokens one capture call holds (the sglang engine sizes its KV pool for them;
+    None = SGLang's own share of the GPU).
 
     layer_ids: draftlab.sglang.layers.ids_for_physical, for the sglang engine (the per-family id rule
     lives in the sglang wing, which features may not import; its callers pass it in).
@@ -34,5 +38,5 @@ def open_engine(target_params, extract_params, device: str, layout: RankLayout |
     if engine == "sglang":
         from draftlab.features.engines.sglang_engine import SGLangEngine
 
-        return SGLangEngine.load(target_params, extract_params, device, layout, layer_ids)
+        return SGLangEngine.load(target_params, extract_params, device, layout, layer_ids, max_tokens)
     raise UserError(f"extract.engine must be transformers or sglang, got {engine!r}")
