@@ -3,8 +3,8 @@ process's GPU, tensor-parallel over extract.tp_size ranks: the kernels (and thei
 draft will be served with.
 
 Written against SGLang 0.5.14 (sglang/srt/model_executor/model_runner.py, managers/schedule_batch.py,
-model_executor/forward_batch_info.py); no scheduler and no HTTP server. What it relies on, each to be
-confirmed on a GPU (docs/scale.md lists them):
+model_executor/forward_batch_info.py); no scheduler and no HTTP server. What it relies on
+(docs/scale.md):
 - ModelRunner's constructor sets up its distributed groups and loads the weights; alloc_memory_pool(),
   init_attention_backends() and init_cuda_graphs() must then be called (the last builds the eager
   runner forward() uses; CUDA graphs are off: disable_cuda_graph).
