@@ -150,12 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         ref_states, got_states = (states[x] for x in labels)
         rows = {}
         for i in physical:
-            near = {j: errors([g[0][i] for g in got_states], [g[0][j] for g in ref_states], data)[0]
-                    for j in neighbours([i], num_layers)}
-            rows[f"physical {i}"] = {**dict(zip(("all", "worst_row"), errors([g[0][i] for g in got_states],
-                                                                              [g[0][i] for g in ref_states], data))),
-                                     **{f"against physical {j}": e for j, e in near.items() if j != i},
-                                     "closest": min(near, key=near.get)}
+            near = {j: errors([g[0][i] for g in got_states], [g[0][j] for g in ref_states], data)
+                    for j in neighbours([i], num_layers)}  # (all, worst row) against each; j == i is the error
+            rows[f"physical {i}"] = {**dict(zip(("all", "worst_row"), near[i])),
+                                     **{f"against physical {j}": e[0] for j, e in near.items() if j != i},
+                                     "closest": min(near, key=lambda j: near[j][0])}
         rows["final (after the norm)"] = dict(zip(("all", "worst_row"), errors([g[1] for g in got_states],
                                                                                [g[1] for g in ref_states], data)))
         result["relative_error"] = {k: {n: round(v, 5) if isinstance(v, float) else v for n, v in row.items()}
