@@ -170,6 +170,9 @@ def test_the_sglang_engine_sizes_its_kv_pool_for_one_batch_and_passes_engine_arg
     assert (args["max_total_tokens"], args["attention_backend"], args["disable_cuda_graph"]) == (4096, "triton", True)
     assert made["calls"] == ["alloc_memory_pool", "init_attention_backends", "init_cuda_graphs"]
     assert engine.architecture == "LlamaForCausalLM"
+    # the fields params refuses in extract.engine_args are exactly those the engine sets itself
+    from draftlab.params import ENGINE_OWN_ARGS
+    assert set(args) - {"max_total_tokens", "attention_backend"} == set(ENGINE_OWN_ARGS)
     # extract.engine_args may set the pool itself; no max_tokens leaves SGLang's own sizing
     extract_params.engine_args = {"max_total_tokens": 512}
     SGLangEngine.load(target, extract_params, "cuda:0", None, lambda *a: [0], max_tokens=4096)
