@@ -289,6 +289,31 @@ def test_ctrl_c_then_rerun_answers_only_the_rest(tmp_path):
     assert len(third.seen) == 8
 
 
+def test_a_synthesis_stopped_on_one_node_is_finished_on_the_next_from_its_results_pack(tmp_path):
+    """A GPU job's time limit stops synthesis midway: the results pack (DRAFTLAB_PACK_ANSWERS=1) carries the
+    conversations it finished, and the next node, with the pack unpacked into its tree, answers only the rest."""
+    import tarfile
+
+    from draftlab.experiments.grid import pack
+
+    splits = {"train": [row(f"q{i}") for i in range(6)], "eval": [row("e0"), row("e1")]}
+    first_node, next_node = tmp_path / "first", tmp_path / "next"
+    stopped = ListBackend(stop_after=5)
+    with pytest.raises(KeyboardInterrupt):
+        synth.synthesize(splits, stopped, first_node / "data/synth", "key-1", answer_row)
+    pack(tmp_path / "results.tar.gz", first_node, answers=True)
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        tar.extractall(next_node, filter="data")
+
+    rest = ListBackend()
+    stats = synth.synthesize(splits, rest, next_node / "data/synth", "key-1", answer_row)
+    assert len(stopped.seen) == 5 and sorted(stopped.seen + rest.seen) == sorted(r["id"] for rows in splits.values() for r in rows)
+    assert stats["counts"]["train"]["resumed"] + stats["counts"]["eval"]["resumed"] == 5
+    for split, rows in splits.items():
+        out = [json.loads(x) for x in (next_node / f"data/synth/{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in out] == [r["id"] for r in rows]
+
+
 class CallsBackend(ListBackend):
     """Records the rows of each answer() call; answers them in reverse order, as a pool finishes them."""
 

@@ -11,7 +11,8 @@
 # RESULTS/results.tar.gz, also after a failure. Re-running resumes: finished stages are skipped, and
 # the wheels are not installed again while their file names are the same. With DRAFTLAB_PACK_ANSWERS=1
 # the target's answers (data/synth/) are packed too, with the prompts it wrote itself (data/self-prompts/):
-# unpacked into the tree of the next node, synthesize reuses every answer there and starts no server.
+# unpacked into the tree of the next node, synthesize reuses every answer there and starts no server
+# (and, after a run stopped in synthesis, keeps the conversations it finished and answers the rest).
 # With DRAFTLAB_PACK_DRAFT=1, the exported draft (models/draft: the SGLang checkpoint) too.
 set -uo pipefail
 wheels=$1 results=$2; shift 2

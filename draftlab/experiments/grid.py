@@ -38,8 +38,11 @@ PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
 # On request, the target's answers too (tools/offline_gpu_run.sh with DRAFTLAB_PACK_ANSWERS=1): unpacked
 # into the next node's tree, synthesize reuses every one of them and starts no server. The prompts the
 # target wrote itself travel with them (stage self_prompts keeps its file under the same settings), or the
-# next node would write other ones and answer those again.
+# next node would write other ones and answer those again. A synthesis stopped midway (a job's time limit,
+# a preempted node) leaves its finished conversations in <split>.jsonl.partial under the key in .resume.json:
+# they travel too, and the next node's synthesize keeps them and answers only the rest.
 ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json",
+           "data/synth/*.jsonl.partial", "data/synth/.resume.json",
            "data/self-prompts/prompts.jsonl", "data/self-prompts/.written.json")
 # And the exported draft (DRAFTLAB_PACK_DRAFT=1): the SGLang checkpoint itself, to serve or study elsewhere.
 DRAFT = ("models/draft/*",)
