@@ -59,6 +59,12 @@ def _bool(value):
     return value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
 
 
+def _off(value):
+    # YAML 1.1 reads an unquoted off (or no) as false, so `state_cache: off` arrives as False: where
+    # "off" is a choice, false can mean nothing else.
+    return "off" if value is False else value
+
+
 Int = Annotated[int, _number(int)]
 Float = Annotated[float, _number(float)]
 Bool = Annotated[bool, BeforeValidator(_bool)]
@@ -339,7 +345,7 @@ class TrainParams:
     # train's in index order), and on a GPU the next ones in host memory up to 50% of what it has
     # available; the target computes the rest every epoch (draftlab.features.online.cache_states);
     # off: the target runs on every batch of every epoch.
-    state_cache: Literal["auto", "off"] = "off"
+    state_cache: Annotated[Literal["auto", "off"], BeforeValidator(_off)] = "off"
 
 
 @dataclass(frozen=True, config=STRICT)

@@ -173,3 +173,15 @@ def test_prompt_length_bounds_that_contradict_each_other_are_named(tmp_path, bas
         load_params(["prompts"], write(tmp_path, base))
     base["prompts"].update(min_prompt_tokens=10, max_prompt_tokens=10)  # equal: prompts of exactly 10 tokens
     assert load_params(["prompts"], write(tmp_path, base)).prompts.max_prompt_tokens == 10
+
+
+def test_state_cache_off_written_unquoted_in_yaml_is_off(tmp_path):
+    """YAML 1.1 reads an unquoted `off` as false: `state_cache: off` in params.yaml or a profile means off,
+    and true still names the choices."""
+    text = Path(REPO_PARAMS).read_text()
+    assert re.search(r"^  state_cache: auto\b", text, re.M)
+    (tmp_path / "params.yaml").write_text(re.sub(r"^  state_cache: auto\b", "  state_cache: off", text, flags=re.M))
+    assert load_params(["train"], tmp_path / "params.yaml").train.state_cache == "off"
+    (tmp_path / "params.yaml").write_text(re.sub(r"^  state_cache: auto\b", "  state_cache: on", text, flags=re.M))
+    with pytest.raises(ParamsError, match="state_cache"):
+        load_params(["train"], tmp_path / "params.yaml")

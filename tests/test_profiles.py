@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
+from draftlab.errors import UserError
 from draftlab.main import main
 from draftlab.params import SECTIONS, load_params
 from draftlab.experiments.profiles import apply_profiles, dvc_exp_run, hydra_value, parse_set, plain_set
@@ -90,6 +91,33 @@ def test_dvc_writes_exactly_the_profiles_typed_values(project):
     assert dvc_view["export"]["sglang_version"] == "0.5.14" and dvc_view["synth"]["model_name"] == "007"
     # DVC keeps params.yaml's comments: only the values changed
     assert "# draftlab parameters" in (project / "params.yaml").read_text()
+
+
+def test_a_mapping_key_is_set_entry_by_entry_and_dvc_writes_exactly_the_profiles_mapping(project):
+    """extract.engine_args is a mapping: DVC merges a mapping -S into the one in params.yaml and refuses new
+    entries, so the profile's mapping goes over entry by entry, and entries it drops are removed. An unquoted
+    `state_cache: off` (false to YAML) goes over as off."""
+    from dvc.utils.hydra import apply_overrides
+
+    (project / "sglang.yaml").write_text("extract:\n  engine: sglang\n  engine_args: {attention_backend: triton, "
+                                         "mem_fraction_static: 0.5}\ntrain:\n  state_cache: off\n")
+    applied = apply_profiles(["sglang.yaml"])
+    apply_overrides(project / "params.yaml", applied.overrides())
+    after = typed(project / "params.yaml")
+    assert after["extract.engine_args"] == {"attention_backend": "triton", "mem_fraction_static": 0.5}
+    assert after["extract.engine"] == "sglang" and after["train.state_cache"] == "off"
+
+    (project / "fewer.yaml").write_text("extract:\n  engine_args: {attention_backend: flashinfer}\n")
+    applied = apply_profiles(["fewer.yaml"])  # over the params.yaml DVC just wrote
+    assert applied.old["extract.engine_args"]["mem_fraction_static"] == 0.5
+    apply_overrides(project / "params.yaml", applied.overrides())
+    assert typed(project / "params.yaml")["extract.engine_args"] == {"attention_backend": "flashinfer"}
+
+
+def test_a_mapping_dvc_cannot_carry_is_refused_naming_the_key(project):
+    (project / "bad.yaml").write_text("extract:\n  engine: sglang\n  engine_args: {\"two words\": 1}\n")
+    with pytest.raises(UserError, match="bad.yaml: key extract.engine_args: .*two words.* must be a name"):
+        apply_profiles(["bad.yaml"])
 
 
 # Any value a params key can hold, nested lists included (the params have none, the grammar does).

@@ -3,8 +3,9 @@ as one DVC experiment.
 
     draftlab exp run configs/gpu-8b.yaml [MORE.yaml ...] [-S section.key=VALUE ...] [-- dvc args]
 
-Profiles merge in order over params.yaml (mappings merge, lists replace, later profiles and -S
-win) and become one `dvc exp run -S section.key=VALUE` per leaf key. Each VALUE is written in
+Profiles merge in order over params.yaml (sections merge; a key's value, a list or a mapping such as
+extract.engine_args, replaces the one before; later profiles and -S win) and become one
+`dvc exp run -S section.key=VALUE` per key (a mapping: one per entry, dvc_overrides). Each VALUE is written in
 Hydra's override grammar, which DVC parses before it edits params.yaml, so that params.yaml gets
 exactly the typed value the params loader reads from the profile: strings always quoted (the
 string "0.5.14" stays a string), lists as [..], null, true/false, ints, floats as Python's repr
@@ -70,6 +71,28 @@ def hydra_value(v) -> str:
     if isinstance(v, list):
         return "[" + ",".join(hydra_value(x) for x in v) + "]"
     raise UserError(f"{shown(v)} ({type(v).__name__}) is no params value: use a string, number, true/false, null or a list")
+
+
+ENTRY = re.compile(r"[A-Za-z_]\w*")  # an entry of a mapping key that Hydra's grammar reads as a key name
+
+
+def dvc_overrides(key: str, old, new) -> list[str]:
+    """dvc exp run -S overrides that make params.yaml's `key` equal `new` (it is `old` there).
+
+    A scalar or a list: `key=VALUE`. A mapping of scalars and lists (extract.engine_args): DVC merges a
+    mapping into the one in params.yaml and refuses an entry that is not there yet, so it is set entry by
+    entry: `~key.ENTRY` for each entry that `new` drops, `++key.ENTRY=VALUE` for each of `new`'s."""
+    if not isinstance(new, dict):
+        return [f"{key}={hydra_value(new)}"]
+    for entry, value in new.items():
+        if not isinstance(entry, str) or not ENTRY.fullmatch(entry):
+            raise UserError(f"{shown(entry)}: an entry of {key} must be a name (letters, digits and _)")
+        if isinstance(value, dict):
+            raise UserError(f"{key}.{entry}: {shown(value)} is a mapping inside a mapping; give it as one value "
+                            "(a string, number, true/false, null or a list)")
+    old = old if isinstance(old, dict) else {}
+    return ([f"~{key}.{entry}" for entry in old if entry not in new]
+            + [f"++{key}.{entry}={hydra_value(value)}" for entry, value in new.items()])
 
 
 def hydra_parser(text: str | None = None):
@@ -157,8 +180,9 @@ class Applied:
     origin: dict  # section.key -> the profile file (or the -S) that set it last
 
     def overrides(self) -> list[str]:
-        """One `section.key=VALUE` per key, for dvc exp run -S."""
-        return [f"{k}={hydra_value(self.new[k])}" for k in self.keys]
+        """The -S overrides of dvc exp run that set each key: `section.key=VALUE`, or one per entry of a
+        mapping (dvc_overrides)."""
+        return [o for k in self.keys for o in dvc_overrides(k, self.old[k], self.new[k])]
 
 
 def profile_path(name: str) -> Path:
@@ -218,7 +242,7 @@ def apply_profiles(profiles: list[str], sets: list[str] = (), params_file: str |
         step({section: {key: value}}, f"-S {text}")
     for name in keys:  # a value DVC cannot carry fails here, before anything runs
         try:
-            hydra_value(new[name])
+            dvc_overrides(name, old[name], new[name])
         except UserError as e:
             raise UserError(f"{origin[name]}: key {name}: {e}") from None
     return Applied(params_file, keys, {k: old[k] for k in keys}, {k: new[k] for k in keys}, origin)
