@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from draftlab.data import self_prompts, synth
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
 
@@ -41,9 +42,9 @@ PACKED = KEPT + ("runs", "models/target-pin.json", "data/prompts/eval.jsonl")
 # next node would write other ones and answer those again. A synthesis stopped midway (a job's time limit,
 # a preempted node) leaves its finished conversations in <split>.jsonl.partial under the key in .resume.json:
 # they travel too, and the next node's synthesize keeps them and answers only the rest.
-ANSWERS = ("data/synth/train.jsonl", "data/synth/eval.jsonl", "data/synth/.answers.json",
-           "data/synth/*.jsonl.partial", "data/synth/.resume.json",
-           "data/self-prompts/prompts.jsonl", "data/self-prompts/.written.json")
+ANSWERS = (*(f"data/synth/{split}.jsonl{end}" for end in ("", ".partial") for split in synth.SPLITS),
+           f"data/synth/{synth.ANSWERS_FILE}", f"data/synth/{synth.RESUME_FILE}",
+           f"data/self-prompts/{self_prompts.FILE}", f"data/self-prompts/{self_prompts.KEY_FILE}")
 # And the exported draft (DRAFTLAB_PACK_DRAFT=1): the SGLang checkpoint itself, to serve or study elsewhere.
 DRAFT = ("models/draft/*",)
 
