@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from draftlab import parallel
-from draftlab.train import loop as train
+from draftlab.train import RESUME_DIR, loop as train
 from draftlab.cli import run_stage_cli
 from draftlab.train.draft import DraftConfig
 from draftlab.train.flops import Meter, peak_flops
@@ -292,4 +292,4 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_stage_cli(main, __doc__, features="data/features", out="models/draft-ckpt", reports="reports/train", resume_dir="models/.train-resume")
+    run_stage_cli(main, __doc__, features="data/features", out="models/draft-ckpt", reports="reports/train", resume_dir=RESUME_DIR)

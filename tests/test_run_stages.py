@@ -178,6 +178,15 @@ def test_a_gpu_node_packs_reports_manifests_and_a_grids_points_but_no_data(tmp_p
     with tarfile.open(out) as tar:
         members = [m.name for m in tar.getmembers() if m.isfile()]
     assert set(members) == set(files) - {"data/synth/train.jsonl"} and len(members) == len(set(members))
+    (tmp_path / "models/.train-resume").mkdir(parents=True)
+    (tmp_path / "models/.train-resume/last.pt").write_text("step 2800")  # a training the node's time limit stopped
+    pack(out, tmp_path, draft=True)
+    with tarfile.open(out) as tar:
+        assert "models/.train-resume/last.pt" not in tar.getnames()
+    pack(out, tmp_path, answers=True, resume=True)  # DRAFTLAB_PACK_RESUME=1: the next node's train goes on from it
+    with tarfile.open(out) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert "models/.train-resume/last.pt" in names and "data/synth/train.jsonl" in names
 
 
 def test_a_grid_row_carries_the_decoded_tau_at_the_points_served_depth_so_a_train_only_grid_ranks_its_points(tmp_path):
@@ -244,6 +253,11 @@ def test_a_gpu_node_installs_the_wheels_once_and_again_only_when_they_change(tmp
     node_run(DRAFTLAB_PACK_DRAFT="1")  # the exported draft too
     with tarfile.open(results / "results.tar.gz") as tar:
         assert "models/draft/model.safetensors" in tar.getnames() and "data/synth/train.jsonl" not in tar.getnames()
+    (root / "models/.train-resume").mkdir(parents=True, exist_ok=True)
+    (root / "models/.train-resume/last.pt").write_text("checkpoint")
+    node_run(DRAFTLAB_PACK_RESUME="1")  # a training stopped midway: its checkpoint, for the next node to go on from
+    with tarfile.open(results / "results.tar.gz") as tar:
+        assert "models/.train-resume/last.pt" in tar.getnames() and "models/draft/model.safetensors" not in tar.getnames()
     assert "VERSION = '0.1'" in (results / "site/nodepkg/__init__.py").read_text()
     assert "the same 1 already installed" in node_run()
     (wheels / "nodepkg-0.1-py3-none-any.whl").unlink()

@@ -13,7 +13,10 @@
 # the target's answers (data/synth/) are packed too, with the prompts it wrote itself (data/self-prompts/):
 # unpacked into the tree of the next node, synthesize reuses every answer there and starts no server
 # (and, after a run stopped in synthesis, keeps the conversations it finished and answers the rest).
-# With DRAFTLAB_PACK_DRAFT=1, the exported draft (models/draft: the SGLang checkpoint) too.
+# With DRAFTLAB_PACK_DRAFT=1, the exported draft (models/draft: the SGLang checkpoint) too. With
+# DRAFTLAB_PACK_RESUME=1, the checkpoint of a training the node stopped midway (models/.train-resume/last.pt,
+# with the optimizer state: 3x the draft's weights); unpacked on the next node with the answers, train goes
+# on from the step it reached.
 set -uo pipefail
 wheels=$1 results=$2; shift 2
 mkdir -p "$results"
@@ -31,7 +34,7 @@ else
 fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
 pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); answers and draft on request
-  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1", draft=os.environ.get("DRAFTLAB_PACK_DRAFT") == "1")' \
+  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1", draft=os.environ.get("DRAFTLAB_PACK_DRAFT") == "1", resume=os.environ.get("DRAFTLAB_PACK_RESUME") == "1")' \
     "$results/results.tar.gz" && echo "packed $results/results.tar.gz"
 }
 trap pack EXIT

@@ -30,6 +30,7 @@ import yaml
 from draftlab.data import self_prompts, synth
 from draftlab.errors import UserError
 from draftlab.fsutil import atomic_write_json, atomic_write_text
+from draftlab.train import RESUME_DIR
 
 # What a point keeps: the same files a GPU node packs after a run (pack, tools/offline_gpu_run.sh).
 KEPT = ("reports", ".run-stages.json", "params.yaml", "data/*/manifest.json", "models/*/manifest.json",
@@ -47,13 +48,19 @@ ANSWERS = (*(f"data/synth/{split}.jsonl{end}" for end in ("", ".partial") for sp
            f"data/self-prompts/{self_prompts.FILE}", f"data/self-prompts/{self_prompts.KEY_FILE}")
 # And the exported draft (DRAFTLAB_PACK_DRAFT=1): the SGLang checkpoint itself, to serve or study elsewhere.
 DRAFT = ("models/draft/*",)
+# And a training stopped midway (DRAFTLAB_PACK_RESUME=1): its last checkpoint, weights and optimizer state.
+# Unpacked into the next node's tree beside the answers, train continues from the step it reached (an
+# online run with a state cache first computes the cache again). Absent once train completed.
+RESUME = (f"{RESUME_DIR}/last.pt",)
 
 
-def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False, draft: bool = False) -> list[str]:
-    """PACKED's files under `root` (and ANSWERS' with `answers`, DRAFT's with `draft`) into one .tar.gz at
-    `tar_path` (written whole: a tmp file renamed), whatever of them exists; returns the paths packed."""
+def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False, draft: bool = False,
+         resume: bool = False) -> list[str]:
+    """PACKED's files under `root` (and ANSWERS' with `answers`, DRAFT's with `draft`, RESUME's with `resume`)
+    into one .tar.gz at `tar_path` (written whole: a tmp file renamed), whatever of them exists; returns the
+    paths packed."""
     root, tar_path = Path(root), Path(tar_path)
-    found = matching(PACKED + (ANSWERS if answers else ()) + (DRAFT if draft else ()), root)
+    found = matching(PACKED + (ANSWERS if answers else ()) + (DRAFT if draft else ()) + (RESUME if resume else ()), root)
     tmp = tar_path.with_name(tar_path.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for src in found:
