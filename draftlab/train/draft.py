@@ -17,6 +17,7 @@ everything cached, or an explicit mask) and `TTTCache` for training-time test.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -218,6 +219,8 @@ class TTTCache:
         self.seq_ids, self.kernel, self.compiled = seq_ids, kernel, compiled
         self._block_masks: dict[int, object] = {}  # flex: steps seen -> block mask, for this batch
         self._flex = flex_kernel(compiled) if kernel == "flex" else None
+        if kernel == "flex":
+            _flex_out_of_graphs()
 
     # The flex path under torch.compile (train.compile) runs outside the draft layer's graph: it
     # grows self.ks, and a traced list length specializes the layer once per TTT step (7 graphs,
@@ -271,10 +274,9 @@ class TTTCache:
         out = ttt_flex_attend(q, self.ks, self.vs, self._block_mask(q.shape[0], T + pad, q.device), self._flex)
         return out[:, :, :T] if pad else out
 
-    _attend_flex_apart = torch.compiler.disable(_attend_flex)
+    _attend_flex_apart = None  # _attend_flex under torch.compiler.disable: set by _flex_out_of_graphs
 
-    @torch.compiler.disable
-    def _block_mask(self, B: int, T: int, device):
+    def _block_mask(self, B: int, T: int, device):  # under torch.compiler.disable: _flex_out_of_graphs
         """flex: the block mask of the step being attended (made once per step and batch; outside
         any compiled graph, which would otherwise trace the mask's own construction)."""
         n = len(self.ks)
@@ -310,6 +312,15 @@ class TTTCache:
             m = self._mask = m[:, None, None]
         return m
 
+
+
+@functools.cache
+def _flex_out_of_graphs() -> None:
+    """TTTCache's flex attention (unless trace_flex) and its block mask run outside any compiled graph
+    (torch.compiler.disable), wrapped once per process, on the first flex cache. Not at import: that
+    imports torch._dynamo, about 2 s of every process that loads the draft (export, bench, check)."""
+    TTTCache._attend_flex_apart = torch.compiler.disable(TTTCache._attend_flex)
+    TTTCache._block_mask = torch.compiler.disable(TTTCache._block_mask)
 
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
