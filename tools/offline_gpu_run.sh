@@ -33,7 +33,7 @@ else
   echo "$want" > "$results/site/.wheels"
 fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
-pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); answers and draft on request
+pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); answers, draft, training checkpoint on request
   python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1", draft=os.environ.get("DRAFTLAB_PACK_DRAFT") == "1", resume=os.environ.get("DRAFTLAB_PACK_RESUME") == "1")' \
     "$results/results.tar.gz" && echo "packed $results/results.tar.gz"
 }

@@ -313,7 +313,6 @@ class TTTCache:
         return m
 
 
-
 @functools.cache
 def _flex_out_of_graphs() -> None:
     """TTTCache's flex attention (unless trace_flex) and its block mask run outside any compiled graph
@@ -321,6 +320,7 @@ def _flex_out_of_graphs() -> None:
     imports torch._dynamo, about 2 s of every process that loads the draft (export, bench, check)."""
     TTTCache._attend_flex_apart = torch.compiler.disable(TTTCache._attend_flex)
     TTTCache._block_mask = torch.compiler.disable(TTTCache._block_mask)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
