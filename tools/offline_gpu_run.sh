@@ -33,8 +33,8 @@ else
   echo "$want" > "$results/site/.wheels"
 fi
 export PYTHONPATH="$results/site:$PWD" PYTHONUNBUFFERED=1
-pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); answers, draft, training checkpoint on request
-  python3 -c 'import os, sys; from draftlab.experiments.grid import pack; pack(sys.argv[1], answers=os.environ.get("DRAFTLAB_PACK_ANSWERS") == "1", draft=os.environ.get("DRAFTLAB_PACK_DRAFT") == "1", resume=os.environ.get("DRAFTLAB_PACK_RESUME") == "1")' \
+pack() {  # reports, manifests, a grid's runs/ (draftlab.experiments.grid.PACKED); the DRAFTLAB_PACK_* above on request
+  python3 -c 'import sys; from draftlab.experiments.grid import pack_as_asked; pack_as_asked(sys.argv[1])' \
     "$results/results.tar.gz" && echo "packed $results/results.tar.gz"
 }
 trap pack EXIT

@@ -69,6 +69,15 @@ def pack(tar_path: str | Path, root: str | Path = ".", answers: bool = False, dr
     return [str(src.relative_to(root)) for src in found]
 
 
+# The environment variables of tools/offline_gpu_run.sh that add to its pack, and what each adds (pack's flags).
+ON_REQUEST = {"DRAFTLAB_PACK_ANSWERS": "answers", "DRAFTLAB_PACK_DRAFT": "draft", "DRAFTLAB_PACK_RESUME": "resume"}
+
+
+def pack_as_asked(tar_path: str | Path, env=os.environ) -> list[str]:
+    """pack into `tar_path` from the current directory, with each ON_REQUEST set that `env` sets to 1."""
+    return pack(tar_path, **{flag: env.get(var) == "1" for var, flag in ON_REQUEST.items()})
+
+
 def matching(patterns: tuple[str, ...], root: Path) -> list[Path]:
     """The paths under `root` that `patterns` (globs, relative to it) name, pattern by pattern, each's sorted;
     a path two patterns name, once."""
