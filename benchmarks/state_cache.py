@@ -26,6 +26,12 @@ Then, on `--device`:
   with no cache. With `--fill`, every host-tier row is put once first, a batch's rows in one copy as
   training puts them, and the fill's GiB/s printed (pages of a fresh host tier are mapped in by that
   first write).
+- with `--steps N`: first-epoch steps as training makes them, each batch followed by a
+  stand-in for the draft's step (`--step-ms` of matrix products queued on the GPU, no wait), ms a
+  step over N steps each: with no cache; putting fresh host-tier rows with the copy made in
+  put_rows itself (a device-to-host copy that waits for the GPU); and putting them through
+  HostPuts (queued, copied in by a background thread). Each variant takes its own fresh rows, so
+  each maps in its own pages; the three run twice, interleaved, and the median is printed.
 A step of the SmolLM2 run took ~290 ms on one H100 with the target in it; these figures say what
 part of that the cache's copies take.
 """
@@ -89,6 +95,45 @@ def rows_of(ds, pool, tokens: int) -> list[int]:
     return out
 
 
+class CopyInPut:
+    """Host-tier puts copied in by put_rows itself (HostPuts' interface): the device-to-host copy
+    waits for every kernel queued before it."""
+
+    def __init__(self, put):
+        self.put = put
+
+    def submit(self, rows) -> None:
+        for i, a, f in zip([i for i, _, _ in rows], *online.moved(rows, lambda t: t.to("cpu"))):
+            self.put(i, a, f)
+
+    def wait_for(self, i: int) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+def stand_in_step(ms: float, device):
+    """A function queuing ~`ms` of matrix products on `device` without a wait: the draft's step."""
+    n = 4096 if torch.device(device).type == "cuda" else 256  # a CPU: a dry run of the method
+    x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    per = timed_ms(lambda: [x @ x for _ in range(50)], 3, device) / 50
+    n = max(1, round(ms / per))
+    return lambda: [x @ x for _ in range(n)]
+
+
+def steps_ms(ds, batches: list[list[int]], step, device, wait=lambda: None) -> float:
+    """ms a step over `batches`, each batch made then `step` queued, the device synchronized at the ends."""
+    sync(device)
+    t0 = time.perf_counter()
+    for rows in batches:
+        ds.batch(rows, device)
+        step()
+    sync(device)
+    wait()
+    return (time.perf_counter() - t0) * 1e3 / len(batches)
+
+
 def timed_ms(fn, repeats: int, device) -> float:
     times = []
     for _ in range(repeats):
@@ -114,6 +159,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--fill", action="store_true", help="put every host-tier row once and time it")
+    ap.add_argument("--steps", type=int, default=0, help="time N first-epoch steps into the host tier each way (a GPU)")
+    ap.add_argument("--step-ms", type=float, default=250.0, help="the stand-in draft step's GPU time (ms)")
     ap.add_argument("--device-free-gib", type=float, help="take the device's free memory as this (another GPU's budget)")
     ap.add_argument("--host-gib", type=float, help="take the host's available memory as this; on a CPU device, also "
                                                    "give it a host tier (a dry run of the two tiers)")
@@ -156,6 +203,7 @@ def main(argv=None) -> None:
                 cache.put_rows([(i, aux[: train.length(i)], final[: train.length(i)]) for i in rows])
                 todo = todo[len(rows):]
             sync(device)
+            cache.host_puts.wait()
             s = time.perf_counter() - t0
             print(f"host tier filled: {cache.host_nbytes() / GiB:.1f} GiB in {s:.1f} s ({cache.host_nbytes() / GiB / s:.2f} GiB/s)")
         for label, ds, rows in (("device tier", train, rows_of(train, range(k), args.batch_tokens)),
@@ -175,9 +223,41 @@ def main(argv=None) -> None:
                 for i in fresh:
                     cache.on_host.kept[i - cache.on_host.start] = False
                 train.batch(fresh, device)
+                cache.host_puts.wait()
             print(f"first-epoch batch into the host tier ({sum(train.length(i) for i in fresh):,} tokens): "
                   f"{timed_ms(first_epoch, args.repeats, device):.1f} ms; the same rows with no cache: "
                   f"{timed_ms(lambda: plain.batch(fresh, device), args.repeats, device):.1f} ms")
+
+        if args.steps and m:
+            first_epoch_steps(train, plain, k, m, args, device)
+
+
+def first_epoch_steps(train, plain, k: int, m: int, args, device) -> None:
+    """--steps: the three ways of a first-epoch step, each on its own fresh host-tier rows."""
+    cache, step = train.cache, stand_in_step(args.step_ms, device)
+    background = cache.host_puts
+    pool = list(range(k + m - 1, k - 1, -1))  # from the tier's end: rows --fill and the timings above left alone
+    for i in pool:
+        cache.on_host.kept[i - cache.on_host.start] = False
+    times = {"no cache": [], "copy in put_rows": [], "background copy (HostPuts)": []}
+    for _ in range(2):
+        for label in times:
+            batches = []
+            for _ in range(args.steps):
+                rows = rows_of(train, pool, args.batch_tokens)
+                pool = pool[len(rows):]
+                batches.append(rows)
+            if not batches[-1]:
+                print(f"--steps {args.steps}: the host tier ran out of fresh rows; fewer steps or a larger --host-gib")
+                return
+            cache.host_puts = CopyInPut(cache.put) if label == "copy in put_rows" else background
+            ds = plain if label == "no cache" else train
+            times[label].append(steps_ms(ds, batches, step, device, wait=cache.host_puts.wait))
+    cache.host_puts = background
+    base = statistics.median(times["no cache"])
+    print(f"first-epoch steps, {args.steps} each, a stand-in draft step of {args.step_ms:.0f} ms (ms a step, median of 2):")
+    for label, t in times.items():
+        print(f"  {label}: {statistics.median(t):.1f} ms ({statistics.median(t) / base:.2f}x no cache)")
 
 
 if __name__ == "__main__":

@@ -548,6 +548,39 @@ def test_a_batch_from_both_tiers_and_the_target_is_the_batch_without_a_cache(run
     assert not part.target_ran
 
 
+def test_host_tier_rows_are_copied_in_off_the_training_thread_and_kept_once_there(runs):
+    """A batch's host-tier rows are handed to a background copy: the batch returns before they are
+    in host memory, a row counts as kept (and is read back) only once copied, and a copy that fails
+    raises in the training thread, not silently in the background."""
+    import threading
+
+    target = OnlineTarget(load_params(["target"], runs / "params.yaml").target)
+    plain = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part = OnlineFeatures(runs / "features-online" / "train", 512, target)
+    part.keep_states("cpu", 2, host_n=8, host="cpu")  # 0-1 on the device, 2-9 in host memory
+    puts, gate, put = part.cache.host_puts, threading.Event(), part.cache.host_puts.put
+    puts.put = lambda i, a, f: (gate.wait(), put(i, a, f))
+    first = part.batch([3, 0, 7], "cpu")  # returns while the copy waits at the gate
+    assert part.cache.on_host.kept[3 - 2] is False and part.cache.on_host.kept[7 - 2] is False
+    gate.set()
+    assert part.cache.has(3) and part.cache.has(7) and part.cache.has(0)  # has waits for the row's copy
+    again = part.batch([3, 0, 7], "cpu")
+    assert not part.target_ran  # all three read back
+    want = plain.batch([3, 0, 7], "cpu")
+    for name in want:
+        assert torch.equal(first[name], want[name]) and torch.equal(again[name], want[name]), name
+
+    def broken(i, a, f):
+        raise RuntimeError("host memory gone")
+    puts.put = broken
+    part.batch([4], "cpu")
+    with pytest.raises(RuntimeError, match="host memory gone"):
+        part.cache.has(4)
+    part.batch([5], "cpu")
+    with pytest.raises(RuntimeError, match="host memory gone"):
+        puts.wait()
+
+
 def test_out_of_memory_gives_back_the_device_tier_and_keeps_the_host_tier(runs, capsys):
     """A step short of the device's memory beside the cache: what the device tier holds is counted and
     given back; the host tier takes none of the device's memory and stays."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -152,7 +154,7 @@ class OnlineFeatures(Sequences):
         self.target_lengths = [len(seqs[j][0]) for j in todo]
         # Every index and mask is made on the host and copied without a wait (to_device): the host
         # goes on to the next batch while the GPU runs the target and the draft's step (a put into
-        # the host tier does wait for the target's forward: StateCache.put_rows).
+        # the host tier too: StateCache.put_rows, HostPuts).
         on_device = to_device(ids, device), to_device(real, device)
         if cache is None or len(todo) == len(indices):  # every row computed now (the first epoch, mostly): the copies already made
             aux, final = self._states(*on_device, device)
@@ -247,9 +249,9 @@ class StateCache:
     copies a computed row to its tier; bf16 in, bf16 out, so the values are the target's to the bit
     either way. The host tier is pageable memory, not pinned (a pinned allocation of tens of GiB can
     be slow, or refused under a container's memlock limit): a read gathers a batch's host rows and
-    copies them over in one piece through pinned memory, queued without a wait; put_rows copies a
-    batch's host rows back in one piece, which waits for the target's forward (the first epoch only). A step's 32,768 tokens at 4.5 KiB are
-    ~150 MB, an estimated 10-30 ms of host copying against a ~290 ms step. A sequence
+    copies them over in one piece through pinned memory, queued without a wait. put_rows, in the
+    first epoch, queues a batch's host rows into a pinned staging buffer without a wait, and a
+    background thread copies them into the tier once that copy has run (HostPuts). A sequence
     past both tiers is never kept (keeps(i) False, put a no-op): the target computes its states
     every time. keep: how many sequences the cache keeps, both tiers."""
 
@@ -260,6 +262,7 @@ class StateCache:
         m = max(0, min(host_keep, len(lengths) - n))
         self.on_device: StateTier | None = StateTier(lengths, 0, n, layers, hidden, dtype, self.device)
         self.on_host: StateTier | None = StateTier(lengths, n, n + m, layers, hidden, dtype, host) if m else None
+        self.host_puts = HostPuts(self.put)
 
     @property
     def tiers(self) -> list[StateTier]:
@@ -282,7 +285,11 @@ class StateCache:
 
     def has(self, i: int) -> bool:
         tier = self._tier(i)
-        return tier is not None and tier.kept[i - tier.start]
+        if tier is None:
+            return False
+        if not tier.kept[i - tier.start] and tier is self.on_host:
+            self.host_puts.wait_for(i)  # put but maybe not copied in yet: a resumed run's refill, a test
+        return tier.kept[i - tier.start]
 
     def nbytes(self) -> int:
         """Bytes of both tiers."""
@@ -305,22 +312,19 @@ class StateCache:
         if tier is None:
             return
         kept_aux, kept_final = tier.rows(i)
-        kept_aux.copy_(aux)  # device to host for the host tier: waits for the target's forward
+        kept_aux.copy_(aux)  # the host tier's rows come here from HostPuts' thread, already on the host
         kept_final.copy_(final)
         tier.kept[i - tier.start] = True
 
     def put_rows(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """put for each (i, aux, final), the host tier's rows copied over in one piece: one wait for the
-        device's queued work, not one per row."""
+        """put for each (i, aux, final); the host tier's rows handed to HostPuts in one piece."""
         host = self.on_host
         far = [(i, a, f) for i, a, f in rows if host is not None and i in host]
         for i, a, f in rows:
             if host is None or i not in host:
                 self.put(i, a, f)
         if far:
-            move = lambda t: t.to(host.aux.device)  # noqa: E731
-            for i, a, f in zip([i for i, _, _ in far], *moved(far, move)):
-                self.put(i, a, f)
+            self.host_puts.submit(far)
 
     def read(self, indices: list[int | None], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, k*H], final [B, T, H]) of `indices` on the training device, zero past each
@@ -352,6 +356,62 @@ def moved(rows: list[tuple[int, torch.Tensor, torch.Tensor]], move) -> tuple[tup
     per row), split back into rows."""
     sizes = [len(a) for _, a, _ in rows]
     return (move(torch.cat([a for _, a, _ in rows])).split(sizes), move(torch.cat([f for _, _, f in rows])).split(sizes))
+
+
+class HostPuts:
+    """Rows put into the host tier, copied there off the training thread. A plain device-to-host copy
+    waits for every kernel queued before it (the target's forward, and the draft's step before
+    that): the host could not queue the next step meanwhile, the GPU ran dry while the host copied,
+    and a fresh tier's pages are mapped in by that first write. On one H100 the first epoch of a
+    95 GiB cache ran ~0.2 s a step slower than without a cache (docs/scale.md); this wait is the
+    suspected share, `benchmarks/state_cache.py --steps` measures it. Here a batch's rows are queued into a pinned
+    staging buffer without a wait, an event marks that copy, and one worker thread waits on the
+    event and copies the rows into the tier (torch's copies let go of the GIL). A row is kept
+    (has) once copied; a wait_for on a row still in flight waits for its batch. At most `depth`
+    batches are in flight (each ~150 MB of pinned memory at 32,768 tokens and 4.5 KiB a token):
+    a training faster than the copies waits for the oldest. `put(i, aux, final)` writes one row."""
+
+    def __init__(self, put, depth: int = 2):
+        self.put, self.depth = put, depth
+        self.jobs: deque[Future] = deque()
+        self.of_row: dict[int, Future] = {}
+        self.worker: ThreadPoolExecutor | None = None
+
+    def submit(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        while self.jobs and (self.jobs[0].done() or len(self.jobs) >= self.depth):
+            self.jobs.popleft().result()  # a copy that failed raises here, in the training thread
+        ids, sizes = [i for i, _, _ in rows], [len(a) for _, a, _ in rows]
+        staged = [torch.cat([a for _, a, _ in rows]), torch.cat([f for _, _, f in rows])]  # on the host already: copies
+        done = None
+        if staged[0].device.type == "cuda":
+            stream = torch.cuda.current_stream(staged[0].device)
+            staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in staged]
+            done = torch.cuda.Event()
+            done.record(stream)
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="state-cache-host-puts")
+        job = self.worker.submit(self._keep, ids, sizes, staged, done)
+        self.jobs.append(job)
+        self.of_row.update(dict.fromkeys(ids, job))
+
+    def _keep(self, ids, sizes, staged, done) -> None:
+        if done is not None:
+            done.synchronize()
+        for i, a, f in zip(ids, staged[0].split(sizes), staged[1].split(sizes)):
+            self.put(i, a, f)
+
+    def wait_for(self, i: int) -> None:
+        job = self.of_row.pop(i, None)
+        if job is not None:
+            if job in self.jobs:
+                self.jobs.remove(job)  # its failure raised here once, not again at the next submit
+            job.result()
+
+    def wait(self) -> None:
+        """Every row put so far copied in."""
+        while self.jobs:
+            self.jobs.popleft().result()
+        self.of_row.clear()
 
 
 STATE_CACHE_SHARE = 0.6  # of the training device's free memory, at most, for the state caches of both splits
