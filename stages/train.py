@@ -16,7 +16,6 @@ param: `dvc repro --force train` with it set).
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -186,25 +185,24 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     inputs = {"features": features_manifest["config_hash"], "target": target_fingerprint(target_params)}
     manifest = build_manifest("train", as_dict(params), inputs, __file__)
     draft = train.init_draft(cfg, embed, head, d2t, t2d, train_params.seed)
-    t0, step_seconds = time.time(), []
     meter = Meter(target, cfg, train_params.features == "online")
     traced = StepProfile(*profiled, device, reports / "step-profile.json") if profiled and rank == 0 else None
     if traced:
         traced.step(0)
 
     def on_step(step, _loss, sec):
-        step_seconds.append(sec)
         if traced:
             traced.step(step)
 
     history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
-                        device, rank, world, on_step=on_step, meter=meter)
-    seconds = time.time() - t0
-    rate = meter.summary(peak_flops(device))  # this process's timed steps (a resumed run: the steps it ran)
-    # Training rate: real tokens of every process's batches over this process's optimizer-step
-    # time (batch making, the target's forward when online, draft forward/backward; no eval).
-    tokens = int(parallel.all_sum([train_ds.tokens_served], str(device), world)[0])
-    tokens_per_s = round(tokens / sum(step_seconds), 1) if step_seconds else None
+                        device, rank, world, on_step=on_step if traced else None, meter=meter)
+    # Every figure covers the whole training, the runs a resume went on from included (their counters
+    # are in the checkpoint); rate["from_step"] > 0 where a checkpoint held none. Training rate: real
+    # tokens of every process's steps over this process's optimizer-step time (batch making, the
+    # target's forward when online, draft forward/backward; no eval, no state cache refill).
+    seconds = meter.wall_s()
+    rate = meter.summary(peak_flops(device))
+    tokens, tokens_per_s = rate["tokens"], rate["tokens_per_s"]
     if rank == 0:
         last = history[-1]
         tmp = out.with_name(f".{out.name}.tmp")

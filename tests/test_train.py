@@ -118,6 +118,38 @@ def test_resuming_after_an_interruption_gives_the_uninterrupted_result(feats, tm
     assert all(torch.equal(w, fresh.state_dict()[k]) for k, w in weights(straight).items())
 
 
+def test_a_resumed_run_counts_the_steps_before_its_checkpoint_in_its_training_figures(feats, tmp_path):
+    """The tokens, steps, step seconds and wall time of a run stopped and resumed cover its whole
+    training, as an uninterrupted run's do; from a checkpoint that holds no such counters (an older
+    one), the figures say from which step they count."""
+    from draftlab.train.flops import Meter
+
+    def meter():
+        return Meter({"num_layers": 1, "hidden_size": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 2,
+                      "intermediate_size": 8, "vocab_size": V}, feats["cfg"], online=False)
+
+    cpu, run = torch.device("cpu"), (feats["head"], feats["train"], feats["eval"], params())
+    whole = meter()
+    fit(new_draft(feats), *run, tmp_path / "a.pt", "run", cpu, meter=whole)
+    first = meter()
+    fit(new_draft(feats), *run, tmp_path / "b.pt", "run", cpu, stop_after_steps=7, meter=first)
+    seconds_before = first.wall_s()
+    resumed, own = meter(), []
+    fit(new_draft(feats), *run, tmp_path / "b.pt", "run", cpu, meter=resumed, on_step=lambda _s, _l, sec: own.append(sec))
+    got, want = resumed.summary(None), whole.summary(None)
+    assert got["steps"] == want["steps"] == 8 and got["tokens"] == want["tokens"] and got["from_step"] == 0
+    assert got["eval_s_by_epoch"].keys() == want["eval_s_by_epoch"].keys() == {"1", "2"}
+    assert len(own) == 2 and resumed.seconds > sum(own)  # its own two steps' seconds and the six before the checkpoint
+    assert resumed.wall_s() > 0.5 * seconds_before  # the checkpoint's wall time (taken at step 6) and this run's
+    fit(new_draft(feats), *run, tmp_path / "c.pt", "run", cpu, stop_after_steps=7, meter=meter())
+    old = torch.load(tmp_path / "c.pt", weights_only=True)
+    del old["meter"]  # a checkpoint written before it held counters
+    torch.save(old, tmp_path / "c.pt")
+    later = meter()
+    fit(new_draft(feats), *run, tmp_path / "c.pt", "run", cpu, meter=later)
+    assert later.summary(None)["from_step"] == 6 and later.summary(None)["steps"] == 2
+
+
 def cpu_compile_unavailable() -> str | None:
     """Why torch.compile cannot run on this machine's CPU (no C++ compiler, ...), or None."""
     try:

@@ -17,6 +17,7 @@ DRAFTLAB_PEAK_FLOPS); None on a CPU or an unknown GPU.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -101,6 +102,30 @@ class Meter:
         self.by_states = {"computed": [0, 0, 0.0], "cached": [0, 0, 0.0]}  # steps, tokens, seconds: the target ran or not
         self.first_step_s = None  # the first timed step's seconds: torch.compile and every first use are paid there
         self.eval_s = {}  # epoch -> seconds its evaluation took (the first compiles for evaluation)
+        # A resumed run: the counters of the runs before it come back from the checkpoint (load_state_dict),
+        # so every figure covers the whole training. from_step: the first optimizer step they cover (0; a
+        # resumed run's step where its checkpoint held no counters). wall_s: seconds since the first run began.
+        self.from_step, self.wall_before, self.started = 0, 0.0, time.perf_counter()
+
+    COUNTERS = ("tokens", "slots", "steps", "target", "draft", "seconds", "by_states", "first_step_s", "eval_s", "from_step")
+
+    def wall_s(self) -> float:
+        """Seconds of training so far, the runs before a resume included (their checkpoints' figure)."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    def state_dict(self) -> dict:
+        """The counters, for a training checkpoint (plain numbers, lists and dicts)."""
+        return {**{k: getattr(self, k) for k in self.COUNTERS}, "wall_s": self.wall_s()}
+
+    def resume(self, state: dict | None, step: int) -> None:
+        """Go on from a checkpoint taken after `step` optimizer steps: its counters (`state`), or, from a
+        checkpoint without them, counting from `step` (the figures then cover the steps from there)."""
+        if state is None:
+            self.from_step = step
+            return
+        for k in self.COUNTERS:
+            setattr(self, k, state[k])
+        self.wall_before, self.started = float(state["wall_s"]), time.perf_counter()
 
     def step(self, lengths: list[int], scored: list[float], seconds: float, world: int = 1, slots: int | None = None,
              target_ran: bool = True, target_lengths: list[int] | None = None) -> None:
@@ -147,6 +172,7 @@ class Meter:
             "peak_flops": peak,
             "mfu": round(flops / s / peak, 4) if flops and peak and self.seconds else None,
             "first_step_s": round(self.first_step_s, 2) if self.first_step_s is not None else None,
+            "from_step": self.from_step,  # > 0: a resumed run whose checkpoint held no counters, counted from this step
             "eval_s_by_epoch": dict(self.eval_s),
             # online with train.state_cache: the steps whose states the target computed (the first epoch) apart
             # from those read back from the cache, each with its own rate; None where no step was cached.

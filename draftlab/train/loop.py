@@ -448,8 +448,9 @@ def give_back_states(splits, held: int, device, rank: int) -> None:
 
 
 def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
-    """(step, epoch, batch, history, running) of the checkpoint at `path`, its weights and optimizer
-    state loaded into `draft` and `opt`; None when it belongs to another run (another run_key).
+    """(step, epoch, batch, history, running, meter) of the checkpoint at `path`, its weights and optimizer
+    state loaded into `draft` and `opt` (meter: the Meter's counters, None in a checkpoint without them);
+    None when it belongs to another run (another run_key).
     Raises for a file that is not such a checkpoint (damaged, another format, out-of-range
     positions): fit() then starts over with a warning, as with a foreign one."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
@@ -465,9 +466,12 @@ def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: i
     if not (isinstance(history, list) and all(isinstance(h, dict) for h in history) and isinstance(running, list)
             and len(running) == 2 and all(isinstance(x, (int, float)) for x in running)):
         raise ValueError("history or running loss of the wrong shape")
+    meter = ckpt.get("meter")
+    if meter is not None and not (isinstance(meter, dict) and "wall_s" in meter):
+        raise ValueError("meter counters of the wrong shape")
     draft.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
-    return step, epoch, batch, history, running
+    return step, epoch, batch, history, running, meter
 
 
 def fit(
@@ -525,7 +529,9 @@ def fit(
             if rank == 0:
                 print(f"warning: ignoring the checkpoint {resume_path}, training from the start: {e}", flush=True)
         if state is not None:
-            step, epoch0, batch0, history, running = state
+            step, epoch0, batch0, history, running, counters = state
+            if meter is not None:
+                meter.resume(counters, step)
             if rank == 0:
                 print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})")
             before = [plans[e][b] for e in range(epoch0 + 1) for b in range(len(plans[e]) if e < epoch0 else batch0)]
@@ -536,6 +542,8 @@ def fit(
             buf = io.BytesIO()
             state = {"run_key": run_key, "step": step, "epoch": epoch, "batch": batch, "history": history, "running": running,
                      "model": draft.state_dict(), "optim": opt.state_dict()}
+            if meter is not None:
+                state["meter"] = meter.state_dict()
             torch.save(state, buf)
             atomic_write_bytes(resume_path, buf.getvalue())
         if world > 1:
