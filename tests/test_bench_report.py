@@ -90,6 +90,11 @@ def test_the_real_workload_report_shows_the_learning_curve_epoch_by_epoch(tmp_pa
     assert rwr.learning_curve_md(tmp_path / "elsewhere") == []  # a run without the plot files: no section
 
 
+def test_the_real_workload_report_says_when_a_resumed_runs_rates_count_only_its_last_steps():
+    assert "from step 2800 on" in rwr.counted_from({"from_step": 2800, "tokens_per_s": 1.0})
+    assert rwr.counted_from({"from_step": 0}) == rwr.counted_from({}) == ""  # a whole run, or one before the field
+
+
 def test_the_real_workload_report_splits_step1_acceptance_by_kind_and_position():
     train = {"step1_by_kind": {"loop": {"tokens": 40, "a_1": 0.95}, "other": {"tokens": 160, "a_1": 0.6}},
              "step1_by_position": {"0-63": {"tokens": 120, "a_1": 0.62}, "512+": {"tokens": 0, "a_1": None}}}

@@ -243,6 +243,12 @@ def first_step(throughput: dict) -> str:
     return "" if seconds is None else f"; the first step {seconds} s (compiling and first uses included)"
 
 
+def counted_from(throughput: dict) -> str:
+    """A resumed run whose checkpoint held no counters: its rates count only the steps from there."""
+    step = throughput.get("from_step") or 0
+    return f" (the steps from step {step} on: a resumed run whose checkpoint held no counters)" if step else ""
+
+
 def cache_rates(by_states: dict | None) -> str:
     """With train.state_cache: the rates of the steps whose states the target computed and of those read back."""
     if not by_states:
@@ -297,6 +303,7 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
            "synth.max_new_tokens). "
            f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
+           f"{counted_from(train_info.get('throughput') or {})}"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{cache_kept(kept)}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
