@@ -150,6 +150,25 @@ def test_a_resumed_run_counts_the_steps_before_its_checkpoint_in_its_training_fi
     assert later.summary(None)["from_step"] == 6 and later.summary(None)["steps"] == 2
 
 
+def test_the_next_batch_is_made_before_a_steps_loss_is_read_and_every_step_is_read_before_a_checkpoint(feats, tmp_path, monkeypatch):
+    """A step's loss is read back (a wait for the GPU) only once the next step is queued, so the host
+    makes batches while the GPU still trains; the first step after the start, a checkpoint or an
+    evaluation is read at once, and every step is read, in order, before a checkpoint is written
+    and before the epoch's evaluation."""
+    from draftlab.train import loop
+
+    events = []
+    train_ds = feats["train"]
+    monkeypatch.setattr(train_ds, "batch", lambda rows, device, make=train_ds.batch: (events.append("batch"), make(rows, device))[1])
+    monkeypatch.setattr(loop, "atomic_write_bytes", lambda path, data, write=loop.atomic_write_bytes: (events.append("checkpoint"), write(path, data))[1])
+    monkeypatch.setattr(loop, "evaluate", lambda *a, run=loop.evaluate, **k: (events.append("eval"), run(*a, **k))[1])
+    fit(new_draft(feats), feats["head"], train_ds, feats["eval"], params(checkpoint_every=3), tmp_path / "a.pt", "run",
+        torch.device("cpu"), on_step=lambda step, _loss, _s: events.append(f"read {step}"))
+    # 4 steps an epoch, 2 epochs; checkpoints after steps 3 and 6 and at each epoch's end
+    assert " ".join(events) == ("batch read 1 batch batch read 2 read 3 checkpoint batch read 4 eval checkpoint "
+                                "batch read 5 batch read 6 checkpoint batch read 7 batch read 8 eval checkpoint")
+
+
 def cpu_compile_unavailable() -> str | None:
     """Why torch.compile cannot run on this machine's CPU (no C++ compiler, ...), or None."""
     try:

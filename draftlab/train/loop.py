@@ -550,6 +550,32 @@ def fit(
             dist.barrier()
 
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step", dynamic_ncols=True)
+    # A step's loss is read back from the GPU (a wait for everything queued) only once the next step is
+    # queued behind it: the host makes the next batch while the GPU still runs this step's backward
+    # and optimizer, instead of the GPU waiting for the host at every step. A step's seconds: from the
+    # read of the step before to its own read (the first: from its start), so they add up to the wall
+    # time of the steps. Every step is read before a checkpoint, an evaluation and a stop; the first step
+    # after any of them (and a run's first: torch.compile's) is read at once, so its seconds are its own.
+    pending: dict | None = None  # the step queued but not read yet
+    mark: float | None = None  # when the last step was read (None: none since a checkpoint or an evaluation)
+
+    def read(p: dict) -> None:
+        nonlocal running, mark
+        loss_value = p["loss"].item()  # read from the GPU once: every use below shares this copy
+        now = time.perf_counter()
+        seconds, mark = now - (p["t0"] if mark is None else mark), now
+        running = [running[0] + loss_value, running[1] + 1]
+        if meter is not None:  # after the .item() above: the counts are ready, no extra wait
+            meter.step(p["lengths"], p["counts"].tolist(), seconds, world, p["slots"], target_ran=p["target_ran"],
+                       target_lengths=p["target_lengths"])
+        if on_step is not None:
+            on_step(p["step"], loss_value, seconds)
+        if rank == 0 and p["step"] == 1:  # its one-off costs: torch.compile, the first kernels' tuning, the target's first forward
+            tqdm.write(f"train: the first step took {seconds:.1f} s"
+                       + (" (torch.compile of the draft's layer and loss included)" if tp.compile else ""))
+        bar.update(1)
+        bar.set_postfix(epoch=p["epoch"] + 1, loss=f"{loss_value:.3f}", tok_s=f"{p['tokens'] / seconds:.0f}")
+
     for epoch in range(epoch0, tp.epochs):
         batches = plans[epoch]
         for b in range(batch0 if epoch == epoch0 else 0, len(batches)):
@@ -589,29 +615,28 @@ def fit(
             global_loss = loss.detach() / world  # each process holds its share of the global loss
             if world > 1:
                 dist.all_reduce(global_loss)
-            loss_value = global_loss.item()  # read from the GPU once: every use below shares this copy
-            seconds = time.perf_counter() - t0  # the step's wall time, the loss waited for: one figure for every record below
-            running = [running[0] + loss_value, running[1] + 1]
-            if meter is not None:  # after the .item() above: the counts are ready, no extra wait
-                seqs = [i for row in batches[b] for i in row] if packed else batches[b]
-                slots = packed_slots(batches[b], lengths, world) if packed else None
-                # a partial state cache (one process): the target ran on some of the step's sequences only
-                ran = getattr(train_ds, "target_lengths", None) if getattr(train_ds, "cache", None) is not None else None
-                meter.step([lengths[i] for i in seqs], counts.tolist(), seconds, world, slots,
-                           target_ran=getattr(train_ds, "target_ran", True), target_lengths=ran)
-            tokens = int(batch["input_ids"].numel()) * world
-            if on_step is not None:
-                on_step(step, loss_value, seconds)
-            if rank == 0 and step == 1:  # its one-off costs: torch.compile, the first kernels' tuning, the target's first forward
-                tqdm.write(f"train: the first step took {seconds:.1f} s"
-                           + (" (torch.compile of the draft's layer and loss included)" if tp.compile else ""))
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_value:.3f}", tok_s=f"{tokens / seconds:.0f}")
-            if tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0:
+            alone = mark is None  # the first step since the start, a checkpoint or an evaluation: read at once, timed alone
+            if pending is not None:
+                read(pending)
+            seqs = [i for row in batches[b] for i in row] if packed else batches[b]
+            # a partial state cache (one process): the target ran on some of the step's sequences only
+            ran = getattr(train_ds, "target_lengths", None) if getattr(train_ds, "cache", None) is not None else None
+            pending = {"step": step, "epoch": epoch, "loss": global_loss, "counts": counts, "t0": t0,
+                       "tokens": int(batch["input_ids"].numel()) * world, "lengths": [lengths[i] for i in seqs],
+                       "slots": packed_slots(batches[b], lengths, world) if packed else None,
+                       "target_ran": getattr(train_ds, "target_ran", True), "target_lengths": ran}
+            checkpoint = tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0
+            stop = stop_after_steps is not None and step >= stop_after_steps
+            if alone or checkpoint or stop or b + 1 == len(batches):
+                read(pending)
+                pending = None
+            if checkpoint:
                 save(epoch, b + 1)
-            if stop_after_steps is not None and step >= stop_after_steps:
+                mark = None  # the checkpoint's write is not a step's time
+            if stop:
                 bar.close()
                 return history
+        mark = None
         eval_started = time.perf_counter()
         metrics = evaluate(ttt, eval_ds, head, max(1, tp.batch_size // world), device, autocast, rank, world,
                            None if tp.batch_tokens is None else max(1, tp.batch_tokens // world))

@@ -50,7 +50,9 @@ def requested(value: str | None = None) -> tuple[int, int] | None:
 class StepProfile:
     """Call step(0) before training and step(n) after optimizer step n (fit's on_step): traces steps
     first..first+count-1 and writes their summary to `out` as soon as they end (a run that fails later
-    keeps it)."""
+    keeps it). fit reads a step's loss once the next step is queued, so the window runs from the host's
+    queueing of step first+1 to the end of step first+count-1 on the GPU: `count` steps' worth of
+    host and GPU time, shifted by one step's host work."""
 
     def __init__(self, first: int, count: int, device: torch.device, out: Path, top: int = 12):
         self.first, self.count, self.device, self.out, self.top = first, count, torch.device(device), Path(out), top
