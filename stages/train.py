@@ -8,13 +8,17 @@ process loads the target once on its training device and computes each batch's s
 (draftlab.features.online). The training rate (tokens/s) is printed and recorded either way.
 Resumable: a checkpoint is written every train.checkpoint_every steps under --resume-dir; a re-run
 with the same configuration continues from it and ends with the same weights as an
-uninterrupted run. It is deleted once the stage completes.
+uninterrupted run. It is deleted once the stage completes. A run of another configuration keeps
+it beside as last.<its key>.pt, says what differs, and that configuration resumes from it when run
+again; DRAFTLAB_TRAIN_RESUME=across-code goes on from one whose params and inputs are this run's
+though the code or the packages changed (recorded as resumed_across_code in the draft's manifest).
 DRAFTLAB_TRAIN_PROFILE=N[:COUNT] traces steps N.. of this run (draftlab.train.profile) into
 <reports>/step-profile.json: where a step's time goes, on the host and on the GPU (it is no
 param: `dvc repro --force train` with it set).
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -153,10 +157,25 @@ def step1_line(kinds: dict, bands: dict, turns: dict | None = None) -> str:
     return line
 
 
+RESUME_ENV = "DRAFTLAB_TRAIN_RESUME"
+
+
+def resume_across_code() -> bool:
+    """DRAFTLAB_TRAIN_RESUME=across-code: go on from a checkpoint whose params and inputs are this
+    run's though the code or the package versions changed (a fix pulled mid-training); unset: only
+    from this very configuration's."""
+    value = os.environ.get(RESUME_ENV, "")
+    if value not in ("", "across-code"):
+        raise UserError(f"{RESUME_ENV}={value!r}: the one value is across-code (resume from a checkpoint of the same "
+                        "params and inputs after the code or the packages changed); unset it to resume only the same run")
+    return value == "across-code"
+
+
 def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
     params = load_params(["target", "train"])
     target_params, train_params = params.target, params.train
     profiled = profile_requested()  # a malformed DRAFTLAB_TRAIN_PROFILE stops the stage before any work
+    across_code = resume_across_code()
     features_manifest = read_verified(features)  # every shard standardize recorded, complete
     target = (features_manifest.get("info") or {}).get("target")
     if not isinstance(target, dict) or not target:
@@ -194,8 +213,11 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         if traced:
             traced.step(step)
 
+    notes = {}
     history = train.fit(draft, head.float(), train_ds, eval_ds, train_params, resume_dir / "last.pt", manifest["config_hash"],
-                        device, rank, world, on_step=on_step if traced else None, meter=meter)
+                        device, rank, world, on_step=on_step if traced else None, meter=meter,
+                        identity={k: manifest[k] for k in ("params", "inputs", "code", "packages")},
+                        across_code=across_code, notes=notes)
     # Every figure covers the whole training, the runs a resume went on from included (their counters
     # are in the checkpoint); rate["from_step"] > 0 where a checkpoint held none. Training rate: real
     # tokens of every process's steps over this process's optimizer-step time (batch making, the
@@ -218,6 +240,8 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
                             # online: the target's states are computed per batch; none are stored or read
                             "hidden_bytes_written": 0,
                             "state_cache": state_cache_info(train_ds, eval_ds, train_params.features),
+                            # DRAFTLAB_TRAIN_RESUME=across-code: the step it went on from, and what had changed
+                            "resumed_across_code": notes.get("resumed_across_code"),
                             "cuda_memory": cuda_memory(device)}
         write_manifest(tmp, manifest)
         atomic_replace_dir(tmp, out)

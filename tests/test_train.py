@@ -169,6 +169,57 @@ def test_the_next_batch_is_made_before_a_steps_loss_is_read_and_every_step_is_re
                                 "batch read 5 batch read 6 checkpoint batch read 7 batch read 8 eval checkpoint")
 
 
+def identity(lr=3e-3, code="c1", torch_version="2.13.0"):
+    return {"params": {"train": {"lr": lr, "epochs": 2}}, "inputs": {"features": "f1"}, "code": code,
+            "packages": {"torch": torch_version}}
+
+
+def test_another_configurations_checkpoint_is_named_kept_aside_and_resumed_when_it_runs_again(feats, tmp_path, capsys):
+    """A run of other params finds the checkpoint of an interrupted one: it says what differs, keeps
+    it under its own key instead of writing over it, and trains from the start; the interrupted
+    configuration, run again, resumes from it to the uninterrupted weights."""
+    cpu, path = torch.device("cpu"), tmp_path / "last.pt"
+    straight = new_draft(feats)
+    fit(straight, feats["head"], feats["train"], feats["eval"], params(), tmp_path / "a.pt", "run-a", cpu)
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(), path, "run-a", cpu, stop_after_steps=7,
+        identity=identity())
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(lr=1e-2), path, "run-b", cpu,
+        identity=identity(lr=1e-2))
+    out = capsys.readouterr().out
+    assert f"{path} holds step 6 of another configuration (what differs: train.lr 0.003 -> 0.01)" in out
+    assert f"kept as {tmp_path / 'last.run-a.pt'}" in out and "across-code" not in out
+    assert (tmp_path / "last.run-a.pt").exists() and path.exists()  # b's own checkpoint where a's was
+    resumed = new_draft(feats)
+    fit(resumed, feats["head"], feats["train"], feats["eval"], params(), path, "run-a", cpu, identity=identity())
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "at step 6" in out and (tmp_path / "last.run-b.pt").exists()
+    assert not (tmp_path / "last.run-a.pt").exists()  # back under the usual name
+    for name, w in weights(straight).items():
+        assert torch.equal(w, resumed.state_dict()[name]), name
+
+
+def test_a_code_or_package_change_resumes_only_when_asked_and_is_recorded(feats, tmp_path, capsys):
+    cpu, path = torch.device("cpu"), tmp_path / "last.pt"
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(), path, "run-old", cpu, stop_after_steps=7,
+        identity=identity())
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(), path, "run-new", cpu, stop_after_steps=1,
+        identity=identity(code="c2", torch_version="2.14.0"))
+    out = capsys.readouterr().out
+    assert "what differs: the training code; torch 2.13.0 -> 2.14.0" in out and "DRAFTLAB_TRAIN_RESUME=across-code" in out
+    (tmp_path / "last.run-old.pt").replace(path)
+    notes = {}
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(), path, "run-new", cpu,
+        identity=identity(code="c2", torch_version="2.14.0"), across_code=True, notes=notes)
+    assert "at step 6" in capsys.readouterr().out
+    assert notes["resumed_across_code"] == {"from_step": 6, "differences": ["the training code", "torch 2.13.0 -> 2.14.0"]}
+    # other params are never resumed across, asked or not
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(), tmp_path / "p.pt", "run-p", cpu,
+        stop_after_steps=7, identity=identity())
+    fit(new_draft(feats), feats["head"], feats["train"], feats["eval"], params(lr=1e-2), tmp_path / "p.pt", "run-q", cpu,
+        stop_after_steps=1, identity=identity(lr=1e-2, code="c2"), across_code=True)
+    assert "train.lr 0.003 -> 0.01; the training code" in capsys.readouterr().out
+
+
 def cpu_compile_unavailable() -> str | None:
     """Why torch.compile cannot run on this machine's CPU (no C++ compiler, ...), or None."""
     try:
@@ -420,3 +471,15 @@ def test_evaluate_reports_the_decoded_tau_beside_the_teacher_forced_one(tmp_path
     first = m["tau_decoded_first_turns_by_steps"]  # single answers here: every answer is a first turn
     assert first == pytest.approx(decoded)
     assert m["step1_by_turn"]["1"]["tokens"] == m["scored_tokens"] and m["step1_by_turn"]["2"]["tokens"] == 0
+
+
+def test_the_resume_setting_takes_one_value_and_names_it(monkeypatch):
+    from stages.train import resume_across_code
+
+    monkeypatch.setenv("DRAFTLAB_TRAIN_RESUME", "across-code")
+    assert resume_across_code() is True
+    monkeypatch.delenv("DRAFTLAB_TRAIN_RESUME")
+    assert resume_across_code() is False
+    monkeypatch.setenv("DRAFTLAB_TRAIN_RESUME", "yes")
+    with pytest.raises(UserError, match="DRAFTLAB_TRAIN_RESUME='yes': the one value is across-code"):
+        resume_across_code()

@@ -447,17 +447,52 @@ def give_back_states(splits, held: int, device, rank: int) -> None:
               + "; set train.state_cache: off to start without it", flush=True)
 
 
-def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int]):
+class OtherRun(Exception):
+    """A checkpoint of another configuration (another run_key): its key, its step, what differs, and
+    whether only the code or the package versions do (its params and inputs are this run's)."""
+
+    def __init__(self, run_key: str, step, differences: list[str], code_only: bool):
+        super().__init__(f"the checkpoint of another configuration ({'; '.join(differences)})")
+        self.run_key, self.step, self.differences, self.code_only = run_key, step, differences, code_only
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def differences(saved: dict | None, current: dict | None) -> list[str]:
+    """What differs between a checkpoint's identity and this run's (the stage manifest's hashed parts:
+    params, inputs, code, packages), in words: each param and package by name, old -> new."""
+    if not saved or not current:
+        return ["not recorded: a checkpoint written before checkpoints named what they were trained with"]
+    out = [f"{k} {a!r} -> {b!r}" for k in sorted(set(_flat(saved["params"])) | set(_flat(current["params"])))
+           if (a := _flat(saved["params"]).get(k)) != (b := _flat(current["params"]).get(k))]
+    out += [what for key, what in (("inputs", "the features or the target"), ("code", "the training code"))
+            if saved.get(key) != current.get(key)]
+    old, new = saved.get("packages") or {}, current.get("packages") or {}
+    out += [f"{name} {old.get(name)} -> {new.get(name)}" for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    return out or ["nothing named (the same params, inputs, code and packages under another key)"]
+
+
+def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: int, epoch_steps: list[int],
+            identity: dict | None = None, across_code: bool = False):
     """(step, epoch, batch, history, running, meter) of the checkpoint at `path`, its weights and optimizer
-    state loaded into `draft` and `opt` (meter: the Meter's counters, None in a checkpoint without them);
-    None when it belongs to another run (another run_key).
+    state loaded into `draft` and `opt` (meter: the Meter's counters, None in a checkpoint without them).
+    Raises OtherRun for a checkpoint of another configuration (another run_key), unless `across_code`
+    and only the code or the package versions differ from `identity` (the stage manifest's parts).
     Raises for a file that is not such a checkpoint (damaged, another format, out-of-range
     positions): fit() then starts over with a warning, as with a foreign one."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or "run_key" not in ckpt:
         raise ValueError(f"not a training checkpoint (a {type(ckpt).__name__} without run_key)")
     if ckpt["run_key"] != run_key:
-        return None
+        saved = ckpt.get("identity")
+        code_only = bool(saved and identity) and all(saved.get(k) == identity.get(k) for k in ("params", "inputs"))
+        if not (code_only and across_code):
+            raise OtherRun(ckpt["run_key"], ckpt.get("step"), differences(saved, identity), code_only)
     step, epoch, batch, history, running = (ckpt.get(k) for k in ("step", "epoch", "batch", "history", "running"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch, batch))
     if not ints or epoch > epochs or batch > epoch_steps[min(epoch, epochs - 1)] or step > sum(epoch_steps):
@@ -471,7 +506,14 @@ def restore(path: Path, run_key: str, draft: Eagle3Draft, opt, device, epochs: i
         raise ValueError("meter counters of the wrong shape")
     draft.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
-    return step, epoch, batch, history, running, meter
+    other = differences(ckpt.get("identity"), identity) if ckpt["run_key"] != run_key else None  # across the code
+    return step, epoch, batch, history, running, meter, other
+
+
+def kept_aside(path: Path, run_key: str) -> Path:
+    """Where a checkpoint of configuration `run_key` is kept while another runs: `<name>.<key>.pt`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{run_key[:12]}{path.suffix}")
 
 
 def fit(
@@ -488,6 +530,9 @@ def fit(
     stop_after_steps: int | None = None,
     on_step=None,
     meter=None,
+    identity: dict | None = None,
+    across_code: bool = False,
+    notes: dict | None = None,
 ) -> list[dict]:
     """Train `draft` in place with TrainParams `tp`; returns the per-epoch history.
 
@@ -496,6 +541,11 @@ def fit(
     interruption would (tests). `on_step(step, global_loss, seconds)` is called after every
     optimizer step (benchmarks/data_parallel.py records the loss curve with it). `meter`
     (draftlab.train.flops.Meter) counts each step's tokens, padding and FLOPs against its time.
+    `identity` (the stage manifest's params, inputs, code and packages) is saved with each checkpoint,
+    so that one of another configuration names what differs. Such a checkpoint is kept beside, as
+    `<name>.<its key>.pt`, and found again there when its configuration runs again; `across_code`
+    resumes from one whose params and inputs are this run's, only the code or packages changed, and
+    records that in `notes["resumed_across_code"]`.
     """
     plans = epoch_plans(train_ds, tp, world)
     packed = tp.batch_tokens is not None  # a plan's step is then a list of rows, not of sequences
@@ -518,22 +568,47 @@ def fit(
     resume_path = Path(resume_path)
     if resume_path.exists() and not resume_path.is_file():  # not ours to discard: it may hold anything
         raise UserError(f"{resume_path} is not a file, so no checkpoint can be written there; move or delete it")
-    if resume_path.exists():
+    kept = kept_aside(resume_path, run_key)  # this configuration's own checkpoint, set aside by a run of another
+    if resume_path.exists() or kept.exists():
         fresh = {k: v.clone() for k, v in draft.state_dict().items()}
-        try:
-            state = restore(resume_path, run_key, draft, opt, device, tp.epochs, epoch_steps)
-        except Exception as e:  # noqa: BLE001 - unreadable or not this run's (older format, damaged, edited): start over
-            draft.load_state_dict(fresh)  # a checkpoint that failed halfway may have loaded some tensors
-            opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
-            state = None
-            if rank == 0:
-                print(f"warning: ignoring the checkpoint {resume_path}, training from the start: {e}", flush=True)
+        state = None
+        for path in (resume_path, kept):
+            if not path.exists() or state is not None:
+                continue
+            try:
+                state = restore(path, run_key, draft, opt, device, tp.epochs, epoch_steps, identity, across_code)
+            except OtherRun as e:
+                aside = kept_aside(path, e.run_key)
+                if world > 1:
+                    dist.barrier()  # every process has read it before it moves
+                if rank == 0:
+                    path.replace(aside)  # never overwritten by this run: its configuration resumes from it when run again
+                    hint = (" Only the code or the package versions differ: DRAFTLAB_TRAIN_RESUME=across-code resumes from it "
+                            "anyway (recorded in the draft's manifest)." if e.code_only else "")
+                    print(f"train: {path} holds step {e.step} of another configuration (what differs: "
+                          f"{'; '.join(e.differences)}); kept as {aside}, and a run of that configuration resumes from it.{hint}",
+                          flush=True)
+                if world > 1:
+                    dist.barrier()
+            except Exception as e:  # noqa: BLE001 - unreadable (damaged, edited, another format): start over
+                draft.load_state_dict(fresh)  # a checkpoint that failed halfway may have loaded some tensors
+                opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
+                if rank == 0:
+                    print(f"warning: ignoring the checkpoint {path}, training from the start: {e}", flush=True)
+            else:
+                if world > 1 and path == kept:
+                    dist.barrier()
+                if state is not None and path == kept and rank == 0:
+                    kept.replace(resume_path)  # saved to the usual name from here
         if state is not None:
-            step, epoch0, batch0, history, running, counters = state
+            step, epoch0, batch0, history, running, counters, other = state
             if meter is not None:
                 meter.resume(counters, step)
+            if other is not None and notes is not None:
+                notes["resumed_across_code"] = {"from_step": step, "differences": other}
             if rank == 0:
-                print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})")
+                print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})"
+                      + (f", across a change of {'; '.join(other)} (DRAFTLAB_TRAIN_RESUME=across-code)" if other else ""))
             before = [plans[e][b] for e in range(epoch0 + 1) for b in range(len(plans[e]) if e < epoch0 else batch0)]
             refill_state_cache(train_ds, before, packed, device, world, rank)
 
@@ -544,6 +619,8 @@ def fit(
                      "model": draft.state_dict(), "optim": opt.state_dict()}
             if meter is not None:
                 state["meter"] = meter.state_dict()
+            if identity is not None:
+                state["identity"] = identity
             torch.save(state, buf)
             atomic_write_bytes(resume_path, buf.getvalue())
         if world > 1:
