@@ -468,8 +468,8 @@ def differences(saved: dict | None, current: dict | None) -> list[str]:
     params, inputs, code, packages), in words: each param and package by name, old -> new."""
     if not saved or not current:
         return ["not recorded: a checkpoint written before checkpoints named what they were trained with"]
-    out = [f"{k} {a!r} -> {b!r}" for k in sorted(set(_flat(saved["params"])) | set(_flat(current["params"])))
-           if (a := _flat(saved["params"]).get(k)) != (b := _flat(current["params"]).get(k))]
+    was, now = _flat(saved["params"]), _flat(current["params"])
+    out = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     out += [what for key, what in (("inputs", "the features or the target"), ("code", "the training code"))
             if saved.get(key) != current.get(key)]
     old, new = saved.get("packages") or {}, current.get("packages") or {}
@@ -695,13 +695,14 @@ def fit(
             alone = mark is None  # the first step since the start, a checkpoint or an evaluation: read at once, timed alone
             if pending is not None:
                 read(pending)
-            seqs = [i for row in batches[b] for i in row] if packed else batches[b]
-            # a partial state cache (one process): the target ran on some of the step's sequences only
-            ran = getattr(train_ds, "target_lengths", None) if getattr(train_ds, "cache", None) is not None else None
             pending = {"step": step, "epoch": epoch, "loss": global_loss, "counts": counts, "t0": t0,
-                       "tokens": int(batch["input_ids"].numel()) * world, "lengths": [lengths[i] for i in seqs],
-                       "slots": packed_slots(batches[b], lengths, world) if packed else None,
-                       "target_ran": getattr(train_ds, "target_ran", True), "target_lengths": ran}
+                       "tokens": int(batch["input_ids"].numel()) * world}
+            if meter is not None:  # what the meter counts of this step, taken now: the dataset's record is the last batch's
+                seqs = [i for row in batches[b] for i in row] if packed else batches[b]
+                # a partial state cache (one process): the target ran on some of the step's sequences only
+                ran = getattr(train_ds, "target_lengths", None) if getattr(train_ds, "cache", None) is not None else None
+                pending |= {"lengths": [lengths[i] for i in seqs], "slots": packed_slots(batches[b], lengths, world) if packed else None,
+                            "target_ran": getattr(train_ds, "target_ran", True), "target_lengths": ran}
             checkpoint = tp.checkpoint_every > 0 and step % tp.checkpoint_every == 0
             stop = stop_after_steps is not None and step >= stop_after_steps
             if alone or checkpoint or stop or b + 1 == len(batches):
