@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--fill", action="store_true", help="put every host-tier row once and time it")
-    ap.add_argument("--steps", type=int, default=0, help="time N first-epoch steps into the host tier each way (a GPU)")
+    ap.add_argument("--steps", type=int, default=0, help="time N first-epoch steps into the host tier each way")
     ap.add_argument("--step-ms", type=float, default=250.0, help="the stand-in draft step's GPU time (ms)")
     ap.add_argument("--device-free-gib", type=float, help="take the device's free memory as this (another GPU's budget)")
     ap.add_argument("--host-gib", type=float, help="take the host's available memory as this; on a CPU device, also "

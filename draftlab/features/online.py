@@ -364,9 +364,9 @@ class HostPuts:
     that): the host could not queue the next step meanwhile, the GPU ran dry while the host copied,
     and a fresh tier's pages are mapped in by that first write. On one H100 the first epoch of a
     95 GiB cache ran ~0.2 s a step slower than without a cache (docs/scale.md); this wait is the
-    suspected share, `benchmarks/state_cache.py --steps` measures it. Here a batch's rows are queued into a pinned
-    staging buffer without a wait, an event marks that copy, and one worker thread waits on the
-    event and copies the rows into the tier (torch's copies let go of the GIL). A row is kept
+    suspected share (`benchmarks/state_cache.py --steps` measures it). Here a batch's rows are
+    queued into a pinned staging buffer without a wait, an event marks that copy, and one worker
+    thread waits on the event and copies the rows into the tier (torch's copies let go of the GIL). A row is kept
     (has) once copied; a wait_for on a row still in flight waits for its batch. At most `depth`
     batches are in flight (each ~150 MB of pinned memory at 32,768 tokens and 4.5 KiB a token):
     a training faster than the copies waits for the oldest. `put(i, aux, final)` writes one row."""
@@ -381,7 +381,7 @@ class HostPuts:
         while self.jobs and (self.jobs[0].done() or len(self.jobs) >= self.depth):
             self.jobs.popleft().result()  # a copy that failed raises here, in the training thread
         ids, sizes = [i for i, _, _ in rows], [len(a) for _, a, _ in rows]
-        staged = [torch.cat([a for _, a, _ in rows]), torch.cat([f for _, _, f in rows])]  # on the host already: copies
+        staged = [torch.cat([a for _, a, _ in rows]), torch.cat([f for _, _, f in rows])]  # new tensors: the batch's may change
         done = None
         if staged[0].device.type == "cuda":
             stream = torch.cuda.current_stream(staged[0].device)
