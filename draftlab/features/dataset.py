@@ -400,7 +400,7 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         self._ahead_pool: ThreadPoolExecutor | None = None  # one prefetched batch at a time
         self._ahead: tuple[tuple, Future] | None = None  # (key, future) of the batch prefetch() started
         self._lock = threading.Lock()
-        self.tokens_served = 0  # real tokens of the batches made so far (the stage's training rate)
+        self.tokens_served = 0  # real tokens of the batches made so far (the stage's rate is the meter's: steps only)
 
     def span(self, i: int) -> tuple[int, int]:
         return self.index[i][1:]

@@ -74,7 +74,8 @@ class OnlineFeatures(Sequences):
     split's tokens record; the states of a batch come from `target` at batch time.
 
     tokens_served / seconds: real tokens of the batches made so far and the seconds spent
-    making them (target forward included), for the stage's online rate. target_ran: whether the
+    making them (target forward and a resumed run's refill included; the stage's rate is its
+    meter's, the optimizer steps only). target_ran: whether the
     last batch ran the target for any of its sequences (with a state cache, a batch of sequences
     kept before does not); target_lengths: the lengths of those it ran for.
 
@@ -366,10 +367,11 @@ class HostPuts:
     95 GiB cache ran ~0.2 s a step slower than without a cache (docs/scale.md); this wait is the
     suspected share (`benchmarks/state_cache.py --steps` measures it). Here a batch's rows are
     queued into a pinned staging buffer without a wait, an event marks that copy, and one worker
-    thread waits on the event and copies the rows into the tier (torch's copies let go of the GIL). A row is kept
-    (has) once copied; a wait_for on a row still in flight waits for its batch. At most `depth`
-    batches are in flight (each ~150 MB of pinned memory at 32,768 tokens and 4.5 KiB a token):
-    a training faster than the copies waits for the oldest. `put(i, aux, final)` writes one row."""
+    thread waits on the event and copies the rows into the tier (torch's copies let go of the GIL).
+    A row is kept (has) once copied; a wait_for on a row still in flight waits for its batch. At
+    most `depth` batches are in flight (each ~150 MB of pinned memory at 32,768 tokens and 4.5 KiB
+    a token): a training faster than the copies waits for the oldest. `put(i, aux, final)` writes
+    one row."""
 
     def __init__(self, put, depth: int = 2):
         self.put, self.depth = put, depth
