@@ -220,6 +220,62 @@ def test_a_code_or_package_change_resumes_only_when_asked_and_is_recorded(feats,
     assert "train.lr 0.003 -> 0.01; the training code" in capsys.readouterr().out
 
 
+TWO_PROCESS_SET_ASIDE = '''
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftlab import parallel
+from draftlab.features.dataset import FeatureDataset, load_draft_vocab
+from draftlab.target.weights import load_target_head
+from draftlab.train.draft import DraftConfig
+from draftlab.train.loop import fit, init_draft
+from tests.test_train import identity, params
+
+feat, out = Path(sys.argv[1]), Path(sys.argv[2])
+rank, world = parallel.setup_distributed("cpu")
+info = __import__("json").loads((feat / "manifest.json").read_text())["info"]["target"]
+d2t, t2d = load_draft_vocab(feat)
+embed, head = load_target_head(str(feat.parent / "target"))
+cfg = DraftConfig.from_target(info, 3, len(d2t))
+train, evals, cpu = FeatureDataset(feat / "train"), FeatureDataset(feat / "eval"), torch.device("cpu")
+
+
+def run(path, key, lr=3e-3, stop=None):
+    draft = init_draft(cfg, embed, head, d2t, t2d, 0)
+    fit(draft, head, train, evals, params(lr=lr), out / path, key, cpu, rank, world, stop_after_steps=stop, identity=identity(lr=lr))
+    return draft
+
+
+straight = run("a.pt", "run-a")
+run("last.pt", "run-a", stop=7)  # interrupted after its checkpoint of step 6
+run("last.pt", "run-b", lr=1e-2)  # another configuration finds it: kept aside, not written over
+resumed = run("last.pt", "run-a")  # the first configuration again: resumes from the one kept aside
+if rank == 0:
+    save_file({k: v.contiguous() for k, v in straight.state_dict().items()}, str(out / "straight.safetensors"))
+    save_file({k: v.contiguous() for k, v in resumed.state_dict().items()}, str(out / "resumed.safetensors"))
+'''
+
+
+def test_two_processes_keep_another_configurations_checkpoint_aside_and_resume_from_it(feats, tmp_path):
+    """Under data parallelism the checkpoint is read by every process before rank 0 moves it aside,
+    and the configuration run again resumes from it to the uninterrupted two-process weights."""
+    script = tmp_path / "set_aside.py"
+    script.write_text(TWO_PROCESS_SET_ASIDE)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(feats["feat"]), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"holds step 6 of another configuration (what differs: train.lr 0.003 -> 0.01); kept as {tmp_path / 'last.run-a.pt'}" in r.stdout
+    assert "resuming from" in r.stdout and "at step 6" in r.stdout
+    assert (tmp_path / "last.run-b.pt").exists() and not (tmp_path / "last.run-a.pt").exists()
+    straight, resumed = load_file(str(tmp_path / "straight.safetensors")), load_file(str(tmp_path / "resumed.safetensors"))
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
+
+
 def cpu_compile_unavailable() -> str | None:
     """Why torch.compile cannot run on this machine's CPU (no C++ compiler, ...), or None."""
     try:
