@@ -116,10 +116,14 @@ class CopyInPut:
 def stand_in_step(ms: float, device):
     """A function queuing ~`ms` of matrix products on `device` without a wait: the draft's step."""
     n = 4096 if torch.device(device).type == "cuda" else 256  # a CPU: a dry run of the method
-    x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    per = timed_ms(lambda: [x @ x for _ in range(50)], 3, device) / 50
+    x, y = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+
+    def products(count: int) -> None:
+        for _ in range(count):  # into one buffer: ~1,000 products a step would otherwise hold ~32 GB of results
+            torch.matmul(x, x, out=y)
+    per = timed_ms(lambda: products(50), 3, device) / 50
     n = max(1, round(ms / per))
-    return lambda: [x @ x for _ in range(n)]
+    return lambda: products(n)
 
 
 def steps_ms(ds, batches: list[list[int]], step, device, wait=lambda: None) -> float:
