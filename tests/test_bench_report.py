@@ -91,8 +91,28 @@ def test_the_real_workload_report_shows_the_learning_curve_epoch_by_epoch(tmp_pa
 
 
 def test_the_real_workload_report_says_when_a_resumed_runs_rates_count_only_its_last_steps():
-    assert "from step 2800 on" in rwr.counted_from({"from_step": 2800, "tokens_per_s": 1.0})
-    assert rwr.counted_from({"from_step": 0}) == rwr.counted_from({}) == ""  # a whole run, or one before the field
+    assert "from step 2800 on" in rwr.counted_from({"from_step": 2800, "tokens_per_s": 1.0}, 3954)
+    # a manifest from before from_step: the meter counted 1154 of the run's 3954 steps
+    assert "from step 2800 on" in rwr.counted_from({"steps": 1154, "tokens_per_s": 1.0}, 3954)
+    assert rwr.counted_from({"from_step": 0, "steps": 3954}, 3954) == rwr.counted_from({}, 3954) == ""  # a whole run
+
+
+def test_the_real_workload_report_gives_the_rate_of_the_steps_its_meter_counted(tmp_path):
+    """A run resumed from a checkpoint without counters, by a train stage that counted the refill's
+    tokens in its metrics' rate: the report takes the meter's rate of the steps it ran, and says none
+    for a kind of step it did not run."""
+    (tmp_path / "params.yaml").write_text("spec: {num_steps: 3}\n")
+    (tmp_path / "reports/train").mkdir(parents=True)
+    (tmp_path / "reports/train/metrics.json").write_text(json.dumps(
+        {"epochs": 6, "optimizer_steps": 3954, "tokens_per_s": 198836.3, "mfu": 0.07}))
+    (tmp_path / "models/draft-ckpt").mkdir(parents=True)
+    (tmp_path / "models/draft-ckpt/manifest.json").write_text(json.dumps({"info": {"throughput": {
+        "steps": 1154, "tokens": 37414490, "tokens_per_s": 126559.8,
+        "by_states": {"cached": {"steps": 1154, "tokens_per_s": 126559.8}, "computed": {"steps": 0, "tokens_per_s": None}}}}}))
+    md = rwr.results_md(tmp_path, {}, tmp_path / "out", {})
+    assert ("6 epochs, 3954 steps at 126559.8 tok/s (the steps from step 2800 on: a resumed run whose checkpoint held "
+            "no counters)") in md
+    assert "steps with the target none, from the cache 126559.8 tok/s" in md and "198836" not in md
 
 
 def test_the_real_workload_report_splits_step1_acceptance_by_kind_and_position():

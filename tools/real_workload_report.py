@@ -243,9 +243,11 @@ def first_step(throughput: dict) -> str:
     return "" if seconds is None else f"; the first step {seconds} s (compiling and first uses included)"
 
 
-def counted_from(throughput: dict) -> str:
-    """A resumed run whose checkpoint held no counters: its rates count only the steps from there."""
-    step = throughput.get("from_step") or 0
+def counted_from(throughput: dict, steps: int) -> str:
+    """A resumed run whose checkpoint held no counters: its rates count only the steps from there.
+    `throughput.from_step` says where; a manifest written before it existed counts fewer steps
+    (`throughput.steps`) than the run made (`steps`), from the difference on."""
+    step = throughput.get("from_step") or (steps - throughput["steps"] if 0 < throughput.get("steps", steps) < steps else 0)
     return f" (the steps from step {step} on: a resumed run whose checkpoint held no counters)" if step else ""
 
 
@@ -253,8 +255,8 @@ def cache_rates(by_states: dict | None) -> str:
     """With train.state_cache: the rates of the steps whose states the target computed and of those read back."""
     if not by_states:
         return ""
-    return (f": steps with the target {by_states['computed']['tokens_per_s']} tok/s, "
-            f"from the cache {by_states['cached']['tokens_per_s']} tok/s")
+    rate = {k: f"{v['tokens_per_s']} tok/s" if v.get("steps") else "none" for k, v in by_states.items()}
+    return f": steps with the target {rate['computed']}, from the cache {rate['cached']}"
 
 
 def step_profile_md(run: Path) -> list[str]:
@@ -287,7 +289,11 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
     synth = (read(run, "data/synth/manifest.json") or {}).get("info", {})
     train_info = (read(run, "models/draft-ckpt/manifest.json") or {}).get("info") or {}
     kept = train_info.get("state_cache") or {}
-    by_states = (train_info.get("throughput") or {}).get("by_states")
+    throughput = train_info.get("throughput") or {}
+    by_states = throughput.get("by_states")
+    # the meter's rate: steps only (the metrics' own, from a run older than the meter, also counted the
+    # tokens of a resumed run's state-cache refill without its seconds)
+    rate = throughput.get("tokens_per_s") or train["tokens_per_s"]
     prompts = (read(run, "data/prompts/manifest.json") or {}).get("info", {})
     steps = bench["settings"]["num_steps"] if bench else (yaml.safe_load((run / "params.yaml").read_text())["spec"]["num_steps"])
     times = stage_times(run, earlier)
@@ -302,8 +308,8 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            + (f", {synth['reused']} conversations reused from the run before" if synth.get("reused") else "") + " "
            f"({(synth.get('answer_finish_reasons') or synth.get('finish_reasons') or {}).get('length')} answers cut at "
            "synth.max_new_tokens). "
-           f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {train['tokens_per_s']} tok/s"
-           f"{counted_from(train_info.get('throughput') or {})}"
+           f"Training: {train['epochs']} epochs, {train['optimizer_steps']} steps at {rate} tok/s"
+           f"{counted_from(throughput, train['optimizer_steps'])}"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{cache_kept(kept)}"
            f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
