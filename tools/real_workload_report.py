@@ -312,10 +312,10 @@ def results_md(run: Path, by_kind: dict, out_dir: Path, earlier: dict) -> str:
            f"{counted_from(throughput, train['optimizer_steps'])}"
            f"{'' if train.get('mfu') is None else ', MFU ' + format(train['mfu'], '.1%')}"
            f"{cache_kept(kept)}"
-           f"{cache_rates(by_states)}{first_step(train_info.get('throughput') or {})}.", "",
+           f"{cache_rates(by_states)}{first_step(throughput)}.", "",
            *startups_md(synth, bench or {}),
            *step_profile_md(run),
-           *learning_curve_md(run, (train_info.get("throughput") or {}).get("eval_s_by_epoch"), steps),
+           *learning_curve_md(run, throughput.get("eval_s_by_epoch"), steps),
            *step1_md(train, bench),
            *(served_md(train, bench, by_kind, out_dir, steps) if bench else
              ["## Served", "", f"Nothing served by this run: {earlier.get('bench') or 'it has no reports/bench.json'}.", ""]),

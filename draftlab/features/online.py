@@ -11,7 +11,6 @@ from the offline one only by the target's rounding under another batch shape.
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -73,11 +72,8 @@ class OnlineFeatures(Sequences):
     """FeatureDataset's interface (len, length(i), physical_layers, items, batch) over one
     split's tokens record; the states of a batch come from `target` at batch time.
 
-    tokens_served / seconds: real tokens of the batches made so far and the seconds spent
-    making them (target forward and a resumed run's refill included; the stage's rate is its
-    meter's, the optimizer steps only). target_ran: whether the
-    last batch ran the target for any of its sequences (with a state cache, a batch of sequences
-    kept before does not); target_lengths: the lengths of those it ran for.
+    target_ran: whether the last batch ran the target for any of its sequences (with a state
+    cache, a batch of sequences kept before does not); target_lengths: the lengths of those it ran for.
 
     keep_states(device, n, host_n) gives the split a StateCache of its first n sequences (all by
     default) on the training device and the host_n after them in host memory: their states are
@@ -98,7 +94,6 @@ class OnlineFeatures(Sequences):
         self.input_ids, self.loss_mask = arrays["input_ids"], arrays["loss_mask"]
         off = arrays["seq_offsets"].tolist()
         self.index = [(a, b) for a, b in zip(off[:-1], off[1:]) if b > a]  # the order FeatureDataset would see
-        self.tokens_served, self.seconds = 0, 0.0
         self.cache: StateCache | None = None
         self.target_ran = False
         self.target_lengths: list[int] = []
@@ -141,7 +136,6 @@ class OnlineFeatures(Sequences):
     @torch.no_grad()
     def batch(self, indices: list[int], device) -> dict[str, torch.Tensor]:
         """The batch FeatureDataset.batch would give for `indices`, states from the target."""
-        t0 = time.perf_counter()
         seqs = [self._tokens(i) for i in indices]
         T = max(len(ids) for ids, _ in seqs)
         ids = torch.zeros((len(seqs), T), dtype=torch.long)  # right padding, id 0: as collate pads
@@ -177,8 +171,6 @@ class OnlineFeatures(Sequences):
             "aux_hidden": self._as_stored(aux, real),
             "final_hidden": self._as_stored(final, real),
         }
-        self.tokens_served += sum(len(r) for r, _ in seqs)
-        self.seconds += time.perf_counter() - t0
         return out
 
     def _states(self, ids: torch.Tensor, real: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
