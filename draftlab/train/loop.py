@@ -516,6 +516,53 @@ def kept_aside(path: Path, run_key: str) -> Path:
     return path.with_name(f"{path.stem}.{run_key[:12]}{path.suffix}")
 
 
+def resume(resume_path: Path, run_key: str, draft: Eagle3Draft, params: list, opt, tp, device, epoch_steps: list[int],
+           identity: dict | None, across_code: bool, rank: int, world: int):
+    """(restore()'s record of the checkpoint this run resumes from, or None; the optimizer to train with).
+
+    Tries `resume_path`, then this configuration's own checkpoint that a run of another set aside
+    (kept_aside), which is moved back to the usual name. A checkpoint of another configuration is set
+    aside under its key, never overwritten, so that configuration resumes from it when run again. An
+    unreadable one is ignored with a warning: the draft and the optimizer then start fresh, since a
+    checkpoint that failed halfway may have loaded some tensors."""
+    kept = kept_aside(resume_path, run_key)
+    if not (resume_path.exists() or kept.exists()):
+        return None, opt
+    fresh = {k: v.clone() for k, v in draft.state_dict().items()}
+    for path in (resume_path, kept):
+        if not path.exists():
+            continue
+        try:
+            state = restore(path, run_key, draft, opt, device, tp.epochs, epoch_steps, identity, across_code)
+        except OtherRun as e:
+            aside = kept_aside(path, e.run_key)
+            if world > 1:
+                dist.barrier()  # every process has read it before it moves
+            if rank == 0:
+                path.replace(aside)
+                hint = (" Only the code or the package versions differ: DRAFTLAB_TRAIN_RESUME=across-code resumes from it "
+                        "anyway (recorded in the draft's manifest)." if e.code_only else "")
+                print(f"train: {path} holds step {e.step} of another configuration (what differs: "
+                      f"{'; '.join(e.differences)}); kept as {aside}, and a run of that configuration resumes from it.{hint}",
+                      flush=True)
+            if world > 1:
+                dist.barrier()
+            continue
+        except Exception as e:  # noqa: BLE001 - unreadable (damaged, edited, another format): start over
+            draft.load_state_dict(fresh)
+            opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
+            if rank == 0:
+                print(f"warning: ignoring the checkpoint {path}, training from the start: {e}", flush=True)
+            continue
+        if path == kept:
+            if world > 1:
+                dist.barrier()  # every process has read it before it moves
+            if rank == 0:
+                kept.replace(resume_path)  # saved to the usual name from here
+        return state, opt
+    return None, opt
+
+
 def fit(
     draft: Eagle3Draft,
     head: torch.Tensor,
@@ -568,49 +615,18 @@ def fit(
     resume_path = Path(resume_path)
     if resume_path.exists() and not resume_path.is_file():  # not ours to discard: it may hold anything
         raise UserError(f"{resume_path} is not a file, so no checkpoint can be written there; move or delete it")
-    kept = kept_aside(resume_path, run_key)  # this configuration's own checkpoint, set aside by a run of another
-    if resume_path.exists() or kept.exists():
-        fresh = {k: v.clone() for k, v in draft.state_dict().items()}
-        state = None
-        for path in (resume_path, kept):
-            if not path.exists() or state is not None:
-                continue
-            try:
-                state = restore(path, run_key, draft, opt, device, tp.epochs, epoch_steps, identity, across_code)
-            except OtherRun as e:
-                aside = kept_aside(path, e.run_key)
-                if world > 1:
-                    dist.barrier()  # every process has read it before it moves
-                if rank == 0:
-                    path.replace(aside)  # never overwritten by this run: its configuration resumes from it when run again
-                    hint = (" Only the code or the package versions differ: DRAFTLAB_TRAIN_RESUME=across-code resumes from it "
-                            "anyway (recorded in the draft's manifest)." if e.code_only else "")
-                    print(f"train: {path} holds step {e.step} of another configuration (what differs: "
-                          f"{'; '.join(e.differences)}); kept as {aside}, and a run of that configuration resumes from it.{hint}",
-                          flush=True)
-                if world > 1:
-                    dist.barrier()
-            except Exception as e:  # noqa: BLE001 - unreadable (damaged, edited, another format): start over
-                draft.load_state_dict(fresh)  # a checkpoint that failed halfway may have loaded some tensors
-                opt = new_optimizer(params, tp.lr, tp.weight_decay, device)
-                if rank == 0:
-                    print(f"warning: ignoring the checkpoint {path}, training from the start: {e}", flush=True)
-            else:
-                if world > 1 and path == kept:
-                    dist.barrier()
-                if state is not None and path == kept and rank == 0:
-                    kept.replace(resume_path)  # saved to the usual name from here
-        if state is not None:
-            step, epoch0, batch0, history, running, counters, other = state
-            if meter is not None:
-                meter.resume(counters, step)
-            if other is not None and notes is not None:
-                notes["resumed_across_code"] = {"from_step": step, "differences": other}
-            if rank == 0:
-                print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})"
-                      + (f", across a change of {'; '.join(other)} (DRAFTLAB_TRAIN_RESUME=across-code)" if other else ""))
-            before = [plans[e][b] for e in range(epoch0 + 1) for b in range(len(plans[e]) if e < epoch0 else batch0)]
-            refill_state_cache(train_ds, before, packed, device, world, rank)
+    state, opt = resume(resume_path, run_key, draft, params, opt, tp, device, epoch_steps, identity, across_code, rank, world)
+    if state is not None:
+        step, epoch0, batch0, history, running, counters, other = state
+        if meter is not None:
+            meter.resume(counters, step)
+        if other is not None and notes is not None:
+            notes["resumed_across_code"] = {"from_step": step, "differences": other}
+        if rank == 0:
+            print(f"resuming from {resume_path} at step {step} (epoch {epoch0 + 1}, batch {batch0})"
+                  + (f", across a change of {'; '.join(other)} (DRAFTLAB_TRAIN_RESUME=across-code)" if other else ""))
+        before = [plans[e][b] for e in range(epoch0 + 1) for b in range(len(plans[e]) if e < epoch0 else batch0)]
+        refill_state_cache(train_ds, before, packed, device, world, rank)
 
     def save(epoch, batch):
         if rank == 0:
