@@ -131,7 +131,7 @@ class SyncReader:
     def batch(self, indices, device):
         pin = torch.device(device).type == "cuda"
         t0 = time.perf_counter()
-        host, _ = self.ds.host_batch(list(indices), pin)
+        host = self.ds.host_batch(list(indices), pin)
         t1 = time.perf_counter()
         out = {k: v.to(device, non_blocking=pin) for k, v in host.items()}
         out["aux_hidden"], out["final_hidden"] = out["aux_hidden"].float(), out["final_hidden"].float()

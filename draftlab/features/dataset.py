@@ -400,7 +400,6 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         self._ahead_pool: ThreadPoolExecutor | None = None  # one prefetched batch at a time
         self._ahead: tuple[tuple, Future] | None = None  # (key, future) of the batch prefetch() started
         self._lock = threading.Lock()
-        self.tokens_served = 0  # real tokens of the batches made so far (the stage's rate is the meter's: steps only)
 
     def span(self, i: int) -> tuple[int, int]:
         return self.index[i][1:]
@@ -428,9 +427,9 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="features-read")
         return self._pool
 
-    def host_batch(self, indices: list[int], pin: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    def host_batch(self, indices: list[int], pin: bool = False) -> dict[str, torch.Tensor]:
         """Sequences `indices` padded at the end into CPU tensors in the stored dtypes (states not
-        yet converted to float32), and their real token count."""
+        yet converted to float32)."""
         spans = []
         for i in indices:
             s, a, b = self.index[i]
@@ -438,8 +437,7 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         layouts = [self._shard(s)[0] for s in {s for s, _, _ in spans}]
         if sys.byteorder != "little" or any(lay[n][1] != layouts[0][n][1] for lay in layouts for n in BATCH_FIELDS):
             # mixed state dtypes across shards (the contract allows it): the item path promotes them
-            items = [self[i] for i in indices]
-            return collate(items, "cpu"), sum(len(x["input_ids"]) for x in items)
+            return collate([self[i] for i in indices], "cpu")
         B, T = len(spans), max(b - a for _, a, b in spans)
         out = {}
         for name in BATCH_FIELDS:
@@ -462,7 +460,7 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         else:
             for j in range(B):
                 read_row(j)
-        return out, sum(b - a for _, a, b in spans)
+        return out
 
     def prefetch(self, indices: list[int], device) -> None:
         """Start reading batch `indices` in the background; the next batch(indices, device) takes it."""
@@ -481,12 +479,11 @@ class FeatureDataset(Sequences, torch.utils.data.Dataset):
         pin = device.type == "cuda"
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == (tuple(indices), pin):
-            host, tokens = ahead[1].result()
+            host = ahead[1].result()
         else:
             if ahead is not None:
                 ahead[1].result()  # a prefetch of other rows: let it finish, then drop it
-            host, tokens = self.host_batch(list(indices), pin)
-        self.tokens_served += tokens
+            host = self.host_batch(list(indices), pin)
         out = {name: t.to(device, non_blocking=pin) for name, t in host.items()}
         for name in ("aux_hidden", "final_hidden"):
             out[name] = out[name].float()
