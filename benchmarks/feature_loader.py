@@ -11,7 +11,7 @@ fixtures make): `--layers` captured layers plus the final state at `--hidden` wi
 `--jitter` (uniform), `--shard-tokens` tokens per shard (params.yaml extract.shard_tokens),
 `--gb` GB of states in all. The reader is then timed exactly as draftlab.train.loop.fit drives it in
 offline mode: FeatureDataset(split, max_length).batch(indices, device) on the shuffled batches of
-draftlab.train.loop.epoch_batches(len, batch, seed, epoch), one after the other (fit builds no
+draftlab.train.batches.epoch_batches(len, batch, seed, epoch), one after the other (fit builds no
 DataLoader: batch() is its only reader), with prefetch(next indices, device) after each batch
 as fit calls it. `--sleep` seconds per step stand in for the device's training step (0: none),
 so the prefetch overlap shows up as it would beside a GPU.
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftlab.features.dataset import FeatureDataset, pack_sequences, shard_name, write_shard  # noqa: E402
 try:
-    from draftlab.train.loop import epoch_batches  # noqa: E402
+    from draftlab.train.batches import epoch_batches  # noqa: E402
 except ImportError:  # a machine without the train stage's other dependencies (tqdm, ...): the same shuffle
     def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)

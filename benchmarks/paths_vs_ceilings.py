@@ -10,7 +10,7 @@ DIR/results.json is rewritten after every figure:
   decode_profile  one decode step, host vs GPU; the cuDNN A/B; soft labels fp32 vs bf16 (perf/decode.py, cudnn.py)
   decode_graph    decode over a static KV cache, eager and as a CUDA graph          (perf/graph.py)
   spec            draftlab.engine.speculative: baseline decode vs the bandwidth floor; oracle / null drafts (perf/spec.py)
-  training        one draftlab.train.loop.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py);
+  training        one draftlab.train.objective.TTT optimizer step (labels + forward + backward + AdamW): MFU (perf/training.py);
                   --train-modes eager,stage also times the train stage's GPU setup (FlexAttention, compiled)
   embedded        models/tiny-target with models/draft: tau and speedup on held-out prompts (perf/embedded.py)
 DIR/notes.md states the method and the FLOP / byte formulas (tools/templates/perf_notes.md filled in).

@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -66,7 +65,7 @@ from draftlab.features.dataset import build_draft_vocab, write_tokens  # noqa: E
 from draftlab.features.extract import TOKENS_FILE, decoder_layers  # noqa: E402
 from draftlab.features.online import OnlineFeatures, OnlineTarget  # noqa: E402
 from draftlab.params import TrainParams  # noqa: E402
-from draftlab.train import loop  # noqa: E402
+from draftlab.train import evaluate, loop, objective  # noqa: E402
 from draftlab.train.batches import packed_batches  # noqa: E402
 from draftlab.train.draft import DraftConfig, TTTCache  # noqa: E402
 from draftlab.train.flops import Meter, peak_flops  # noqa: E402
@@ -171,13 +170,13 @@ class Timed(Meter):
 def loss_kernel(kind: str):
     """train.compile compiles the soft cross-entropy with the draft's layer; "eager" keeps the layer
     compiled and the loss eager, to time what compiling the loss alone buys."""
-    saved = loop.compiled_soft_cross_entropy
+    saved = objective.compiled_soft_cross_entropy
     if kind == "eager":
-        loop.compiled_soft_cross_entropy = lambda: loop.soft_cross_entropy
+        objective.compiled_soft_cross_entropy = lambda: objective.soft_cross_entropy
     try:
         yield
     finally:
-        loop.compiled_soft_cross_entropy = saved
+        objective.compiled_soft_cross_entropy = saved
 
 
 def compile_layers(model, on: bool = True) -> None:
@@ -261,7 +260,7 @@ def run_mode(name, args, shape, model, split, physical, head, embed, d2t, t2d, d
         evals = []
         for _ in range(2 if args.eval else 0):  # the stage's evaluation of the eval split, as after an epoch
             t0 = time.perf_counter()
-            loop.evaluate(loop.TTT(draft, tp.ttt_steps, tp.ttt_decay, loop.attention_kernel(attention, device), device.type == "cuda",
+            evaluate.evaluate(objective.TTT(draft, tp.ttt_steps, tp.ttt_decay, loop.attention_kernel(attention, device), device.type == "cuda",
                                    compile_loss=compiled), OnlineFeatures(args.eval, tp.max_length, target), head.to(device),
                           tp.batch_size, device, loop.use_autocast("auto", device), batch_tokens=batch_tokens)
             evals.append(round(time.perf_counter() - t0, 2))
@@ -295,10 +294,10 @@ def check_grads(args, shape, model, split, physical, head, embed, d2t, t2d, devi
     got = {}
     for kernel in ("eager", "flex"):
         draft = loop.init_draft(cfg, embed, head, d2t, t2d, seed=0).to(device)
-        labels = loop.target_labels(batch["final_hidden"], head.to(device), draft.d2t, dtype=loop.labels_dtype(device.type == "cuda"))
+        labels = objective.target_labels(batch["final_hidden"], head.to(device), draft.d2t, dtype=objective.labels_dtype(device.type == "cuda"))
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = loop.TTT(draft, shape["ttt_steps"], 0.8, kernel, device.type == "cuda")(
-                batch, labels, loop.step_token_counts(batch, shape["ttt_steps"], 1))
+            loss, _ = objective.TTT(draft, shape["ttt_steps"], 0.8, kernel, device.type == "cuda")(
+                batch, labels, objective.step_token_counts(batch, shape["ttt_steps"], 1))
         loss.backward()
         got[kernel] = (loss.detach().float(), {n: p.grad.float() for n, p in draft.named_parameters() if p.grad is not None})
     (le, ge), (lf, gf) = got["eager"], got["flex"]

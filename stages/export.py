@@ -19,7 +19,7 @@ from draftlab.manifest import build_manifest, read_manifest, read_verified, with
 from draftlab.params import as_dict, load_params
 from draftlab.sglang.checkpoint import export_sglang
 from draftlab.sglang.layers import release_warning, user_layers_from_physical
-from draftlab.train.loop import load_draft
+from draftlab.train.saved import load_draft
 
 FORMATS = ("sglang",)  # vLLM speculators: not written until it can be checked against a real vLLM
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from draftlab import parallel
-from draftlab.train import RESUME_DIR, loop as train
+from draftlab.train import RESUME_DIR, loop as train, saved
 from draftlab.cli import run_stage_cli
 from draftlab.train.draft import DraftConfig
 from draftlab.train.flops import Meter, peak_flops
@@ -230,7 +230,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
         tmp = out.with_name(f".{out.name}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        train.save_draft(tmp, draft)
+        saved.save_draft(tmp, draft)
         # No physical layers here: they are the features' (manifest inputs.features names the run).
         manifest["info"] = {"draft": cfg.to_dict(), "history": history,
                             "seconds": round(seconds, 1), "processes": world, "device": str(device),
@@ -253,7 +253,7 @@ def main(features: Path, out: Path, reports: Path, resume_dir: Path) -> None:
             "accept": {f"step_{i + 1}": last["eval_accept"][i] for i in range(K)},
             "top1_acc": {f"step_{i + 1}": last["eval_top1_acc"][i] for i in range(K)},
             "tau_by_steps": {f"steps_{n + 1}": last["eval_tau_by_steps"][n] for n in range(K)},
-            # greedy chain decoding replayed over the eval answers (draftlab.train.loop.decoded_rounds): each round
+            # greedy chain decoding replayed over the eval answers (draftlab.train.evaluate.decoded_rounds): each round
             # starts where the last stopped, so the rows scored are those decoding would score
             "tau_decoded_by_steps": {f"steps_{n + 1}": last["eval_tau_decoded_by_steps"][n] for n in range(K)},
             # the same over each eval conversation's first answer alone: what a bench of first turns serves

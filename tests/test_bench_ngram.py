@@ -200,7 +200,7 @@ def test_on_sglang_ngram_is_launched_with_its_flags_and_its_round_scaled_on_the_
 
 def test_the_bench_answers_replayed_teacher_forced_come_close_to_the_served_tau(run, monkeypatch):
     """tools/replay_answers.py on the bench's own first-turn answers: decoding replayed over them
-    (draftlab.train.loop.decoded_rounds) gives the tau the draft served on those turns."""
+    (draftlab.train.evaluate.decoded_rounds) gives the tau the draft served on those turns."""
     import sys
 
     root, report, _, _ = run

@@ -158,7 +158,7 @@ def stage_inputs(root, physical, trained_on_features=None):
     and a feature shard (its header holds the physical layers)."""
     from draftlab.features.dataset import pack_sequences, shard_name, write_shard
     from draftlab.manifest import build_manifest, write_manifest
-    from draftlab.train.loop import save_draft
+    from draftlab.train.saved import save_draft
 
     draft = trained_draft()
     save_draft(root / "ckpt", draft)

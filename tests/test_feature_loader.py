@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftlab.features.dataset import FeatureDataset, collate, pack_sequences, shard_name, write_shard
-from draftlab.train.loop import epoch_batches
+from draftlab.train.batches import epoch_batches
 
 H, K = 8, 3
 META = {"physical_layers": [1, 2, 3], "hidden_size": H, "num_layers": 4, "architecture": "LlamaForCausalLM", "vocab_size": 50}

@@ -12,7 +12,9 @@ from draftlab.train.draft import TTTCache
 from draftlab.errors import UserError
 from draftlab.params import TrainParams
 from draftlab.target.weights import load_target_head
-from draftlab.train.loop import TTT, evaluate, fit, init_draft, lr_at, shift, step_token_counts
+from draftlab.train.evaluate import evaluate
+from draftlab.train.loop import fit, init_draft, lr_at
+from draftlab.train.objective import TTT, shift, step_token_counts
 from tiny_features import K, V, VD, make_draft, training_kit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,7 +356,7 @@ def test_step1_acceptance_is_split_by_the_predicted_tokens_kind_and_position(fea
     """The groups partition the scored first-step rows: loop + other = every band together = all,
     and their hit rates pool back to a_1. Counted by hand on one row: a 12-token answer of one
     repeated token has loop tokens from its 9th on; row t predicts token t+2."""
-    from draftlab.train.loop import step1_groups
+    from draftlab.train.evaluate import step1_groups
 
     ttt = TTT(new_draft(feats), 3, 0.8)
     got = evaluate(ttt, feats["eval"], feats["head"], 4, torch.device("cpu"), False)
@@ -378,7 +380,7 @@ def test_step1_acceptance_is_split_by_the_predicted_tokens_kind_and_position(fea
 def test_step1_acceptance_and_decoding_are_split_by_the_answers_turn():
     """A conversation of three answers: each answer's tokens count in its turn's group, and the
     first-turns decoded tau walks the first answer alone (what a bench of first turns serves)."""
-    from draftlab.train.loop import decoded_rounds, predicted_groups, step1_breakdown, step1_groups
+    from draftlab.train.evaluate import decoded_rounds, predicted_groups, step1_breakdown, step1_groups
 
     draft = make_draft()
     H = draft.config.hidden_size
@@ -481,7 +483,7 @@ def test_target_embedding_and_head_come_from_sharded_tied_or_cached_checkpoints(
 def test_bf16_soft_labels_match_fp32_ones_to_bf16_precision():
     """On GPUs the labels' vocab projection runs in bf16 (13x faster for an 8B head); the soft
     labels stay fp32 and the target's top-1 agrees with the fp32 one except at near-ties."""
-    from draftlab.train.loop import labels_dtype, target_labels
+    from draftlab.train.objective import labels_dtype, target_labels
 
     g = torch.Generator().manual_seed(0)
     final, head = torch.randn(2, 64, 32, generator=g), torch.randn(300, 32, generator=g)
@@ -502,7 +504,7 @@ def test_decoding_replayed_over_the_answers_scores_the_rows_rounds_start_at():
     counts what decoding would: 40 hard rows are 40 rounds of 1 token, 40 easy rows at depth 3 are
     10 rounds of 4."""
     from draftlab.metrics import chain_tau
-    from draftlab.train.loop import decoded_rounds
+    from draftlab.train.evaluate import decoded_rounds
 
     K, N = 3, 81  # row 0 predicts the answer's first token (the prefill's): no round starts there
     valid = torch.ones(K, N + 2, dtype=torch.bool)

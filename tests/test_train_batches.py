@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from draftlab.errors import UserError
 from draftlab.params import TrainParams
 from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share, padding_share
-from draftlab.train.loop import TTT, evaluate, fit, init_draft, step_token_counts, target_labels
+from draftlab.train.evaluate import evaluate
+from draftlab.train.loop import fit, init_draft
+from draftlab.train.objective import TTT, step_token_counts, target_labels
 from tiny_features import make_features, training_kit
 
 

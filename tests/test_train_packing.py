@@ -13,7 +13,9 @@ from draftlab.features.extract import TOKENS_FILE, tokens_record
 from draftlab.features.online import OnlineFeatures, OnlineTarget
 from draftlab.params import TrainParams
 from draftlab.train.batches import epoch_batches, packed_batches, packed_padding_share
-from draftlab.train.loop import TTT, epoch_plans, eval_batches, fit, init_draft, step_token_counts, target_labels
+from draftlab.train.evaluate import eval_batches
+from draftlab.train.loop import epoch_plans, fit, init_draft
+from draftlab.train.objective import TTT, step_token_counts, target_labels
 from tiny_features import training_kit
 
 STEPS = 3

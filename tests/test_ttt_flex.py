@@ -11,7 +11,8 @@ from draftlab.errors import UserError
 from draftlab.features.dataset import pack
 from draftlab.train.draft import TTTCache
 from draftlab.train.ttt_flex import extend_block_mask, ttt_block_mask
-from draftlab.train.loop import TTT, attention_kernel, init_draft, step_token_counts, target_labels
+from draftlab.train.loop import attention_kernel, init_draft
+from draftlab.train.objective import TTT, step_token_counts, target_labels
 from tiny_features import training_kit
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")  # uncompiled on a CPU: slow, but exact

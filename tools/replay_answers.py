@@ -9,7 +9,7 @@ disagree, this separates the causes: it scores the draft on the bench's own firs
 served data, and reports both of the train stage's predictions over them:
   tau_by_steps          the chain formula over the teacher-forced a_i (train's tau_pred)
   tau_decoded_by_steps  greedy chain decoding replayed: each round starts where the last stopped
-                        (draftlab.train.loop.decoded_rounds)
+                        (draftlab.train.evaluate.decoded_rounds)
 Close to the served tau: the gap lies in the eval split, not in the draft or in serving. Far from
 it: serving or the numerics differ. The target is params.yaml's (target.model), in float32 on the
 CPU unless --device says otherwise (--target names another); nothing is served.
@@ -36,7 +36,8 @@ from draftlab.params import ParamsError, TargetParams, load_params  # noqa: E402
 from draftlab.sglang.checkpoint import load_exported  # noqa: E402
 from draftlab.target.load import load_config, load_tokenizer  # noqa: E402
 from draftlab.target.weights import load_target_head  # noqa: E402
-from draftlab.train.loop import TTT, evaluate  # noqa: E402
+from draftlab.train.evaluate import evaluate  # noqa: E402
+from draftlab.train.objective import TTT  # noqa: E402
 
 
 def first_turns(answers: Path, questions: Path, tokenizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -7,7 +7,7 @@ One module per measured path, each a section of results.json (its docstring stat
   cudnn        the engine's decode with SDPA's cuDNN backend cold, warm and avoided (section decode_profile)
   graph        the same decode over a static KV cache, eager and as a CUDA graph (section decode_graph)
   spec         draftlab.engine.speculative: baseline decode vs the bandwidth floor, oracle / null drafts
-  training     one draftlab.train.loop.TTT optimizer step: MFU, the GEMM share, soft labels fp32 vs bf16
+  training     one draftlab.train.objective.TTT optimizer step: MFU, the GEMM share, soft labels fp32 vs bf16
   embedded     models/tiny-target with models/draft: tau and speedup on held-out prompts
 common holds the recording (results.json rewritten after every figure), timing helpers, the shapes
 of each mode and the 8B-shaped random target.

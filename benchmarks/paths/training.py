@@ -1,4 +1,4 @@
-"""One draft training step (draftlab.train.loop.TTT) in tokens/s and MFU, and where its time goes.
+"""One draft training step (draftlab.train.objective.TTT) in tokens/s and MFU, and where its time goes.
 
 Method: the draft of the 8B-shaped target (H 4096, 3 aux layers, target vocab `train_vocab`, draft
 vocab `train_draft_vocab`) on random aux/final hidden states, loss mask False on the first 1/8 of
@@ -62,7 +62,8 @@ def training(P) -> None:
 
 def training_mode(P, mode: str) -> None:
     from draftlab.train.draft import DraftConfig
-    from draftlab.train.loop import TTT, attention_kernel, init_draft, labels_dtype, new_optimizer, step_token_counts, target_labels
+    from draftlab.train.loop import attention_kernel, init_draft, new_optimizer
+    from draftlab.train.objective import TTT, labels_dtype, step_token_counts, target_labels
 
     dev, S = P["device"], "training"
     device = torch.device(dev)

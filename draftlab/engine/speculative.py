@@ -13,7 +13,7 @@ One request at a time (batch 1). `generate` is the whole algorithm in one functi
 
 Positions: n = tokens in the target's KV cache; the pending token x sits at position n. A draft
 row that embeds the token at position p runs at rope position p - 1 (it pairs that token with
-the target's state at p - 1), as draftlab/train/loop.py trains it and as SGLang's draft extend runs it.
+the target's state at p - 1), as draftlab/train/objective.py trains it and as SGLang's draft extend runs it.
 (SGLang's draft decode steps ran one position further until sgl-project/sglang#25015.)
 
 Trees, as SGLang's flags mean them: the root's topk children are the first frontier; each later

@@ -268,7 +268,7 @@ def pack(batch: dict[str, torch.Tensor], rows: list[list[int]]) -> dict[str, tor
     rows are as wide as the fullest and padded only at their end (0 / False / 0.0, as collate
     pads). Adds position_ids (restarting at 0 for every sequence; 0 on padding) and seq_ids (the
     sequence's index in the batch; -1 on padding): what keeps attention and the loss within
-    each sequence (draftlab.train.loop.TTT)."""
+    each sequence (draftlab.train.objective.TTT)."""
     T_in = batch["input_ids"].shape[1]
     width = max(sum(row) for row in rows)
     src = torch.full((len(rows), width), -1, dtype=torch.long)  # flat index into [B*T_in] of every slot

@@ -5,7 +5,7 @@ never padding, so padding shows up as a lower MFU):
   target    online mode: the decoder forward (no grad) of every real token, per layer
             2 x (q, k, v, o, gate, up, down weights) + causal attention 4 x heads x head_dim x
             (t + 1) at position t; in both modes the soft labels' projection onto the full vocab,
-            2 x hidden x vocab per token (draftlab.train.loop.target_labels).
+            2 x hidden x vocab per token (draftlab.train.objective.target_labels).
   draft     forward x 3 (forward + backward; the convention, though fc needs no input gradient):
             fc 2 x (k x H_t) x H per token, once; per TTT step i: the one decoder layer,
             2 x (q, k, v, o over the 2H input, MLP) per token, attention 4 x heads x head_dim x
