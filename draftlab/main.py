@@ -102,8 +102,10 @@ def run_stages(args) -> int:
     from draftlab.experiments.run_stages import run_stages as run
 
     if split_sets(args.sets)[1]:  # a sweep among the -S values: every point of the grid in turn
-        run_grid(args.profiles, args.sets, args.until, args.force, args.params, "dvc.yaml", args.runs)
+        run_grid(args.profiles, args.sets, args.until, args.force, args.params, "dvc.yaml", args.runs, args.one_at_a_time)
     else:
+        if args.one_at_a_time:
+            raise UserError("--one-at-a-time varies swept keys: give at least one -S with several values (a,b / choice(a,b))")
         run(args.profiles, args.sets, args.until, args.force, args.params)
     return 0
 
@@ -166,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="run these stages even when unchanged")
     p.add_argument("--runs", default="runs", metavar="DIR",
                    help="with a sweep in -S (a,b,c / choice(...) / range(...), as dvc exp run --queue reads it): each point's "
-                        "reports go to DIR/<point>/, and DIR/grid.csv has one row per point")
+                        "reports go to DIR/<point>/, and DIR/grid.csv has one row per finished point there")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="with several swept keys: each key's values alone against the other params, not every combination "
+                        "(a treatment per key, as draftlab exp report tables them)")
     return parser
 
 

@@ -3,9 +3,11 @@ profile merged in, skipping what is unchanged as `dvc repro` would (draftlab/exp
 import json
 import os
 import subprocess
-import tarfile
 import sys
+import tarfile
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -273,3 +275,52 @@ def test_a_points_folder_names_each_swept_key_as_the_study_does():
 
     assert point_name(1, ["self_prompts.count=20000", "train.epochs=6"]) == "02-self_prompts=20000-epochs=6"
     assert point_name(0, ['train.lr="0.002"']) == "01-lr=0.002"
+
+
+def fake_stages(calls):
+    """run_stages as a grid calls it, without running anything: records each point's overrides and
+    leaves a train report whose tau is the point's ttt_steps (or 1), as a finished train stage would."""
+    def run_stages(profiles, overrides, until, force, params_file, dvc_file=None):
+        calls.append(list(overrides))
+        values = dict(o.split("=", 1) for o in overrides)
+        report = Path("reports/train/metrics.json")
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps({"tau_pred": float(values.get("train.ttt_steps", 1))}))
+        return [{"stage": "train", "seconds": 1.0}]
+    return run_stages
+
+
+def test_one_at_a_time_runs_each_swept_key_alone_and_grids_into_one_folder_add_up(tmp_path, monkeypatch):
+    """--one-at-a-time: the base, then each key's values alone against it, the earliest stage's key first (1 + 2
+    + 2 points, not 4), a single -S value in every point; a second grid into the same runs/ keeps the first's
+    points, and grid.csv lists all of them, a key a point did not sweep left empty."""
+    from draftlab.experiments import grid, run_stages as module
+
+    calls = []
+    monkeypatch.setattr(module, "run_stages", fake_stages(calls))
+    monkeypatch.chdir(tmp_path)
+    sets = ["train.ttt_steps=5,9", "standardize.draft_vocab_size=choice(8192,32768)", "train.lr=0.002"]
+    grid.run_grid([], sets, "train", [], "params.yaml", ROOT / "dvc.yaml", "runs", one_at_a_time=True)
+    assert calls == [["train.lr=0.002"], ["train.lr=0.002", "standardize.draft_vocab_size=8192"],
+                     ["train.lr=0.002", "standardize.draft_vocab_size=32768"], ["train.lr=0.002", "train.ttt_steps=5"],
+                     ["train.lr=0.002", "train.ttt_steps=9"]]
+    names = ["01-base", "02-draft_vocab_size=8192", "03-draft_vocab_size=32768", "04-ttt_steps=5", "05-ttt_steps=9"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == names
+
+    grid.run_grid([], ["train.epochs=3,6"], "train", [], "params.yaml", ROOT / "dvc.yaml", "runs")
+    assert len(calls) == 7
+    table = pd.read_csv(tmp_path / "runs/grid.csv")
+    assert list(table.columns[:4]) == ["point", "train.epochs", "standardize.draft_vocab_size", "train.ttt_steps"]
+    assert table["point"].tolist() == ["01-epochs=3", "02-epochs=6", *names]
+    assert table["tau_pred"].tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 9.0]
+    assert table["train.ttt_steps"].isna().tolist() == [True] * 5 + [False] * 2  # the profiles' value: not swept there
+
+    grid.run_grid([], sets, "train", [], "params.yaml", ROOT / "dvc.yaml", "runs", one_at_a_time=True)
+    assert len(calls) == 7  # every point done before: skipped
+
+
+def test_one_at_a_time_without_a_sweep_is_refused(tmp_path):
+    root = tmp_path / "p"
+    root.mkdir()
+    rc, out = run(root, "-S", "train.epochs=3", "--one-at-a-time")
+    assert rc == 2 and "--one-at-a-time" in out and "several values" in out and "Traceback" not in out, out

@@ -13,6 +13,11 @@ so an interrupted grid resumes at the point it stopped. RUNS/grid.csv and the pr
 one row per point: the swept values, tau predicted by training, served tau and speedup (when the
 bench ran), training tokens/s and the wall time the point took. With DVC at hand,
 `dvc exp run --queue` with the same -S values and `dvc exp show` do the same with versioning.
+
+With --one-at-a-time, the base (the profiles and the single -S values) runs first, then each swept
+key's values alone against it (1 + 2 + 2 points for two keys of two values, not 4): a treatment per
+key, each beside the base, as a recipe study compares them (draftlab exp report). Grids run one after another into the same RUNS folder add up: grid.csv lists
+every finished point there.
 """
 from __future__ import annotations
 
@@ -127,9 +132,12 @@ def first_stage(key: str, dvc: dict) -> int:
     return len(dvc["stages"])  # read by no stage: vary it fastest
 
 
-def points(swept: list[tuple[str, list[str]]], dvc: dict) -> list[list[str]]:
-    """Every combination, the keys of the earliest stages varying slowest."""
+def points(swept: list[tuple[str, list[str]]], dvc: dict, one_at_a_time: bool = False) -> list[list[str]]:
+    """Every combination, the keys of the earliest stages varying slowest; or, one at a time, the base
+    (no swept key: the profiles' values) and then each key's values alone, the earliest stage's key first."""
     ordered = sorted(swept, key=lambda kv: first_stage(kv[0], dvc))
+    if one_at_a_time:
+        return [[]] + [[value] for _, values in ordered for value in values]
     return [list(p) for p in itertools.product(*(values for _, values in ordered))]
 
 
@@ -138,7 +146,7 @@ def point_name(i: int, overrides: list[str]) -> str:
     (its last part, or study.NAMED's: 'self_prompts=20000') and value."""
     from draftlab.experiments.study import column
 
-    parts = [f"{column(o.split('=', 1)[0])}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides]
+    parts = [f"{column(o.split('=', 1)[0])}={o.split('=', 1)[1].strip(chr(34))}" for o in overrides] or ["base"]
     return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", f"{i + 1:02d}-" + "-".join(parts))[:120]
 
 
@@ -171,10 +179,13 @@ def summary_row(folder: Path, swept_keys: list[str]) -> dict:
     ran = {r["stage"] for r in record.get("stages") or []}  # run or unchanged for this point: not an older run's file
     train, bench = (json.loads(p.read_text()) if stage in ran and p.exists() else {} for stage, p in
                     (("train", folder / "reports/train/metrics.json"), ("bench", folder / "reports/bench.json")))
-    return {"point": folder.name, **{k: values.get(k) for k in swept_keys},
-            "tau_pred": train.get("tau_pred"), "decoded_tau_first_turns": decoded_first_turns(folder, train),
-            "served_tau": bench.get("tau"), "speedup": bench.get("speedup"),
-            "train_tokens_per_s": train.get("tokens_per_s"), "seconds": record.get("seconds")}
+    figures = (train.get("tau_pred"), decoded_first_turns(folder, train), bench.get("tau"), bench.get("speedup"),
+               train.get("tokens_per_s"), record.get("seconds"))
+    return {"point": folder.name, **{k: values.get(k) for k in swept_keys}, **dict(zip(SUMMARY, figures))}
+
+
+# grid.csv's columns after the point and its swept keys (a key a point did not sweep: empty, the profiles' value)
+SUMMARY = ("tau_pred", "decoded_tau_first_turns", "served_tau", "speedup", "train_tokens_per_s", "seconds")
 
 
 def decoded_first_turns(folder: Path, train_metrics: dict) -> float | None:
@@ -189,17 +200,32 @@ def decoded_first_turns(folder: Path, train_metrics: dict) -> float | None:
     return by_steps.get(f"steps_{steps}") if steps else None
 
 
+def finished_points(runs: Path) -> list[Path]:
+    """The point folders under `runs` whose point.json says finished, by name."""
+    out = []
+    for folder in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []:
+        try:
+            record = json.loads((folder / "point.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("finished") is True and isinstance(record.get("swept"), list):
+            out.append(folder)
+    return out
+
+
 def run_grid(profiles: list[str], sets: list[str], until: str | None, force: list[str], params_file, dvc_file,
-             runs: str | Path = "runs") -> list[dict]:
-    """Run every point of the grid in `sets` (see the module's doc); returns grid.csv's rows."""
+             runs: str | Path = "runs", one_at_a_time: bool = False) -> list[dict]:
+    """Run every point of the grid in `sets` (see the module's doc); returns grid.csv's rows: this
+    grid's points, then those of earlier grids run into the same `runs` folder."""
     from draftlab.experiments.run_stages import run_stages
 
     fixed, swept = split_sets(sets)
     dvc = yaml.safe_load(Path(dvc_file).read_text())
-    grid = points(swept, dvc)
-    keys = [o.split("=", 1)[0] for o in grid[0]]
+    grid = points(swept, dvc, one_at_a_time)
+    keys = list(dict.fromkeys(o.split("=", 1)[0] for point in grid for o in point))
     runs = Path(runs)
-    print(f"run-stages: a grid of {len(grid)} points over {', '.join(keys)} -> {runs}/", flush=True)
+    how = "one key at a time" if one_at_a_time else "every combination"
+    print(f"run-stages: a grid of {len(grid)} points over {', '.join(keys)} ({how}) -> {runs}/", flush=True)
     folders = []
     for i, point in enumerate(grid):
         folder = runs / point_name(i, point)
@@ -213,7 +239,12 @@ def run_grid(profiles: list[str], sets: list[str], until: str | None, force: lis
         keep(folder, {"profiles": profiles, "overrides": overrides, "swept": point, "finished": True,
                       "stages": records, "seconds": round(sum(r.get("seconds", 0) for r in records), 1)})
     rows = [summary_row(f, keys) for f in folders]
-    table = pd.DataFrame(rows)
-    atomic_write_text(runs / "grid.csv", table.to_csv(index=False))
-    print(table.to_string(index=False))
+    print(pd.DataFrame(rows).to_string(index=False))
+    earlier = [f for f in finished_points(runs) if f not in folders]  # other grids run into this folder
+    if earlier:
+        records = [json.loads((f / "point.json").read_text()) for f in earlier]
+        keys += [k for k in dict.fromkeys(o.split("=", 1)[0] for r in records for o in r["swept"]) if k not in keys]
+        rows = [summary_row(f, keys) for f in folders + earlier]
+        print(f"run-stages: {runs / 'grid.csv'} also lists the {len(earlier)} finished point(s) of earlier grids there", flush=True)
+    atomic_write_text(runs / "grid.csv", pd.DataFrame(rows, columns=["point", *keys, *SUMMARY]).to_csv(index=False))
     return rows

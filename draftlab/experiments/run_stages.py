@@ -1,6 +1,7 @@
 """dvc.yaml's stages without DVC: for a machine with neither git nor DVC (an air-gapped GPU node).
 
     draftlab run-stages [PROFILE ...] [-S section.key=VALUE ...] [--until STAGE] [--force STAGE ...] [--runs DIR]
+                        [--one-at-a-time]
 
 The profiles are merged over params.yaml and written into it (as `dvc exp run -S` would), then
 every stage of dvc.yaml runs in dependency order, its own `cmd`, from the project root. A stage is
