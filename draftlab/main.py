@@ -53,6 +53,8 @@ def exp_run(args) -> int:
     from draftlab.experiments.profiles import apply_profiles, command_line, dvc_exp_run
 
     applied = apply_profiles(args.profiles, args.sets, args.params)
+    if args.one_at_a_time:
+        return exp_run_one_at_a_time(args, applied)
     argv = dvc_exp_run(applied, args.queue, args.name, args.dvc_args)
     if args.dry_run:
         print(command_line(argv))
@@ -79,6 +81,44 @@ def exp_run(args) -> int:
         else:
             print(snapshot.restore(act=not args.keep_failed).text(rc, acted=not args.keep_failed), file=sys.stderr)
     return rc
+
+
+def exp_run_one_at_a_time(args, applied) -> int:
+    """One queued dvc exp run per point of a one-at-a-time grid over the sweeps after --: the base,
+    then each swept key's values alone (draftlab.experiments.grid.points)."""
+    import yaml
+
+    from draftlab.experiments.grid import point_name, points, split_sets
+    from draftlab.experiments.profiles import command_line, dvc_exp_run
+
+    if not args.queue:
+        raise UserError("--one-at-a-time queues one experiment per point: add --queue (then dvc queue start runs them)")
+    rest, sets, it = [], [], iter(args.dvc_args)
+    for a in it:  # the -S values after --: sweeps among them make the points, the rest goes to every run
+        if a in ("-S", "--set-param"):
+            sets.append(next(it, ""))
+        else:
+            rest.append(a)
+    fixed, swept = split_sets(sets)
+    if not swept:
+        raise UserError("--one-at-a-time needs a sweep after --: -- -S 'train.ttt_steps=5,9' (several values, a,b / choice(a,b))")
+    dvc_file = pathlib.Path(args.params).parent / "dvc.yaml"
+    dvc = yaml.safe_load(dvc_file.read_text()) if dvc_file.exists() else {"stages": {}}
+    grid = points(swept, dvc, one_at_a_time=True)
+    for i, point in enumerate(grid):
+        name = f"{args.name}-{point_name(i, point)}" if args.name else None
+        argv = dvc_exp_run(applied, True, name, rest + [x for o in fixed + point for x in ("-S", o)])
+        if args.dry_run:
+            print(command_line(argv))
+            continue
+        rc = subprocess.run([sys.executable, "-m", "dvc", *argv[1:]]).returncode
+        if rc:
+            print(f"exp run: queuing point {i + 1} of {len(grid)} failed (dvc exit {rc}); the points before it are queued",
+                  file=sys.stderr)
+            return rc
+    if not args.dry_run:
+        print(f"exp run: {len(grid)} experiments queued (the base, then each swept key alone); dvc queue start runs them")
+    return 0
 
 
 def exp_show_profile(args) -> int:
@@ -136,11 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
                              description="merge the profiles over params.yaml, check the result with the params loader, and "
                                          "run dvc exp run with one -S per key; arguments after -- go to dvc exp run",
                              usage="draftlab exp run PROFILE [PROFILE ...] [--queue] [--name NAME] [-S section.key=VALUE ...] "
-                                   "[--dry-run] [--keep-failed] [-- dvc exp run args]")
+                                   "[--dry-run] [--keep-failed] [--one-at-a-time] [-- dvc exp run args]")
     add_profile_arguments(p)
     p.add_argument("--queue", action="store_true", help="queue the experiment (dvc queue start runs it)")
     p.add_argument("-n", "--name", default=None, help="the experiment's name")
     p.add_argument("--dry-run", action="store_true", help="print the dvc command instead of running it")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="with --queue and sweeps after -- (-S key=a,b): queue the base, then each swept key's values alone "
+                        "against it, not every combination (a treatment per key)")
     p.add_argument("--keep-failed", action="store_true",
                    help="when the run fails, leave the workspace as it left it (by default params.yaml, dvc.lock and the "
                         "outputs are put back as the run found them) and list what it changed")

@@ -240,3 +240,33 @@ def test_plain_values_read_without_hydra_as_hydra_reads_them(text):
                                   "a.b=007", "a.b=1.5x", "a.b=a b", "a.b=${x}", "a.b=", "ab=1", "a.b.c=1", "+a.b=1"])
 def test_anything_else_is_left_to_hydra(text):
     assert plain_set(text) is None
+
+
+def test_one_at_a_time_queues_the_base_then_each_swept_key_alone(project, capsys):
+    """exp run --one-at-a-time: one queued dvc exp run per point, as run-stages --one-at-a-time runs them: the
+    base (the profile and the single -S values after --), then each swept key's values alone, the key read
+    by the earlier stage first; each named after its point."""
+    shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")
+    (project / "configs" / "plain.yaml").write_text("train:\n  lr: 0.002\nspec:\n  num_steps: 3\n")  # one command per line
+    code, out, _ = run_main(capsys, "exp", "run", "plain", "--queue", "--name", "t", "--one-at-a-time", "--dry-run", "--",
+                            "-S", "train.ttt_steps=5,9", "-S", "standardize.draft_vocab_size=choice(8192,32768)",
+                            "-S", "train.warmup_ratio=0.05", "--temp")
+    assert code == 0
+    runs = [shlex.split(line) for line in out.splitlines()]
+    base = dvc_exp_run(apply_profiles(["plain"]), queue=True, name="t-01-base", extra=["--temp", "-S", "train.warmup_ratio=0.05"])
+    assert runs[0] == base
+    assert [r[r.index("--name") + 1] for r in runs] == ["t-01-base", "t-02-draft_vocab_size=8192", "t-03-draft_vocab_size=32768",
+                                                        "t-04-ttt_steps=5", "t-05-ttt_steps=9"]
+    for run, point in zip(runs[1:], ["standardize.draft_vocab_size=8192", "standardize.draft_vocab_size=32768",
+                                     "train.ttt_steps=5", "train.ttt_steps=9"]):
+        assert run == base[:5] + [run[5]] + base[6:] + ["-S", point]  # the base's command, its own name, and its point
+        assert not any("," in a or "choice" in a for a in run[run.index("--temp"):])  # no sweep reaches dvc
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--one-at-a-time", "--", "-S", "train.ttt_steps=5,9"], "add --queue"),
+    (["--one-at-a-time", "--queue", "--", "-S", "train.ttt_steps=5"], "needs a sweep after --"),
+])
+def test_one_at_a_time_without_a_queue_or_a_sweep_is_refused(project, capsys, argv, message):
+    code, _, err = run_main(capsys, "exp", "run", "tricky", "--dry-run", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
