@@ -97,6 +97,8 @@ def exp_run_one_at_a_time(args, applied) -> int:
     for a in it:  # the -S values after --: sweeps among them make the points, the rest goes to every run
         if a in ("-S", "--set-param"):
             sets.append(next(it, ""))
+        elif a.startswith(("-S=", "--set-param=")):
+            sets.append(a.split("=", 1)[1])
         else:
             rest.append(a)
     fixed, swept = split_sets(sets)

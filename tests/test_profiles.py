@@ -250,7 +250,7 @@ def test_one_at_a_time_queues_the_base_then_each_swept_key_alone(project, capsys
     (project / "configs" / "plain.yaml").write_text("train:\n  lr: 0.002\nspec:\n  num_steps: 3\n")  # one command per line
     code, out, _ = run_main(capsys, "exp", "run", "plain", "--queue", "--name", "t", "--one-at-a-time", "--dry-run", "--",
                             "-S", "train.ttt_steps=5,9", "-S", "standardize.draft_vocab_size=choice(8192,32768)",
-                            "-S", "train.warmup_ratio=0.05", "--temp")
+                            "--set-param=train.warmup_ratio=0.05", "--temp")
     assert code == 0
     runs = [shlex.split(line) for line in out.splitlines()]
     base = dvc_exp_run(apply_profiles(["plain"]), queue=True, name="t-01-base", extra=["--temp", "-S", "train.warmup_ratio=0.05"])

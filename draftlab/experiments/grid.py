@@ -16,8 +16,8 @@ bench ran), training tokens/s and the wall time the point took. With DVC at hand
 
 With --one-at-a-time, the base (the profiles and the single -S values) runs first, then each swept
 key's values alone against it (1 + 2 + 2 points for two keys of two values, not 4): a treatment per
-key, each beside the base, as a recipe study compares them (draftlab exp report). Grids run one after another into the same RUNS folder add up: grid.csv lists
-every finished point there.
+key, each beside the base, as a recipe study compares them (draftlab exp report). Grids run one
+after another into the same RUNS folder add up: grid.csv lists every finished point there.
 """
 from __future__ import annotations
 
