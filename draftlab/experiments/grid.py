@@ -164,12 +164,14 @@ def keep(folder: Path, record: dict) -> None:
     tmp.rename(folder)
 
 
-def done(folder: Path, overrides: list[str]) -> bool:
+def finished(folder: Path) -> dict | None:
+    """The point.json of a point that finished (its overrides, its swept values), else None."""
     try:
         record = json.loads((folder / "point.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and record.get("overrides") == overrides and record.get("finished") is True
+        return None
+    ok = isinstance(record, dict) and record.get("finished") is True and isinstance(record.get("swept"), list)
+    return record if ok else None
 
 
 def summary_row(folder: Path, swept_keys: list[str]) -> dict:
@@ -200,19 +202,6 @@ def decoded_first_turns(folder: Path, train_metrics: dict) -> float | None:
     return by_steps.get(f"steps_{steps}") if steps else None
 
 
-def finished_points(runs: Path) -> list[Path]:
-    """The point folders under `runs` whose point.json says finished, by name."""
-    out = []
-    for folder in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []:
-        try:
-            record = json.loads((folder / "point.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("finished") is True and isinstance(record.get("swept"), list):
-            out.append(folder)
-    return out
-
-
 def run_grid(profiles: list[str], sets: list[str], until: str | None, force: list[str], params_file, dvc_file,
              runs: str | Path = "runs", one_at_a_time: bool = False) -> list[dict]:
     """Run every point of the grid in `sets` (see the module's doc); returns grid.csv's rows: this
@@ -231,7 +220,7 @@ def run_grid(profiles: list[str], sets: list[str], until: str | None, force: lis
         folder = runs / point_name(i, point)
         folders.append(folder)
         overrides = fixed + point
-        if done(folder, overrides):
+        if (finished(folder) or {}).get("overrides") == overrides:
             print(f"run-stages: point {folder.name}: done before, skipped", flush=True)
             continue
         print(f"run-stages: point {i + 1} of {len(grid)}: {' '.join(point)}", flush=True)
@@ -240,11 +229,11 @@ def run_grid(profiles: list[str], sets: list[str], until: str | None, force: lis
                       "stages": records, "seconds": round(sum(r.get("seconds", 0) for r in records), 1)})
     rows = [summary_row(f, keys) for f in folders]
     print(pd.DataFrame(rows).to_string(index=False))
-    earlier = [f for f in finished_points(runs) if f not in folders]  # other grids run into this folder
+    others = sorted(p for p in runs.iterdir() if p.is_dir() and p not in folders and p.suffix != ".tmp")  # .tmp: keep()'s, unfinished
+    earlier = {f: r for f in others if (r := finished(f))}  # the points of other grids run into this folder
     if earlier:
-        records = [json.loads((f / "point.json").read_text()) for f in earlier]
-        keys += [k for k in dict.fromkeys(o.split("=", 1)[0] for r in records for o in r["swept"]) if k not in keys]
-        rows = [summary_row(f, keys) for f in folders + earlier]
+        keys += [k for k in dict.fromkeys(o.split("=", 1)[0] for r in earlier.values() for o in r["swept"]) if k not in keys]
+        rows = [summary_row(f, keys) for f in folders + list(earlier)]
         print(f"run-stages: {runs / 'grid.csv'} also lists the {len(earlier)} finished point(s) of earlier grids there", flush=True)
     atomic_write_text(runs / "grid.csv", pd.DataFrame(rows, columns=["point", *keys, *SUMMARY]).to_csv(index=False))
     return rows
